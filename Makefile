@@ -1,0 +1,45 @@
+# llama-radix-proxy: `make run` serves, `make test` runs the whole suite.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test lint unit integration native model venv clean-cache help
+
+help:
+	@echo "make run    build what is missing (patched llama-server, default model) and serve the proxy"
+	@echo "make test   lint (ruff, mypy) and the whole test suite against real llama-server processes"
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+native: $(STAMP)
+	$(BIN)/radixctl build
+	$(BIN)/radixctl build --variant stock
+	$(BIN)/radixctl build --fault-injection
+
+model: $(STAMP)
+	$(BIN)/radixctl model path
+
+run: $(STAMP)
+	$(BIN)/radixctl up
+
+lint: $(STAMP)
+	$(BIN)/ruff check proxy tests
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -m unit -q
+
+integration: native model
+	$(BIN)/python -m pytest -m integration
+
+test: lint native model
+	$(BIN)/python -m pytest
+
+clean-cache:
+	rm -rf $${RADIX_CACHE_DIR:-$$HOME/.cache/llama-radix-proxy}

@@ -1,0 +1,228 @@
+"""The HTTP front: OpenAI-compatible routes, steering, streaming pass-through."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import Any
+
+import aiohttp
+import numpy as np
+import orjson
+from aiohttp import web
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from proxy.coordinator import Lease
+from proxy.errors import BackendError, BadRequest, RadixError
+from proxy.runtime import Runtime
+
+log = logging.getLogger("radix")
+
+_HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding"}
+_ids = itertools.count(1)
+
+
+def error_response(exc: RadixError) -> web.Response:
+    """The one renderer: llama-server's error shape."""
+    return web.Response(body=orjson.dumps(exc.to_body()), status=exc.status, content_type="application/json")
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except RadixError as exc:
+        runtime: Runtime | None = request.app.get(RUNTIME)
+        if runtime is not None:
+            runtime.metrics.request_errors.labels("4xx" if exc.status < 500 else "5xx").inc()
+        return error_response(exc)
+    except web.HTTPException:
+        raise
+    except aiohttp.ClientError as exc:
+        return error_response(BackendError(f"llama-server unreachable: {exc}"))
+
+
+RUNTIME: web.AppKey[Runtime] = web.AppKey("runtime", Runtime)
+
+
+def build_app(runtime: Runtime) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware], client_max_size=256 * 1024 * 1024)
+    app[RUNTIME] = runtime
+    for path in ("/v1/chat/completions", "/chat/completions"):
+        app.router.add_post(path, _chat)
+    for path in ("/v1/completions", "/completions"):
+        app.router.add_post(path, _completion)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    from proxy.admin import add_admin_routes
+
+    add_admin_routes(app, runtime)
+    app.router.add_route("*", "/{tail:.*}", _forward_plain)
+    return app
+
+
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def _forward_headers(request: web.Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    runtime = request.app[RUNTIME]
+    body = await _read_json(request)
+    if not isinstance(body.get("messages"), list) or not body["messages"]:
+        raise BadRequest("'messages' must be a non-empty array")
+    prompt = await runtime.primary.apply_template(body, _forward_headers(request))
+    tokens = await runtime.tokenize(prompt)
+    return await _steered(request, body, tokens)
+
+
+async def _completion(request: web.Request) -> web.StreamResponse:
+    runtime = request.app[RUNTIME]
+    body = await _read_json(request)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        tokens = await runtime.tokenize(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        tokens = np.asarray(prompt, dtype=np.int32)
+    else:
+        # Several prompts or mixed content: no steering, but still on a leased slot so two
+        # requests never share one; the server does its own reuse.
+        tokens = np.zeros(0, dtype=np.int32)
+    return await _steered(request, body, tokens)
+
+
+async def _steered(request: web.Request, body: dict[str, Any], tokens: np.ndarray) -> web.StreamResponse:
+    runtime = request.app[RUNTIME]
+    coord = runtime.coordinator
+    request_id = f"r{next(_ids)}"
+    arrived = time.monotonic()
+    lease = await coord.acquire(request_id, tokens)
+    timings: dict[str, Any] | None = None
+    ttft: float | None = None
+    status = 0
+    try:
+        await coord.restore(lease)
+        if body.get("cache_prompt") is not False:
+            body["cache_prompt"] = True
+        body["id_slot"] = lease.slot.slot_id
+        response, timings, ttft, status = await _forward_completion(request, body, lease, arrived)
+        return response
+    finally:
+        coord.record(lease, timings, ttft, status)
+        runtime.spawn(coord.finish(lease))
+
+
+def _radix_headers(lease: Lease) -> dict[str, str]:
+    return {
+        "X-Radix-Route": lease.route,
+        "X-Radix-Server": lease.server.name,
+        "X-Radix-Slot": str(lease.slot.slot_id),
+        "X-Radix-Prompt-Tokens": str(len(lease.tokens)),
+        "X-Radix-Predicted-Cached-Tokens": str(0 if lease.fallback else lease.plan.predicted_cached),
+        "X-Request-Id": lease.request_id,
+    }
+
+
+async def _forward_completion(request: web.Request, body: dict[str, Any], lease: Lease,
+                              arrived: float) -> tuple[web.StreamResponse, dict[str, Any] | None, float | None, int]:
+    backend = lease.server.backend
+    headers = {**_forward_headers(request), "Content-Type": "application/json"}
+    async with backend.session.post(backend.url + request.path, data=orjson.dumps(body), headers=headers) as up:
+        extra = _radix_headers(lease)
+        if "text/event-stream" not in up.headers.get("Content-Type", ""):
+            raw = await up.read()
+            elapsed = time.monotonic() - arrived
+            timings = _timings_of(raw)
+            if timings is not None:
+                extra["X-Radix-Cached-Tokens"] = str(timings.get("cache_n", 0))
+            resp = web.Response(body=raw, status=up.status, headers=extra,
+                                content_type=up.content_type or "application/json")
+            return resp, timings, elapsed, up.status
+        stream = web.StreamResponse(status=up.status, headers={**extra, "Content-Type": "text/event-stream",
+                                                                "Cache-Control": "no-cache"})
+        await stream.prepare(request)
+        ttft: float | None = None
+        tail = b""
+        async for chunk in up.content.iter_any():
+            if ttft is None:
+                ttft = time.monotonic() - arrived
+            # A client that went away raises here; leaving the block closes the upstream
+            # connection, and llama-server cancels the task when it sees that.
+            await stream.write(chunk)
+            tail = (tail + chunk)[-65536:]
+        await stream.write_eof()
+        return stream, _stream_timings(tail), ttft, up.status
+
+
+def _timings_of(raw: bytes) -> dict[str, Any] | None:
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    timings = data.get("timings") if isinstance(data, dict) else None
+    return timings if isinstance(timings, dict) else None
+
+
+def _stream_timings(tail: bytes) -> dict[str, Any] | None:
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data: ") and b'"timings"' in line:
+            return _timings_of(line[6:])
+    return None
+
+
+async def _health(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    bad = []
+    for server in runtime.coordinator.servers:
+        try:
+            await server.backend.get_json("/health")
+        except (RadixError, aiohttp.ClientError) as exc:
+            bad.append(f"{server.name}: {exc}")
+    if bad:
+        return web.json_response({"status": "error", "servers": bad}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    runtime.refresh_gauges()
+    return web.Response(body=generate_latest(runtime.metrics.registry),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _forward_plain(request: web.Request) -> web.StreamResponse:
+    """Everything else goes to the first server unchanged."""
+    runtime = request.app[RUNTIME]
+    backend = runtime.primary
+    async with backend.session.request(request.method, backend.url + request.path_qs, data=await request.read(),
+                                       headers=_forward_headers(request)) as up:
+        raw = await up.read()
+        headers = {k: v for k, v in up.headers.items() if k.lower() not in _HOP_HEADERS | {"content-encoding"}}
+        return web.Response(body=raw, status=up.status, headers=headers)
+
+
+def run_proxy(config: Any) -> None:
+    from proxy.runtime import serve_forever
+
+    asyncio.run(serve_forever(config))
+
+
+def run_up(**kw: Any) -> None:
+    from proxy.runtime import up_forever
+
+    up_forever(**kw)

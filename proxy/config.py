@@ -1,0 +1,36 @@
+"""The proxy's one configuration object, built by the CLI and passed explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Config:
+    backends: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8080
+    # Host radix tree budget (payload bytes plus metadata), MiB.
+    cache_ram_mib: int = 4096
+    # Payload files live here when the server shares the host (normally under /dev/shm).
+    shm_dir: Path | None = None
+    # A host restore shorter than this is not worth a KV move (prefill it instead).
+    min_restore_tokens: int = 64
+    # Save at most this many tokens of one request's KV into the host tree (0: all).
+    kvctl_key: str | None = None
+    admin_key: str | None = None
+    tokenizer_cache: Path | None = None
+    request_timeout_s: float = 600.0
+    log_level: str = "info"
+    # Resident sharing (route S); off by default like the reference design.
+    kv_share: bool = False
+    kv_share_min_tokens: int = 32
+    kv_share_route: Literal["longest", "share"] = "longest"
+    mixed_restore: bool = True
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.cache_ram_mib * 1024 * 1024

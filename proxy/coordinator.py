@@ -1,0 +1,288 @@
+"""The one owner of mutable state: slot tables, the host radix tree, the wait queue.
+
+Every mutation is one synchronous method, so no half-changed structure survives an
+``await``. KV moves to one server are serialized by that server's lock; a host path in
+use is pinned before an ``await`` and unpinned in ``finally``. Plans are made on pure
+data, the I/O is done, and state is committed only after the server confirmed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from proxy.backend import Backend
+from proxy.config import Config
+from proxy.core.planner import Plan, PlanInput, Route, SlotView
+from proxy.core.planner import plan as choose_plan
+from proxy.core.radix import HostMatch, RadixTree
+from proxy.errors import BadRequest, KvMoveError
+from proxy.metrics import Metrics
+from proxy.mover import KvMover
+
+log = logging.getLogger("radix")
+
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+@dataclass
+class SlotState:
+    slot_id: int
+    tokens: np.ndarray = field(default_factory=lambda: _EMPTY)  # exactly what its KV holds
+    busy: bool = False
+    last_used: float = 0.0
+
+
+@dataclass
+class ServerState:
+    name: str
+    backend: Backend
+    mover: KvMover
+    slots: list[SlotState]
+    n_ctx_slot: int
+    move_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def busy_count(self) -> int:
+        return sum(s.busy for s in self.slots)
+
+
+@dataclass
+class Lease:
+    """One request's hold on one slot, from plan to release."""
+
+    request_id: str
+    server: ServerState
+    slot: SlotState
+    plan: Plan
+    tokens: np.ndarray
+    host: HostMatch | None
+    queued_s: float = 0.0
+    route: str = ""
+    fallback: str = ""
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Waiter:
+    request_id: str
+    tokens: np.ndarray
+    future: asyncio.Future[Lease]
+    since: float
+
+
+class Coordinator:
+    def __init__(self, config: Config, servers: list[ServerState], tree: RadixTree, metrics: Metrics) -> None:
+        self.config = config
+        self.servers = servers
+        self.tree = tree
+        self.metrics = metrics
+        self._waiters: collections.deque[_Waiter] = collections.deque()
+        self.decisions: collections.deque[dict[str, Any]] = collections.deque(maxlen=1000)
+
+    # ---- acquiring a slot ------------------------------------------------------------
+
+    async def acquire(self, request_id: str, tokens: np.ndarray) -> Lease:
+        """A leased slot and its plan; waits in a fair FIFO queue while every slot is busy."""
+        limit = min(s.n_ctx_slot for s in self.servers)
+        if len(tokens) >= limit:
+            raise BadRequest(f"the request exceeds the available context size: {len(tokens)} prompt tokens, "
+                             f"{limit} per slot")
+        if not self._waiters:
+            lease = self._plan_and_lease(request_id, tokens)
+            if lease is not None:
+                return lease
+        waiter = _Waiter(request_id, tokens, asyncio.get_running_loop().create_future(), time.monotonic())
+        self._waiters.append(waiter)
+        try:
+            lease = await waiter.future
+        except asyncio.CancelledError:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+            elif waiter.future.done() and not waiter.future.cancelled():
+                self.release(waiter.future.result())
+            raise
+        lease.queued_s = time.monotonic() - waiter.since
+        return lease
+
+    def _plan_and_lease(self, request_id: str, tokens: np.ndarray) -> Lease | None:
+        """Pick server, slot and route on pure data, and mark the slot busy (synchronous)."""
+        host = self.tree.match(tokens)
+        best: tuple[Plan, ServerState] | None = None
+        for server in self.servers:
+            plan = choose_plan(self._plan_input(server, tokens, host.length))
+            if plan is None:
+                continue
+            if best is None or (plan.predicted_cached, -server.busy_count()) > (
+                    best[0].predicted_cached, -best[1].busy_count()):
+                best = (plan, server)
+        if best is None:
+            return None
+        plan, server = best
+        slot = server.slots[plan.slot_id]
+        slot.busy = True
+        uses_host = plan.host_to > plan.host_from
+        if uses_host:
+            self.tree.pin(host)
+        return Lease(request_id, server, slot, plan, tokens, host if uses_host else None, route=plan.route.value)
+
+    def _plan_input(self, server: ServerState, tokens: np.ndarray, host_len: int) -> PlanInput:
+        views = tuple(SlotView(s.slot_id, not s.busy, common_prefix(s.tokens, tokens), len(s.tokens), s.last_used)
+                      for s in server.slots)
+        return PlanInput(n_prompt=len(tokens), slots=views, host_len=host_len, residents=(),
+                         policy=self.config.kv_share_route, min_restore_tokens=self.config.min_restore_tokens,
+                         share_enabled=False, mixed_enabled=self.config.mixed_restore)
+
+    def release(self, lease: Lease) -> None:
+        """Give the slot back and hand it to the first waiter that can use a slot now."""
+        lease.slot.busy = False
+        lease.slot.last_used = time.monotonic()
+        if lease.host is not None:
+            self.tree.unpin(lease.host)
+            lease.host = None
+        while self._waiters:
+            waiter = self._waiters[0]
+            if waiter.future.done():
+                self._waiters.popleft()
+                continue
+            granted = self._plan_and_lease(waiter.request_id, waiter.tokens)
+            if granted is None:
+                break
+            self._waiters.popleft()
+            waiter.future.set_result(granted)
+
+    # ---- KV moves --------------------------------------------------------------------
+
+    async def restore(self, lease: Lease) -> None:
+        """Import the planned host range into the leased slot; on failure fall back to prefill."""
+        plan = lease.plan
+        if lease.host is None:
+            return
+        slot, server = lease.slot, lease.server
+        p0 = plan.host_from
+        # The server imports on top of a slot only when it holds exactly [0,p0).
+        if p0 > 0 and len(slot.tokens) != p0:
+            p0 = 0
+        p1 = plan.host_to
+        try:
+            segments = self.tree.segments(lease.host, p0, p1)
+            async with server.move_lock:
+                await server.mover.import_(slot.slot_id, p0, lease.tokens[:p1].tolist(), segments)
+            slot.tokens = lease.tokens[:p1].copy()
+            self.tree.record_load(p1 - p0)
+            self.metrics.tree_loads.inc()
+        except KvMoveError as exc:
+            # The server removed what it wrote and cleared the slot's tokens.
+            slot.tokens = _EMPTY
+            lease.fallback = exc.cause
+            lease.route = Route.PREFILL.value
+            self.metrics.fallbacks.labels(exc.cause).inc()
+            log.warning("restore into %s slot %d failed, prefilling: %s", server.name, slot.slot_id, exc)
+        finally:
+            self.tree.unpin(lease.host)
+            lease.host = None
+
+    async def finish(self, lease: Lease) -> None:
+        """After the answer: learn what the slot holds, save what the tree lacks, release."""
+        try:
+            await self._refresh_slot(lease)
+            await self._save(lease)
+        except Exception as exc:  # a failed save loses a future hit, never an answer
+            cause = exc.cause if isinstance(exc, KvMoveError) else "transport"
+            self.metrics.fallbacks.labels(cause).inc()
+            log.warning("saving %s slot %d failed: %s", lease.server.name, lease.slot.slot_id, exc)
+        finally:
+            self.release(lease)
+            self._update_tree_gauges()
+
+    async def _refresh_slot(self, lease: Lease) -> None:
+        slot = lease.slot
+        for _ in range(100):
+            info = await lease.server.backend.slots(tokens=True)
+            entry = next(s for s in info["slots"] if int(s["id"]) == slot.slot_id)
+            if not entry.get("busy"):
+                break
+            await asyncio.sleep(0.02)  # a cancelled request is still winding down
+        else:
+            slot.tokens = _EMPTY
+            return
+        tokens = np.asarray(entry.get("tokens", []), dtype=np.int32)
+        held = int(entry.get("pos_max", -1)) + 1
+        # Invariant 1: only tokens whose KV the sequence really holds count.
+        slot.tokens = tokens if held == len(tokens) and int(entry.get("pos_min", 0)) <= 0 else _EMPTY
+
+    async def _save(self, lease: Lease) -> None:
+        tokens = lease.slot.tokens
+        match = self.tree.match(tokens)
+        if len(tokens) - match.length < max(1, self.config.min_restore_tokens // 4):
+            return
+        # Pinned so the prefix the export continues cannot be evicted while we wait.
+        self.tree.pin(match)
+        try:
+            async with lease.server.move_lock:
+                segment = await lease.server.mover.export({"slot": lease.slot.slot_id}, match.length, len(tokens))
+            stored = self.tree.insert(tokens, segment)
+        finally:
+            self.tree.unpin(match)
+        self.metrics.tree_saves.inc()
+        self.metrics.tree_saved_tokens.inc(stored)
+
+    def _update_tree_gauges(self) -> None:
+        stats = self.tree.stats()
+        self.metrics.tree_nodes.set(stats.nodes)
+        self.metrics.tree_bytes.set(stats.bytes)
+        self.metrics.tree_unique.set(stats.unique_tokens)
+        self.metrics.tree_logical.set(stats.logical_tokens)
+        self.metrics.tree_evictions.set(stats.evictions)
+
+    # ---- bookkeeping -----------------------------------------------------------------
+
+    def record(self, lease: Lease, timings: dict[str, Any] | None, ttft_s: float | None, status: int) -> dict[str, Any]:
+        """One decision for metrics, logs and `radixctl routes`."""
+        cached = int(timings.get("cache_n", 0)) if timings else None
+        prefilled = int(timings.get("prompt_n", 0)) if timings else None
+        prev = self._divergence(lease)
+        decision = {
+            "time": time.time(), "request_id": lease.request_id, "route": lease.route,
+            "server": lease.server.name, "slot": lease.slot.slot_id, "prompt_tokens": len(lease.tokens),
+            "predicted_cached": lease.plan.predicted_cached if not lease.fallback else 0,
+            "cached": cached, "prefilled": prefilled, "ttft_s": ttft_s, "queued_s": lease.queued_s,
+            "fallback": lease.fallback or None, "status": status, **prev,
+        }
+        self.decisions.append(decision)
+        m = self.metrics
+        m.requests.labels(lease.route, lease.server.name).inc()
+        m.queue_wait.labels(lease.server.name).observe(lease.queued_s)
+        m.e2e.labels(lease.route, lease.server.name).observe(time.monotonic() - lease.started)
+        if ttft_s is not None:
+            m.ttft.labels(lease.route, lease.server.name).observe(ttft_s)
+        m.prompt_tokens.inc(len(lease.tokens))
+        m.predicted_cached.inc(decision["predicted_cached"])
+        if cached is not None and prefilled is not None:
+            m.cached_tokens.inc(cached)
+            m.prefilled_tokens.inc(prefilled)
+            m.route_tokens.labels(lease.route).inc(cached)
+        log.info("request %s route=%s server=%s slot=%d prompt=%d predicted=%d cached=%s prefilled=%s%s",
+                 lease.request_id, lease.route, lease.server.name, lease.slot.slot_id, len(lease.tokens),
+                 decision["predicted_cached"], cached, prefilled,
+                 f" fallback={lease.fallback}" if lease.fallback else "")
+        return decision
+
+    def _divergence(self, lease: Lease) -> dict[str, Any]:
+        """Where the longest known prefix stopped matching, for the route inspector."""
+        host_len = self.tree.match(lease.tokens).length
+        best_slot = max((common_prefix(s.tokens, lease.tokens) for sv in self.servers for s in sv.slots), default=0)
+        return {"host_match": host_len, "best_slot_match": best_slot}

@@ -1,0 +1,118 @@
+"""The proxy's one error tree.
+
+Every error the proxy raises on purpose is a `RadixError`. Each carries the HTTP status
+and the llama-server error type it maps to, so the HTTP layer answers in llama-server's
+shape (`to_body()`) without knowing which component failed.
+"""
+
+from __future__ import annotations
+
+
+class RadixError(Exception):
+    """Base of every deliberate proxy error: an HTTP status plus a llama-server error type."""
+
+    status: int = 500
+    err_type: str = "server_error"
+
+    def __init__(self, message: str, *, status: int | None = None, err_type: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        # Instance overrides keep the class defaults for the common case.
+        if status is not None:
+            self.status = status
+        if err_type is not None:
+            self.err_type = err_type
+
+    def to_body(self) -> dict[str, dict[str, object]]:
+        """The error as llama-server writes it: {"error": {"code", "message", "type"}}."""
+        return {"error": {"code": self.status, "message": self.message, "type": self.err_type}}
+
+
+class BadRequest(RadixError):
+    """The client's request is invalid."""
+
+    status = 400
+    err_type = "invalid_request_error"
+
+
+class Unauthorized(RadixError):
+    """Missing or wrong API key."""
+
+    status = 401
+    err_type = "authentication_error"
+
+
+class NotFound(RadixError):
+    """Unknown route, model, slot or owner."""
+
+    status = 404
+    err_type = "not_found_error"
+
+
+class NotSupported(RadixError):
+    """A feature the proxy (or the server under it) does not offer."""
+
+    status = 501
+    err_type = "not_supported_error"
+
+
+class Unavailable(RadixError):
+    """No backend can take the request now (all busy, starting or down)."""
+
+    status = 503
+    err_type = "unavailable_error"
+
+
+class BackendError(RadixError):
+    """A llama-server answered with an error or not at all; keeps what it said."""
+
+    status = 502
+    err_type = "server_error"
+
+    def __init__(self, message: str, *, backend_status: int = 0, backend_message: str = "") -> None:
+        super().__init__(message)
+        self.backend_status = backend_status
+        self.backend_message = backend_message
+
+
+class PayloadError(RadixError):
+    """A KV payload is malformed or does not match the expected layout (used internally)."""
+
+    status = 400
+    err_type = "server_error"
+
+
+class KvMoveError(RadixError):
+    """A KV move failed; `cause` names the step ("export", "import", "verify", "compat", ...).
+
+    Callers clear the slot and fall back to a full prefill, so this rarely reaches a client.
+    """
+
+    status = 500
+    err_type = "server_error"
+
+    def __init__(self, cause: str, message: str) -> None:
+        super().__init__(f"kv move failed at {cause}: {message}")
+        self.cause = cause
+
+
+class ConfigError(RadixError):
+    """A startup configuration problem; `fix` tells the operator what to change."""
+
+    status = 500
+    err_type = "server_error"
+
+    def __init__(self, message: str, *, fix: str = "") -> None:
+        super().__init__(message)
+        self.fix = fix
+
+
+class BuildError(RadixError):
+    """Building the patched llama-server failed; `fix` tells the operator what to try."""
+
+    status = 500
+    err_type = "server_error"
+
+    def __init__(self, message: str, *, fix: str = "") -> None:
+        super().__init__(message)
+        self.fix = fix

@@ -1,0 +1,115 @@
+"""KV moves between one server and the host: export a range, import segments.
+
+Same host: payloads go through files in the shared-memory directory that both the proxy
+and the server were given (``mmap`` on both sides, one copy each way). Other hosts: inline
+msgpack bytes. Parsing and building payloads run in a worker thread so the event loop
+keeps serving while megabytes are copied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import mmap
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from proxy.backend import Backend
+from proxy.core.payload import KvLayout, KvSegment, blob_size, parse_blob, write_blob
+from proxy.errors import KvMoveError, PayloadError
+from proxy.metrics import Metrics
+
+_names = itertools.count()
+
+
+class KvMover:
+    def __init__(self, backend: Backend, layout: KvLayout, compat: dict[str, Any], shm_dir: Path | None,
+                 metrics: Metrics) -> None:
+        self.backend = backend
+        self.layout = layout
+        self.compat = compat
+        self.shm_dir = shm_dir
+        self.metrics = metrics
+
+    def _new_name(self) -> str:
+        return f"radix-{os.getpid()}-{next(_names)}.kv"
+
+    async def export(self, seq: dict[str, int], p0: int, p1: int) -> KvSegment:
+        """The KV of positions ``[p0,p1)`` of a slot's or owner's sequence, verified."""
+        started = time.perf_counter()
+        name = self._new_name() if self.shm_dir else None
+        try:
+            reply = await self.backend.export(seq, p0, p1, name)
+            if reply.get("compat") not in (None, self.compat):
+                raise KvMoveError("compat", "exported payload has another compatibility key")
+            if name is not None:
+                segment = await asyncio.to_thread(self._read_file, self._path(name))
+            else:
+                segment = await asyncio.to_thread(parse_blob, reply["data"], self.layout)
+        except PayloadError as exc:
+            raise KvMoveError("payload", str(exc)) from exc
+        except (OSError, KeyError) as exc:
+            raise KvMoveError("transport", f"export payload unreadable: {exc}") from exc
+        finally:
+            if name is not None:
+                _unlink(self._path(name))
+        if (segment.p0, segment.p1) != (p0, p1):
+            raise KvMoveError("verify", f"asked for [{p0},{p1}), got [{segment.p0},{segment.p1})")
+        self.metrics.kv_move_bytes.labels("export").inc(segment.nbytes)
+        self.metrics.kv_move_seconds.labels("export").inc(time.perf_counter() - started)
+        return segment
+
+    async def import_(self, slot: int, p0: int, tokens: Sequence[int], segments: Sequence[KvSegment]) -> None:
+        """Write ``segments`` (covering ``[p0, len(tokens))``) into an idle slot; the server verifies."""
+        started = time.perf_counter()
+        p1 = len(tokens)
+        n = sum(s.n for s in segments)
+        if n != p1 - p0 or (segments and segments[0].p0 != p0):
+            raise KvMoveError("verify", f"segments cover {n} tokens from {segments[0].p0 if segments else p0}, "
+                              f"need [{p0},{p1})")
+        body: dict[str, Any] = {"slot": slot, "p0": p0, "p1": p1, "tokens": [int(t) for t in tokens],
+                                "compat": self.compat}
+        name = self._new_name() if self.shm_dir else None
+        try:
+            if name is not None:
+                size = await asyncio.to_thread(self._write_file, self._path(name), segments)
+                body["segments"] = [{"file": name, "offset": 0, "size": size}]
+            else:
+                size = blob_size(self.layout, n)
+                buf = bytearray(size)
+                await asyncio.to_thread(write_blob, segments, buf)
+                body["segments"] = [{"data": bytes(buf)}]
+            await self.backend.kv_post("import", body, cause="import")
+        except OSError as exc:
+            raise KvMoveError("transport", f"could not write import payload: {exc}") from exc
+        finally:
+            if name is not None:
+                _unlink(self._path(name))
+        self.metrics.kv_move_bytes.labels("import").inc(size)
+        self.metrics.kv_move_seconds.labels("import").inc(time.perf_counter() - started)
+
+    def _path(self, name: str) -> Path:
+        assert self.shm_dir is not None
+        return self.shm_dir / name
+
+    def _read_file(self, path: Path) -> KvSegment:
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            return parse_blob(memoryview(mm), self.layout)
+
+    def _write_file(self, path: Path, segments: Sequence[KvSegment]) -> int:
+        size = blob_size(self.layout, sum(s.n for s in segments))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            with mmap.mmap(fd, size) as mm:
+                write_blob(segments, mm)
+        finally:
+            os.close(fd)
+        return size
+
+
+def _unlink(path: Path) -> None:
+    path.unlink(missing_ok=True)

@@ -1,0 +1,270 @@
+"""Build llama-server (patched or stock) from the pinned source, cached by content hash.
+
+Layout under the cache root:
+
+- ``src/llama.cpp-<commit>-<sha8>/``: the pristine source, extracted once from the sdist.
+- ``work/<base-key>/``: one editable copy of the source plus its CMake build directory,
+  shared by every variant (stock, patched, patched with fault injection) of the same
+  backend and CMake flags. Switching variant restores the files the previous patch set
+  touched and applies the new one, so only those files recompile (about 2 minutes for the
+  server objects, against about 8 for a full build on 2 cores).
+- ``bin/<variant>-<backend>-<key>/llama-server``: finished binaries, keyed by a hash of the
+  source pin, the patch contents, the backend, the flags and the fault option. A build
+  whose key already exists returns at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from proxy.errors import BuildError
+from proxy.native.fetch import cache_root, file_lock, pip_download, say, staging_dir, step
+from proxy.native.pins import LLAMA_CPP
+
+BACKENDS: dict[str, list[str]] = {
+    "cpu": [],
+    "cuda": ["-DGGML_CUDA=ON"],
+    "cann": ["-DGGML_CANN=ON"],
+    "metal": ["-DGGML_METAL=ON"],
+    "vulkan": ["-DGGML_VULKAN=ON"],
+}
+
+# Static, no network at build time (the web UI would otherwise be fetched from a hub),
+# no libcurl/openssl: the proxy talks plain HTTP on the same host.
+BASE_CMAKE_ARGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+]
+
+FAULT_OPTION = "LLAMA_KVCTL_FAULT_INJECT"
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    variant: str = "patched"  # "patched" or "stock"
+    backend: str = "cpu"
+    cmake_args: tuple[str, ...] = ()
+    fault_injection: bool = False
+    jobs: int = field(default_factory=lambda: os.cpu_count() or 2, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.variant not in ("patched", "stock"):
+            raise BuildError(f"unknown variant {self.variant!r}", fix="use 'patched' or 'stock'")
+        if self.backend not in BACKENDS:
+            raise BuildError(f"unknown backend {self.backend!r}", fix=f"use one of {', '.join(BACKENDS)}")
+        if self.fault_injection and self.variant != "patched":
+            raise BuildError("fault injection exists only in the patched server", fix="drop --fault-injection")
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def patch_dir() -> Path:
+    env = os.environ.get("RADIX_PATCH_DIR")
+    return Path(env) if env else repo_root() / "native" / "llama-server-patch" / "patches"
+
+
+def patch_files() -> list[Path]:
+    return sorted(patch_dir().glob("*.patch"))
+
+
+def build_server(spec: BuildSpec) -> Path:
+    """Return the path of a ``llama-server`` for ``spec``, building it if it is not cached."""
+    patches = patch_files() if spec.variant == "patched" else []
+    out_dir = cache_root() / "bin" / f"{spec.variant}-{spec.backend}-{_key(spec, patches)[:16]}"
+    binary = out_dir / "llama-server"
+    if binary.exists():
+        return binary
+    _check_tools()
+    source = _pristine_source()
+    work = cache_root() / "work" / _base_key(spec)[:16]
+    with file_lock(work.parent / f".{work.name}.lock"):
+        if binary.exists():
+            return binary
+        tree = _WorkTree(work, source)
+        tree.switch_patches(patches)
+        args = _cmake_args(spec)
+        tree.configure(args)
+        tree.compile(spec.jobs)
+        with staging_dir(out_dir) as tmp:
+            shutil.copy2(tree.build / "bin" / "llama-server", tmp / "llama-server")
+            info = {"variant": spec.variant, "backend": spec.backend, "cmake_args": args,
+                    "patches": [p.name for p in patches], "source": LLAMA_CPP.filename,
+                    "commit": LLAMA_CPP.commit, "built_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            (tmp / "build.json").write_text(json.dumps(info, indent=2))
+            os.replace(tmp, out_dir)
+    say(f"{spec.variant} llama-server ready: {binary}")
+    return binary
+
+
+def _cmake_args(spec: BuildSpec) -> list[str]:
+    args = BASE_CMAKE_ARGS + BACKENDS[spec.backend] + list(spec.cmake_args)
+    if spec.variant == "patched":
+        # Always explicit: the build directory is shared, so a value left in CMakeCache.txt
+        # by an earlier fault-injection build must be switched off again.
+        args.append(f"-D{FAULT_OPTION}={'ON' if spec.fault_injection else 'OFF'}")
+    return args
+
+
+def _key(spec: BuildSpec, patches: list[Path]) -> str:
+    material = {
+        "source": LLAMA_CPP.sha256,
+        "variant": spec.variant,
+        "backend": spec.backend,
+        "cmake_args": _cmake_args(spec),
+        "patches": [[p.name, hashlib.sha256(p.read_bytes()).hexdigest()] for p in patches],
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+
+def _base_key(spec: BuildSpec) -> str:
+    material = {"source": LLAMA_CPP.sha256, "backend": spec.backend, "cmake_args": list(spec.cmake_args)}
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+
+def _check_tools() -> None:
+    missing = [tool for tool in ("cmake", "git") if shutil.which(tool) is None]
+    if not any(shutil.which(cxx) for cxx in ("c++", "g++", "clang++")):
+        missing.append("a C++ compiler")
+    if missing:
+        raise BuildError(f"cannot build llama-server: {', '.join(missing)} not found",
+                         fix="install them, e.g. `apt-get install -y cmake git build-essential ninja-build`")
+
+
+def _pristine_source() -> Path:
+    final = cache_root() / "src" / f"llama.cpp-{LLAMA_CPP.commit}-{LLAMA_CPP.sha256[:8]}"
+    with file_lock(final.parent / f".{final.name}.lock"):
+        if final.exists():
+            return final
+        sdist = pip_download(f"{LLAMA_CPP.package}=={LLAMA_CPP.version}", LLAMA_CPP.filename,
+                             LLAMA_CPP.sha256, sdist=True)
+        with staging_dir(final) as tmp, step(f"extract llama.cpp {LLAMA_CPP.commit} from {sdist.name}"):
+            prefix = LLAMA_CPP.subdir + "/"
+            with tarfile.open(sdist) as archive:
+                members = [m for m in archive.getmembers() if m.name.startswith(prefix)]
+                if not members:
+                    raise BuildError(f"{sdist.name} has no {LLAMA_CPP.subdir}", fix="check the source pin")
+                archive.extractall(tmp, members=members, filter="data")
+            os.replace(tmp / LLAMA_CPP.subdir, final)
+    return final
+
+
+class _WorkTree:
+    """The shared editable source copy and build directory of one backend and flag set."""
+
+    def __init__(self, root: Path, pristine: Path) -> None:
+        self.root = root
+        self.pristine = pristine
+        self.src = root / "src"
+        self.build = root / "build"
+        self.state_file = root / "state.json"
+        if not self.src.exists():
+            with staging_dir(self.src) as tmp, step("prepare build tree"):
+                shutil.copytree(pristine, tmp / "src", symlinks=True)
+                os.replace(tmp / "src", self.src)
+        self.state: dict = json.loads(self.state_file.read_text()) if self.state_file.exists() else {}
+
+    def _save(self) -> None:
+        self.state_file.write_text(json.dumps(self.state, indent=2))
+
+    def switch_patches(self, patches: list[Path]) -> None:
+        wanted = [[p.name, hashlib.sha256(p.read_bytes()).hexdigest()] for p in patches]
+        if self.state.get("patches") == wanted and not self.state.get("dirty"):
+            return
+        self._restore()
+        touched: list[str] = []
+        for patch in patches:
+            touched += self._git_apply(["--numstat"], patch).split("\n")
+        self.state.update(touched=[line.split("\t")[-1] for line in touched if line.strip()],
+                          patches=None, dirty=True)
+        self._save()
+        for patch in patches:
+            self._git_apply(["--check"], patch)
+            self._git_apply([], patch)
+            say(f"applied {patch.name}")
+        self.state.update(patches=wanted, dirty=False)
+        self._save()
+
+    def _restore(self) -> None:
+        # copyfile, not copy2: a restored file must look newer than its object file.
+        for rel in self.state.get("touched", []):
+            target, original = self.src / rel, self.pristine / rel
+            if original.exists():
+                shutil.copyfile(original, target)
+            elif target.exists():
+                target.unlink()
+        self.state.update(touched=[], patches=[], dirty=False)
+        self._save()
+
+    def _git_apply(self, flags: list[str], patch: Path) -> str:
+        # The ceiling keeps git from treating an enclosing repository as the patch root.
+        env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(self.root))
+        proc = subprocess.run(["git", "apply", *flags, str(patch)], cwd=self.src, env=env,
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            detail = " | ".join(proc.stderr.strip().splitlines()[:6])
+            self._restore()
+            raise BuildError(f"patch {patch.name} does not apply to llama.cpp {LLAMA_CPP.commit}: {detail}",
+                             fix="rebase the series with `radixctl patch checkout` / `radixctl patch export` "
+                             "(see native/llama-server-patch/README.md)")
+        return proc.stdout
+
+    def configure(self, args: list[str]) -> None:
+        if self.state.get("configured") == args and (self.build / "CMakeCache.txt").exists():
+            return
+        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        with step("cmake configure"):
+            _run_logged(["cmake", "-S", str(self.src), "-B", str(self.build), *generator, *args],
+                        "cmake configure failed", self.root / "configure.log")
+        self.state["configured"] = args
+        self._save()
+
+    def compile(self, jobs: int) -> None:
+        with step(f"compile llama-server (-j {jobs})"):
+            _run_logged(["cmake", "--build", str(self.build), "--target", "llama-server", "-j", str(jobs)],
+                        "compiling llama-server failed", self.root / "build.log", progress=True)
+
+
+_PROGRESS = re.compile(r"^\[\s*(\d+)/(\d+)\]|^\[\s*(\d+)%\]")
+
+
+def _run_logged(cmd: list[str], what: str, log_path: Path, progress: bool = False) -> None:
+    tail: deque[str] = deque(maxlen=30)
+    started = last_report = time.monotonic()
+    last_pct = -10
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.write(line)
+            tail.append(line.rstrip())
+            match = _PROGRESS.match(line) if progress else None
+            if match:
+                pct = int(match.group(3)) if match.group(3) else 100 * int(match.group(1)) // int(match.group(2))
+                now = time.monotonic()
+                if pct >= last_pct + 10 or now - last_report > 30:
+                    say(f"  compile {pct:3d}%  ({now - started:.0f} s)")
+                    last_pct, last_report = pct, now
+        code = proc.wait()
+    if code != 0:
+        errors = [line for line in tail if "error" in line.lower()] or list(tail)[-8:]
+        raise BuildError(f"{what} (exit {code}): " + " | ".join(errors[-8:]),
+                         fix=f"see the full log at {log_path}")

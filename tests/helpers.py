@@ -1,0 +1,128 @@
+"""Shared test helpers: HTTP calls, a proxy running in a background thread, answer comparison."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from prometheus_client import CollectorRegistry
+
+from proxy.config import Config
+from proxy.runtime import Runtime, create_runtime, start_site
+
+T = TypeVar("T")
+
+# Invariant 5 of the architecture: llama.cpp's numerics depend on batch shape, so an
+# answer computed from reused KV may part from a full prefill only where the reference's
+# top-two log-probabilities are this close (nats), and never before that position.
+NEAR_TIE_NATS = 0.25
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: Any
+
+
+def post(url: str, body: Any, timeout: float = 180, raw: bytes | None = None,
+         headers: dict[str, str] | None = None) -> Reply:
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return Reply(resp.status, dict(resp.headers), _decode(resp.read()))
+    except urllib.error.HTTPError as err:
+        return Reply(err.code, dict(err.headers), _decode(err.read()))
+
+
+def get(url: str, timeout: float = 60) -> Reply:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return Reply(resp.status, dict(resp.headers), _decode(resp.read()))
+    except urllib.error.HTTPError as err:
+        return Reply(err.code, dict(err.headers), _decode(err.read()))
+
+
+def _decode(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+def chat_body(messages: list[dict[str, str]], n: int = 16, **extra: Any) -> dict[str, Any]:
+    return {"messages": messages, "max_tokens": n, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+            **extra}
+
+
+def answer_tokens(reply: Reply) -> list[tuple[str, float, float]]:
+    """(token, logprob, top-two margin) per generated token."""
+    out = []
+    for item in reply.body["choices"][0]["logprobs"]["content"]:
+        tops = sorted((t["logprob"] for t in item["top_logprobs"]), reverse=True)
+        margin = tops[0] - tops[1] if len(tops) > 1 else float("inf")
+        out.append((item["token"], item["logprob"], margin))
+    return out
+
+
+def assert_same_answer(got: Reply, ref: Reply, tol: float = NEAR_TIE_NATS) -> None:
+    """Equal, or parting only at a near-tie of the reference (invariant 5)."""
+    a, b = answer_tokens(got), answer_tokens(ref)
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x[0] != y[0]:
+            assert y[2] < tol, (f"answers part at token {i} ({x[0]!r} vs {y[0]!r}) where the reference's "
+                                f"top-two margin is {y[2]:.3f} >= {tol}")
+            return
+    assert len(a) == len(b) or got.body["choices"][0]["finish_reason"] != ref.body["choices"][0]["finish_reason"]
+
+
+class ProxyThread:
+    """A proxy with its own event loop in a background thread; tests inspect it via ``call``."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.loop = asyncio.new_event_loop()
+        self.runtime: Runtime | None = None
+        self._runner: Any = None
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    def start(self) -> ProxyThread:
+        self._thread.start()
+        self.runtime = self.run(create_runtime(self.config, CollectorRegistry()))
+        self._runner = self.run(start_site(self.runtime))
+        return self
+
+    def run(self, coro: Any, timeout: float = 300) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn: Callable[[Runtime], T]) -> T:
+        """Run a synchronous inspection on the proxy's loop, between its mutations."""
+        async def wrapper() -> T:
+            assert self.runtime is not None
+            return fn(self.runtime)
+
+        return self.run(wrapper())  # type: ignore[no-any-return]
+
+    def settle(self) -> None:
+        """Wait until background saves are done."""
+        assert self.runtime is not None
+        self.run(self.runtime.drain())
+
+    def stop(self) -> None:
+        if self._runner is not None:
+            self.run(self._runner.cleanup())
+        if self.runtime is not None:
+            self.run(self.runtime.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)

