@@ -25,7 +25,7 @@ from proxy.core.radix import RadixTree
 from proxy.errors import ConfigError, KvMoveError, RadixError
 from proxy.metrics import Metrics
 from proxy.mover import KvMover
-from proxy.tokenizer import CORPUS, PromptTokenizer, check_parity, load_tokenizer
+from proxy.tokenizer import CORPUS, PromptTokenizer, UnsupportedTokenizerError, check_parity, load_tokenizer
 
 log = logging.getLogger("radix")
 
@@ -131,7 +131,7 @@ async def _setup_tokenizer(runtime: Runtime) -> None:
     cache = runtime.config.tokenizer_cache or Path(tempfile.gettempdir()) / "radix-tokenizers"
     try:
         tokenizer = PromptTokenizer(await asyncio.to_thread(load_tokenizer, model_path, cache))
-    except (OSError, ValueError, RadixError) as exc:
+    except (OSError, ValueError, UnsupportedTokenizerError, RadixError) as exc:
         runtime.tokenizer_note = f"server (local tokenizer unavailable: {exc})"
         runtime.metrics.tokenizer_fallback.set(1)
         log.warning("tokenizer: using the server's /tokenize: %s", exc)

@@ -28,9 +28,13 @@ Exactness
 ---------
 * The pre-tokenizer regexes use explicit character classes built from llama.cpp's own Unicode
   tables (``src/unicode-data.cpp`` at the pinned commit, embedded below), not the regex engine's
-  ``\\p{L}`` / ``\\p{N}``: Oniguruma in ``tokenizers`` 0.23 knows ~4,300 letters and 80 digits
-  (Unicode 16 additions such as U+1C89, U+A7CB, Garay digits U+10D40..) that llama.cpp treats as
-  unassigned.
+  ``\\p{L}`` / ``\\p{N}``: Oniguruma in ``tokenizers`` 0.23 classifies ~4,300 more code points as
+  letters and 80 more as digits (Unicode 16 additions such as U+1C89, U+A7CB, Garay digits
+  U+10D40..) than llama.cpp's tables do; ``\\s`` is the same 25 code points in both.
+* Byte symbols missing from the vocab (SmolLM2 lacks 21 of the 256, e.g. the bytes 0x04 and 0xF1)
+  stay BPE barriers that are dropped afterwards, as in llama.cpp (the tokenizer's BPE model maps
+  them to an unused special token as "unk", which :class:`PromptTokenizer` removes). A plain
+  ``Tokenizer.encode`` on the built tokenizer keeps those unk ids.
 * Special tokens are cut by our own port of ``tokenizer_st_partition`` (longest first), not by the
   ``tokenizers`` added-vocabulary matcher (leftmost-longest), which differs on overlapping tokens.
 * Only pre-tokenizer families whose llama.cpp splitter is equivalent to its regex are supported

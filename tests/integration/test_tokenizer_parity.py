@@ -2,82 +2,31 @@
 
 The local tokenizer (proxy.tokenizer.PromptTokenizer) must produce the very ids the server's chat
 path produces: for the built-in corpus, for random texts, and for /apply-template renderings of chat
-conversations (system prompt with a JSON tool schema, multi-turn history). Needs the env vars
-RADIX_TEST_SERVER_BIN (a llama-server binary) and RADIX_TEST_MODEL (a GGUF); skipped otherwise.
+conversations (system prompt with a JSON tool schema, multi-turn history), on the harness's stock
+llama-server with the default model.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
-import socket
-import subprocess
-import time
-import urllib.request
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
+from proxy.native.launch import ServerProcess
 from proxy.tokenizer import CHAT_TOKENIZE_FLAGS, PromptTokenizer, check_parity
 
 pytestmark = pytest.mark.integration
 
 
-# --------------------------------------------------------------------------------------------------
-# Local server fixture (to be replaced by the shared harness fixtures)
-# --------------------------------------------------------------------------------------------------
-def _free_port(candidates: range = range(18150, 18160)) -> int:
-    for port in candidates:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    pytest.skip("no free port in 18150-18159")
-
-
 @pytest.fixture(scope="module")
-def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """A stock llama-server on a free port: {"url", "model"}; always stopped afterwards."""
-    binary = os.environ.get("RADIX_TEST_SERVER_BIN")
-    model = os.environ.get("RADIX_TEST_MODEL")
-    if not binary or not model:
-        pytest.skip("RADIX_TEST_SERVER_BIN / RADIX_TEST_MODEL not set")
-    if not os.access(binary, os.X_OK) or not Path(model).is_file():
-        pytest.skip(f"server binary {binary} or model {model} missing")
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "llama-server.log"
-    cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", "1", "-c", "4096", "-t", "1"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"llama-server exited ({proc.returncode}): {log_path.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"llama-server not healthy after 180 s: {log_path.read_text()[-2000:]}")
-            time.sleep(0.5)
-        yield {"url": url, "model": model}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def llama_server(stock_server: ServerProcess, model_path: Path) -> dict[str, Any]:
+    """The shared stock server of the harness: {"url", "model"}."""
+    return {"url": stock_server.url, "model": str(model_path)}
 
 
 # --------------------------------------------------------------------------------------------------
