@@ -167,6 +167,9 @@ def _register_subcommands() -> None:
     from proxy import cli_admin
 
     cli_admin.register(main)
+    from proxy.bench import cli as bench_cli
+
+    bench_cli.register(main)
 
 
 _register_subcommands()

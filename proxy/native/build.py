@@ -51,6 +51,8 @@ BASE_CMAKE_ARGS = [
     "-DLLAMA_BUILD_APP=OFF",
     "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",
+    # The sdist has no git history; without this `--version` says "commit unknown".
+    f"-DLLAMA_BUILD_COMMIT={LLAMA_CPP.commit}",
 ]
 
 FAULT_OPTION = "LLAMA_KVCTL_FAULT_INJECT"
@@ -159,7 +161,10 @@ def _pristine_source() -> Path:
         with staging_dir(final) as tmp, step(f"extract llama.cpp {LLAMA_CPP.commit} from {sdist.name}"):
             prefix = LLAMA_CPP.subdir + "/"
             with tarfile.open(sdist) as archive:
-                members = [m for m in archive.getmembers() if m.name.startswith(prefix)]
+                # The vendored tree's `.git` is a submodule pointer to a directory the
+                # sdist lacks; git would treat it as a broken repository.
+                members = [m for m in archive.getmembers()
+                           if m.name.startswith(prefix) and m.name != prefix + ".git"]
                 if not members:
                     raise BuildError(f"{sdist.name} has no {LLAMA_CPP.subdir}", fix="check the source pin")
                 archive.extractall(tmp, members=members, filter="data")
@@ -178,7 +183,7 @@ class _WorkTree:
         self.state_file = root / "state.json"
         if not self.src.exists():
             with staging_dir(self.src) as tmp, step("prepare build tree"):
-                shutil.copytree(pristine, tmp / "src", symlinks=True)
+                shutil.copytree(pristine, tmp / "src", symlinks=True, ignore=_ignore_git)
                 os.replace(tmp / "src", self.src)
         self.state: dict = json.loads(self.state_file.read_text()) if self.state_file.exists() else {}
 
@@ -241,6 +246,10 @@ class _WorkTree:
         with step(f"compile llama-server (-j {jobs})"):
             _run_logged(["cmake", "--build", str(self.build), "--target", "llama-server", "-j", str(jobs)],
                         "compiling llama-server failed", self.root / "build.log", progress=True)
+
+
+def _ignore_git(directory: str, names: list[str]) -> set[str]:
+    return {".git"} & set(names) if Path(directory).name.startswith("llama.cpp-") else set()
 
 
 _PROGRESS = re.compile(r"^\[\s*(\d+)/(\d+)\]|^\[\s*(\d+)%\]")

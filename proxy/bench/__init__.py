@@ -1,0 +1,1 @@
+"""``radixctl bench``: workloads, arms (nocache, legacy, proxy), a runner, reports, replay."""

@@ -1,0 +1,271 @@
+"""The arms of a benchmark: what serves the requests, started on this machine.
+
+Every arm runs the same llama.cpp commit, model, threads, context, slot count and batch
+sizes; only the caching differs:
+
+- ``nocache``: stock llama-server, requests carry ``cache_prompt: false`` and the host
+  prompt cache is off (``--cache-ram 0``), so every prompt token is computed: the compute
+  baseline.
+- ``legacy``: stock llama-server with its defaults (``--cache-ram 8192``, idle slots saved
+  to it, LCP slot selection), with ``-kvu`` like the proxy arm: what we are measured against.
+- ``proxy``: the patched server (``-kvu --cache-ram 0 -sps 0 --kvctl --kvctl-dir``) with the
+  proxy in front (a ``radixctl serve`` child process, host radix tree; route H).
+
+Stock servers run with ``-lv 4`` (trace logging, per task only) so the size of their host
+prompt cache can be read from the log. Hook for resident sharing: when route S lands, add
+an ``ArmDef("proxy-hs", ..., proxy_args=(<the flag that enables sharing>,))`` to ``ARMS``;
+nothing else here needs to change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from proxy.errors import ConfigError
+from proxy.native.launch import ServerProcess, ServerSpec, check_port_free, free_port
+
+
+@dataclass(frozen=True)
+class ArmSettings:
+    """What every arm shares."""
+
+    model: Path
+    log_dir: Path
+    n_parallel: int = 4
+    ctx_size: int = 16384
+    threads: int = field(default_factory=lambda: os.cpu_count() or 2)
+    batch_size: int = 2048
+    ubatch_size: int = 512
+    build_backend: str = "cpu"
+    proxy_cache_mib: int = 4096
+
+    def common_args(self) -> tuple[str, ...]:
+        return ("-b", str(self.batch_size), "-ub", str(self.ubatch_size))
+
+
+@dataclass(frozen=True)
+class ArmDef:
+    name: str
+    variant: str  # which llama-server build: "stock" or "patched"
+    server_args: tuple[str, ...]
+    description: str
+    proxy: bool = False  # run the proxy in front
+    overrides: dict[str, Any] = field(default_factory=dict)  # merged into every request body
+    proxy_args: tuple[str, ...] = ()  # extra `radixctl serve` arguments
+
+
+ARMS: dict[str, ArmDef] = {
+    "nocache": ArmDef("nocache", "stock", ("-kvu", "--cache-ram", "0", "-lv", "4"),
+                      "stock llama-server, cache_prompt:false, no host cache", overrides={"cache_prompt": False}),
+    "legacy": ArmDef("legacy", "stock", ("-kvu", "--cache-ram", "8192", "-lv", "4"),
+                     "stock llama-server defaults: --cache-ram 8192, idle-slot saving, LCP slot selection"),
+    "proxy": ArmDef("proxy", "patched", (), "patched llama-server + proxy (host radix tree, routes A/H)",
+                    proxy=True),
+}
+
+
+def parse_arms(text: str) -> list[str]:
+    names = [a.strip() for a in text.split(",") if a.strip()]
+    unknown = [a for a in names if a not in ARMS]
+    if unknown or not names:
+        raise ConfigError(f"unknown arm(s) {', '.join(unknown) or '(none given)'}",
+                          fix=f"choose from {', '.join(ARMS)}")
+    return names
+
+
+def arm_binary(arm: ArmDef, backend: str) -> Path:
+    from proxy.native.build import BuildSpec, build_server
+
+    return build_server(BuildSpec(variant=arm.variant, backend=backend))
+
+
+def binary_info(binary: Path) -> dict[str, Any]:
+    info: dict[str, Any] = {"path": str(binary)}
+    with contextlib.suppress(OSError, ValueError):
+        build = json.loads((binary.parent / "build.json").read_text())
+        info.update({k: build.get(k) for k in ("variant", "commit", "backend", "patches")})
+    return info
+
+
+def shm_base() -> Path:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
+
+@dataclass
+class RunningArm:
+    name: str
+    arm: ArmDef
+    front_url: str  # where the workload goes (the proxy, or the server itself)
+    server_url: str
+    server: ServerProcess
+    binary: Path
+    proxy_url: str | None = None
+    proxy_log: Path | None = None
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        return dict(self.arm.overrides)
+
+    def stats(self) -> dict[str, Any]:
+        """Host cache bytes, KV cells in use and (proxy) routes, after the run."""
+        out: dict[str, Any] = {"host_cache_bytes": None, "kv_cells_used": None, "binary": binary_info(self.binary),
+                               "server_args": self.server.spec.argv()[1:], "server_log": str(self.server.log_path)}
+        if self.proxy_url:
+            stats = _settled_stats(self.proxy_url)
+            if stats:
+                out["host_cache_bytes"] = stats.get("tree", {}).get("bytes")
+                out["proxy"] = {k: stats.get(k) for k in ("requests", "by_route", "hit_ratio", "tree", "tokenizer")}
+            cells = _get_json(f"{self.server_url}/kvctl/cells")
+            if cells:
+                out["kv_cells_used"] = cells.get("used")
+                out["kv_cells"] = cells
+        else:
+            out["host_cache_bytes"] = legacy_cache_bytes(self.server.log_path)
+        return out
+
+
+def _get_json(url: str, timeout: float = 10) -> Any:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def _settled_stats(proxy_url: str, timeout: float = 20.0) -> dict[str, Any] | None:
+    """/radix/stats once the proxy's background saves stopped changing the tree."""
+    last: dict[str, Any] | None = None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = _get_json(f"{proxy_url}/radix/stats")
+        if stats is not None and last is not None and stats.get("tree") == last.get("tree"):
+            return dict(stats)
+        last = stats
+        time.sleep(1.0)
+    return last
+
+
+_CACHE_STATE = re.compile(r"cache state: (\d+) prompts, ([0-9.]+) MiB")
+
+
+def legacy_cache_bytes(log_path: Path) -> int | None:
+    """The stock server's host prompt cache size from its last "cache state" log line (needs -lv 4)."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return None
+    found = _CACHE_STATE.findall(text)
+    return round(float(found[-1][1]) * 1024 * 1024) if found else None
+
+
+@contextlib.contextmanager
+def start_arm(name: str, settings: ArmSettings, binary: Path | None = None) -> Iterator[RunningArm]:
+    """Start the arm's server (and proxy); stop everything on the way out, whatever happens."""
+    arm = ARMS[name]
+    binary = binary or arm_binary(arm, settings.build_backend)
+    settings.log_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    shm = shm_base() / f"radix-bench-{os.getpid()}-{port}" if arm.proxy else None
+    spec = ServerSpec(binary=binary, model=settings.model, port=port, n_parallel=settings.n_parallel,
+                      ctx_size=settings.ctx_size, threads=settings.threads, kvctl=arm.proxy, kvctl_dir=shm,
+                      proxy_flags=arm.proxy, extra_args=settings.common_args() + arm.server_args)
+    server = ServerProcess(spec, settings.log_dir / f"server-{name}.log")
+    proxy_proc: subprocess.Popen[bytes] | None = None
+    try:
+        server.start(timeout=300)
+        running = RunningArm(name, arm, spec.url, spec.url, server, binary)
+        if arm.proxy:
+            assert shm is not None
+            proxy_port = free_port()
+            running.proxy_log = settings.log_dir / f"proxy-{name}.log"
+            proxy_proc = _start_proxy(spec.url, proxy_port, shm, settings, arm, running.proxy_log)
+            running.proxy_url = running.front_url = f"http://127.0.0.1:{proxy_port}"
+        yield running
+    finally:
+        if proxy_proc is not None:
+            _stop(proxy_proc)
+        server.stop()
+        if shm is not None:
+            shutil.rmtree(shm, ignore_errors=True)
+
+
+def _start_proxy(server_url: str, port: int, shm: Path, settings: ArmSettings, arm: ArmDef,
+                 log_path: Path) -> subprocess.Popen[bytes]:
+    check_port_free("127.0.0.1", port, "proxy")
+    # The child reads no RADIX_* settings of ours except where the cache lives.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RADIX_") or k == "RADIX_CACHE_DIR"}
+    argv = [sys.executable, "-m", "proxy.cli", "serve", "--backend-url", server_url, "--host", "127.0.0.1",
+            "--port", str(port), "--shm-dir", str(shm), "--cache-ram", str(settings.proxy_cache_mib),
+            *arm.proxy_args]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+    deadline = time.monotonic() + 180
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise ConfigError(f"the proxy exited with code {proc.returncode} during startup:\n"
+                                  f"{_tail(log_path)}", fix=f"see {log_path}")
+            status = _get_json(f"http://127.0.0.1:{port}/health", timeout=2)
+            if status and status.get("status") == "ok":
+                return proc
+            time.sleep(0.3)
+        raise ConfigError(f"the proxy did not become healthy within 180 s:\n{_tail(log_path)}", fix=f"see {log_path}")
+    except BaseException:
+        _stop(proc)
+        raise
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _stop(proc: subprocess.Popen[bytes], grace: float = 15.0) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@contextlib.contextmanager
+def patched_server(settings: ArmSettings, ctx_size: int, name: str = "kvctl") -> Iterator[tuple[ServerProcess, Path]]:
+    """A patched server with /kvctl and a payload directory, no proxy (the kvctl microbenchmark)."""
+    from proxy.native.build import BuildSpec, build_server
+
+    binary = build_server(BuildSpec(variant="patched", backend=settings.build_backend))
+    settings.log_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    shm = shm_base() / f"radix-bench-{os.getpid()}-{port}"
+    spec = ServerSpec(binary=binary, model=settings.model, port=port, n_parallel=settings.n_parallel,
+                      ctx_size=ctx_size, threads=settings.threads, kvctl_dir=shm, extra_args=settings.common_args())
+    server = ServerProcess(spec, settings.log_dir / f"server-{name}.log")
+    try:
+        server.start(timeout=300)
+        yield server, shm
+    finally:
+        server.stop()
+        shutil.rmtree(shm, ignore_errors=True)

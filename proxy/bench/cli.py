@@ -1,0 +1,226 @@
+"""``radixctl bench WORKLOAD`` and ``radixctl bench replay MANIFEST --url URL``."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from proxy.bench.workloads import DEFAULT_ARMS, GENERATORS, Workload, make_workload
+from proxy.errors import ConfigError, RadixError
+
+ALL_ARMS = ("nocache", "legacy", "proxy")
+
+
+def _say(message: str) -> None:
+    click.echo(f"[bench] {message}", err=True)
+
+
+def _fail_cleanly(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """One message naming the cause and the fix, and exit 1, for every known error (as in proxy.cli)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except RadixError as exc:
+            click.echo(f"radixctl: error: {exc.message}", err=True)
+            fix = getattr(exc, "fix", "")
+            if fix:
+                click.echo(f"radixctl: fix: {fix}", err=True)
+            sys.exit(1)
+
+    return wrapper
+
+
+def _default_out(name: str) -> Path:
+    return Path("bench-out") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError as exc:
+        raise click.BadParameter(f"not a comma-separated list of token counts: {text}") from exc
+    if not sizes or min(sizes) < 1:
+        raise click.BadParameter("give at least one positive token count")
+    return sizes
+
+
+_ARM_OPTIONS = [
+    click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+                 help="Output directory (default: bench-out/WORKLOAD-TIMESTAMP)."),
+    click.option("--model", "-m", "model_arg", default=None, envvar="RADIX_MODEL",
+                 help="GGUF path (default: SmolLM2-135M-Instruct from its wheel)."),
+    click.option("--parallel", "-np", "n_parallel", default=4, show_default=True, help="Slots per server."),
+    click.option("--ctx-size", "-c", default=16384, show_default=True, help="KV pool in tokens."),
+    click.option("--threads", "-t", type=int, default=None, help="Threads per server (default: all cores)."),
+    click.option("--batch-size", "-b", default=2048, show_default=True),
+    click.option("--ubatch-size", "-ub", default=512, show_default=True),
+    click.option("--build-backend", type=click.Choice(["cpu", "cuda", "cann", "metal", "vulkan"]), default="cpu",
+                 show_default=True),
+]
+
+_SIZE_OPTIONS = {
+    "prompt_tokens": click.option("--prompt-tokens", type=int, default=None, help="Approximate prompt size."),
+    "rounds": click.option("--rounds", type=int, default=None),
+    "prompts": click.option("--prompts", type=int, default=None, help="Prompts per tier / in all (host-dedup)."),
+    "fillers": click.option("--fillers", type=int, default=None, help="Prompts sent to evict (default: 4)."),
+    "pairs": click.option("--pairs", type=int, default=None, help="Proxy/direct request pairs."),
+    "sessions": click.option("--sessions", type=int, default=None, help="Sessions per scenario."),
+    "system_tokens": click.option("--system-tokens", type=int, default=None, help="Approximate system prompt size."),
+    "max_tokens": click.option("--max-tokens", type=int, default=None, help="Tokens generated per request."),
+    "seed": click.option("--seed", type=int, default=None),
+}
+
+
+def _apply(fn: Callable[..., Any], options: list[Any]) -> Callable[..., Any]:
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _settings(out_dir: Path, model_arg: str | None, n_parallel: int, ctx_size: int, threads: int | None,
+              batch_size: int, ubatch_size: int, build_backend: str) -> Any:
+    import os
+
+    from proxy.bench.arms import ArmSettings
+    from proxy.native.model import resolve_model
+
+    return ArmSettings(model=resolve_model(model_arg), log_dir=out_dir / "logs", n_parallel=n_parallel,
+                       ctx_size=ctx_size, threads=threads or os.cpu_count() or 2, batch_size=batch_size,
+                       ubatch_size=ubatch_size, build_backend=build_backend)
+
+
+def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: Path) -> dict[str, Any]:
+    """Each arm in turn: start it, replay the workload, collect its figures, stop it."""
+    from proxy.bench.arms import ARMS, arm_binary, start_arm
+    from proxy.bench.report import build_report, write_report
+    from proxy.bench.runner import run_workload, write_results
+
+    binaries = {name: arm_binary(ARMS[name], settings.build_backend) for name in arm_names}  # build first
+    arms: dict[str, Any] = {}
+    for name in arm_names:
+        _say(f"arm {name}: {ARMS[name].description}")
+        with start_arm(name, settings, binaries[name]) as arm:
+            results = asyncio.run(run_workload(workload, arm.front_url, arm.server_url, overrides=arm.overrides,
+                                               manifest=out_dir / f"manifest-{name}.jsonl", label=name))
+            stats = arm.stats()
+        write_results(out_dir / f"results-{name}.jsonl", results)
+        arms[name] = {"results": results, "stats": stats}
+    shared = {"model": settings.model.name, "n_parallel": settings.n_parallel, "ctx_size": settings.ctx_size,
+              "threads": settings.threads, "batch_size": settings.batch_size, "ubatch_size": settings.ubatch_size}
+    report = build_report({"name": workload.name, "description": workload.description, "params": workload.params,
+                           "requests": len(workload.requests), "concurrency": workload.concurrency}, arms, shared)
+    for path in write_report(report, out_dir):
+        _say(f"wrote {path}")
+    click.echo((out_dir / "report.md").read_text())
+    return report
+
+
+def _workload_command(name: str) -> click.Command:
+    from proxy.bench.workloads import generator_params
+
+    accepted = generator_params(name)
+    defaults = ",".join(DEFAULT_ARMS.get(name, ALL_ARMS))
+
+    def command(arms: str | None, dry_run: bool, out_dir: Path | None, model_arg: str | None, n_parallel: int,
+                ctx_size: int, threads: int | None, batch_size: int, ubatch_size: int, build_backend: str,
+                **sizes: Any) -> None:
+        from proxy.bench.arms import parse_arms
+        from proxy.bench.runner import ManifestEntry, write_manifest
+
+        workload = make_workload(name, **sizes)
+        out = out_dir or _default_out(name)
+        out.mkdir(parents=True, exist_ok=True)
+        write_manifest(out / "workload.jsonl", (ManifestEntry(0.0, r.id, r.session, r.group, r.via, r.body)
+                                                for r in workload.requests))
+        _say(f"{name}: {len(workload.requests)} requests, concurrency {workload.concurrency}, "
+             f"params {json.dumps(workload.params)}; request list in {out / 'workload.jsonl'}")
+        if dry_run:
+            return
+        settings = _settings(out, model_arg, n_parallel, ctx_size, threads, batch_size, ubatch_size, build_backend)
+        run_arms(workload, parse_arms(arms or defaults), settings, out)
+
+    options = [click.option("--arms", default=None, help=f"Comma-separated arms (default: {defaults}).")]
+    options += [click.option("--dry-run", is_flag=True, help="Only write the request list (workload.jsonl).")]
+    options += _ARM_OPTIONS + [opt for key, opt in _SIZE_OPTIONS.items() if key in accepted]
+    doc = (GENERATORS[name].__doc__ or "").strip() if name != "agents" else (
+        "Edge agents: three scenarios (financial research, field maintenance, edge incident), each a long shared "
+        "system prompt with tool schemas and documents; concurrent sessions with scripted tool loops and "
+        "branching follow-ups.")
+    return click.command(name, help=doc)(_fail_cleanly(_apply(command, options)))
+
+
+def register(main: click.Group) -> None:
+    @main.group()
+    def bench() -> None:
+        """Benchmarks: workloads replayed against the arms nocache, legacy and proxy."""
+
+    for name in GENERATORS:
+        bench.add_command(_workload_command(name))
+
+    @bench.command("kvctl")
+    @_apply_options(_ARM_OPTIONS)
+    @click.option("--sizes", default="512,2048,8192", show_default=True, help="Token counts to move.")
+    @click.option("--reps", default=5, show_default=True, help="Repetitions per size and direction.")
+    @click.option("--no-probe", is_flag=True, help="Do not time a tiny generation during the moves.")
+    @_fail_cleanly
+    def kvctl(out_dir: Path | None, model_arg: str | None, n_parallel: int, ctx_size: int, threads: int | None,
+              batch_size: int, ubatch_size: int, build_backend: str, sizes: str, reps: int, no_probe: bool) -> None:
+        """KV export/import throughput through the proxy's mover against a numpy memcpy, and main-loop stalls."""
+        from proxy.bench.arms import patched_server
+        from proxy.bench.kvbench import kvctl_ctx_size, run_kvctl_bench
+        from proxy.bench.report import write_report
+
+        token_sizes = _sizes(sizes)
+        out = out_dir or _default_out("kvctl")
+        settings = _settings(out, model_arg, max(n_parallel, 4), ctx_size, threads, batch_size, ubatch_size,
+                             build_backend)
+        with patched_server(settings, max(ctx_size, kvctl_ctx_size(token_sizes))) as (server, shm):
+            report = asyncio.run(run_kvctl_bench(server.url, shm, token_sizes, reps, not no_probe, _say))
+        for path in write_report(report, out):
+            _say(f"wrote {path}")
+        click.echo((out / "report.md").read_text())
+
+    @bench.command("replay")
+    @click.argument("manifest", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+    @click.option("--url", required=True, help="OpenAI base URL (with or without /v1).")
+    @click.option("--speed", default=1.0, show_default=True, help="Time scale: 2 sends twice as fast.")
+    @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+                  help="Write results and a report here.")
+    @_fail_cleanly
+    def replay(manifest: Path, url: str, speed: float, out_dir: Path | None) -> None:
+        """Replay a manifest (manifest-ARM.jsonl of a run) against any OpenAI URL with its original timing."""
+        from proxy.bench.report import build_report, render_markdown, write_report
+        from proxy.bench.runner import read_manifest, replay_manifest, write_results
+
+        if speed <= 0:
+            raise ConfigError("--speed must be positive", fix="pass e.g. --speed 1")
+        entries = read_manifest(manifest)
+        if not entries:
+            raise ConfigError(f"{manifest} holds no requests", fix="pass a manifest-ARM.jsonl written by a bench run")
+        _say(f"replaying {len(entries)} requests over {entries[-1].t / speed:.1f} s against {url}")
+        results = asyncio.run(replay_manifest(entries, url, speed=speed))
+        report = build_report({"name": f"replay of {manifest.name}", "description": f"against {url}",
+                               "params": {"speed": speed}}, {"replay": {"results": results, "stats": {}}})
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            write_results(out_dir / "results-replay.jsonl", results)
+            for path in write_report(report, out_dir, charts=False):
+                _say(f"wrote {path}")
+        click.echo(render_markdown(report))
+
+
+def _apply_options(options: list[Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return lambda fn: _apply(fn, options)
+
+
+__all__ = ["register", "run_arms"]

@@ -1,0 +1,152 @@
+"""``radixctl bench kvctl``: KV export/import throughput through the proxy's mover.
+
+One prefill puts ``max(sizes)`` real tokens of KV into slot 0 of a patched server. For each
+size, ``reps`` exports of ``[0,n)`` from slot 0 and ``reps`` imports of that payload into
+slot 1 go through ``KvMover`` (payload files in the shared-memory directory, as in
+production). Each is timed twice: the whole mover call, and the /kvctl HTTP call inside it,
+during which the server's main loop does the copy and serves nothing else. A plain numpy
+copy of the same number of bytes on this machine is the yardstick. Optionally a tiny
+generation on slot 3 is sent during one export and one import, and when idle, to see the
+main loop's stall from a client's side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+from prometheus_client import CollectorRegistry
+
+from proxy.backend import Backend
+from proxy.bench.text import prose, seeded
+from proxy.core.payload import KvLayout, blob_size
+from proxy.metrics import Metrics
+from proxy.mover import KvMover
+
+DEFAULT_SIZES = (512, 2048, 8192)
+
+
+class TimedBackend(Backend):
+    """A Backend that records the wall time of every /kvctl POST."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.last_call_s = 0.0
+
+    async def kv_post(self, route: str, body: Mapping[str, Any], cause: str) -> Any:
+        started = time.perf_counter()
+        try:
+            return await super().kv_post(route, body, cause)
+        finally:
+            self.last_call_s = time.perf_counter() - started
+
+
+def kvctl_ctx_size(sizes: tuple[int, ...]) -> int:
+    """KV pool for slot 0 and slot 1 both holding the largest size, plus the probe."""
+    return 2 * max(sizes) + 1024
+
+
+async def _tokens(backend: Backend, n: int) -> list[int]:
+    text = prose(seeded("kvctl"), max(64, n))
+    ids = await backend.tokenize(text, add_special=False)
+    while len(ids) < n:
+        ids += ids
+    return ids[:n]
+
+
+async def _probe(backend: Backend) -> float:
+    started = time.perf_counter()
+    await backend.post_json("/completion", {"prompt": "Hi", "n_predict": 1, "id_slot": 3, "cache_prompt": False})
+    return 1000 * (time.perf_counter() - started)
+
+
+def memcpy_mb_s(nbytes: int, reps: int) -> float:
+    src = np.random.default_rng(0).integers(0, 255, size=nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(max(1, reps)):
+        started = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - started)
+    return nbytes / statistics.median(times) / 1e6
+
+
+async def _timed(coro: Any, probe: Backend | None) -> tuple[float, float | None]:
+    started = time.perf_counter()
+    if probe is None:
+        await coro
+        return time.perf_counter() - started, None
+    task = asyncio.ensure_future(coro)
+    await asyncio.sleep(0.002)  # let the /kvctl call reach the server first
+    probe_ms = await _probe(probe)
+    await task
+    return time.perf_counter() - started, probe_ms
+
+
+async def run_kvctl_bench(server_url: str, shm_dir: Path | None, sizes: tuple[int, ...] = DEFAULT_SIZES,
+                          reps: int = 5, probe: bool = True, progress: Any = None) -> dict[str, Any]:
+    say = progress or (lambda _msg: None)
+    sizes = tuple(sorted(set(sizes)))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        backend = TimedBackend(server_url, session)
+        plain = Backend(server_url, session)
+        caps = await backend.caps()
+        compat = dict(caps["compat"])
+        layout = KvLayout.from_caps(compat)
+        shm = shm_dir if shm_dir and caps.get("dir") and Path(caps["dir"]).resolve() == shm_dir.resolve() else None
+        mover = KvMover(backend, layout, compat, shm, Metrics(CollectorRegistry(), ("s0",)))
+        tokens = await _tokens(plain, max(sizes))
+        say(f"prefilling {len(tokens)} tokens into slot 0")
+        started = time.perf_counter()
+        await plain.post_json("/completion", {"prompt": tokens, "n_predict": 1, "id_slot": 0, "cache_prompt": True,
+                                              "temperature": 0})
+        prefill_s = time.perf_counter() - started
+        slot0 = next(s for s in (await backend.slots(tokens=True))["slots"] if int(s["id"]) == 0)
+        held = [int(t) for t in slot0.get("tokens", [])][: int(slot0.get("pos_max", -1)) + 1]
+        probe_idle = statistics.median([await _probe(plain) for _ in range(3)]) if probe else None
+        rows = []
+        for n in sizes:
+            if n > len(held):
+                say(f"skipping {n} tokens: slot 0 holds only {len(held)}")
+                continue
+            size = blob_size(layout, n)
+            row: dict[str, Any] = {"tokens": n, "bytes": size, "bytes_per_token": layout.bytes_per_token}
+            segment = None
+            for op in ("export", "import"):
+                totals, servers, probes = [], [], []
+                for rep in range(reps):
+                    with_probe = plain if probe and rep == reps - 1 else None
+                    if op == "export":
+                        holder: dict[str, Any] = {}
+
+                        async def export(holder: dict[str, Any] = holder, n: int = n) -> None:
+                            holder["seg"] = await mover.export({"slot": 0}, 0, n)
+
+                        total, probe_ms = await _timed(export(), with_probe)
+                        segment = holder["seg"]
+                    else:
+                        assert segment is not None
+                        total, probe_ms = await _timed(mover.import_(1, 0, held[:n], [segment]), with_probe)
+                    totals.append(1000 * total)
+                    servers.append(1000 * backend.last_call_s)
+                    if probe_ms is not None:
+                        probes.append(probe_ms)
+                row[op] = {"total_ms_p50": statistics.median(totals), "total_ms_max": max(totals),
+                           "server_ms_p50": statistics.median(servers), "server_ms_max": max(servers),
+                           "mb_s": size / (statistics.median(totals) / 1000) / 1e6,
+                           "server_mb_s": size / (statistics.median(servers) / 1000) / 1e6,
+                           "probe_ms": probes[0] if probes else None}
+            row["memcpy_mb_s"] = memcpy_mb_s(size, max(5, reps))
+            rows.append(row)
+            say(f"{n} tokens ({size / 2**20:.1f} MiB): export {row['export']['total_ms_p50']:.1f} ms "
+                f"({row['export']['mb_s']:.0f} MB/s), import {row['import']['total_ms_p50']:.1f} ms "
+                f"({row['import']['mb_s']:.0f} MB/s), memcpy {row['memcpy_mb_s']:.0f} MB/s")
+    return {"workload": {"name": "kvctl", "params": {"sizes": list(sizes), "reps": reps, "probe": probe}},
+            "transport": "shm files" if shm else "inline msgpack", "prefill_s": prefill_s,
+            "probe_idle_ms": probe_idle, "layout_bytes_per_token": layout.bytes_per_token, "sizes": rows}

@@ -1,0 +1,232 @@
+"""Benchmark workloads: pure, seeded generators of request lists.
+
+A workload is a tuple of ``BenchRequest`` plus how many may be in flight at once. Order and
+timing are expressed as dependencies: a request is sent once every request named in its
+``after`` has finished, ``delay_s`` later (closed loop: what the answers cost decides the
+pace). The runner records the real send times in a manifest so a run can be replayed open
+loop against any OpenAI URL. Generators never touch the network or the clock; the same
+arguments give the same list.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.bench.text import prose, seeded, words_for
+
+QUESTION_WORDS = 12
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    id: str
+    session: str
+    group: str  # what the report breaks figures down by
+    body: dict[str, Any]  # an OpenAI /v1/chat/completions body (the runner adds "stream")
+    after: tuple[str, ...] = ()
+    delay_s: float = 0.0
+    via: str = "front"  # "front": the arm's OpenAI URL; "server": its llama-server directly
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    description: str
+    requests: tuple[BenchRequest, ...]
+    concurrency: int
+    params: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for req in self.requests:
+            if req.id in seen:
+                raise ValueError(f"{self.name}: duplicate request id {req.id}")
+            missing = [d for d in req.after if d not in seen]
+            if missing:
+                raise ValueError(f"{self.name}: {req.id} waits for {missing}, which do not come before it")
+            if req.via not in ("front", "server"):
+                raise ValueError(f"{self.name}: {req.id}: via must be 'front' or 'server'")
+            seen.add(req.id)
+        if self.concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+
+
+def chat(system: str, user: str, max_tokens: int, history: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    messages = [{"role": "system", "content": system}, *(history or []), {"role": "user", "content": user}]
+    return {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+
+
+def question(seed: object, *label: object) -> str:
+    return f"Question {'-'.join(map(str, label))}: {prose(seeded(seed, 'q', *label), QUESTION_WORDS)}"
+
+
+def prompt_words(body: dict[str, Any]) -> list[str]:
+    """The words of all message contents, in order (what the shared-prefix fractions count)."""
+    return [w for m in body["messages"] for w in str(m.get("content", "")).split()]
+
+
+# ---- prefix tiers -------------------------------------------------------------------------
+
+
+def prefix_tiers(prompt_tokens: int = 1000, rounds: int = 3, prompts: int = 4,
+                 tiers: tuple[int, ...] = (0, 25, 50, 75, 90), max_tokens: int = 16, seed: int = 0) -> Workload:
+    """Per tier, ``prompts`` concurrent requests whose first ``tier`` % is common.
+
+    Waves go tier by tier, round by round; each wave starts when the previous one finished,
+    so by the next round the other tiers have overwritten every slot and only host caches
+    can still hold a tier's prefix. The rest of each prompt is new in every round.
+    """
+    total = words_for(prompt_tokens)
+    reqs: list[BenchRequest] = []
+    previous: tuple[str, ...] = ()
+    for rnd in range(1, rounds + 1):
+        for tier in tiers:
+            shared_n = round(tier / 100 * total)
+            shared = prose(seeded(seed, "tier", tier), shared_n) if shared_n else ""
+            wave = []
+            for i in range(prompts):
+                unique_n = max(1, total - shared_n - QUESTION_WORDS - 2)
+                unique = f"[doc-{rnd}-{tier}-{i}] " + prose(seeded(seed, "tier", tier, rnd, i), unique_n - 1)
+                system = f"{shared} {unique}" if shared else unique
+                rid = f"r{rnd}-t{tier}-p{i}"
+                reqs.append(BenchRequest(rid, f"t{tier}-p{i}", f"tier {tier}%",
+                                         chat(system, question(seed, rnd, tier, i), max_tokens), previous,
+                                         meta={"tier": tier, "round": rnd, "prompt": i, "shared_words": shared_n}))
+                wave.append(rid)
+            previous = tuple(wave)
+    return Workload("prefix-tiers", "common prefixes of several sizes, concurrent waves, several rounds",
+                    tuple(reqs), prompts, {"prompt_tokens": prompt_tokens, "rounds": rounds, "prompts": prompts,
+                                           "tiers": list(tiers), "max_tokens": max_tokens, "seed": seed})
+
+
+# ---- host dedup ---------------------------------------------------------------------------
+
+
+def host_dedup(prompt_tokens: int = 2000, prompts: int = 8, rounds: int = 2, max_tokens: int = 16,
+               seed: int = 0) -> Workload:
+    """``prompts`` prompts sharing their first half, one at a time; later rounds ask again.
+
+    What it shows is the host cache size: a full copy per prompt (Legacy) against each shared
+    prefix stored once (the radix tree). More prompts than slots, so later rounds need a
+    host cache to reuse anything beyond the shared half.
+    """
+    total = words_for(prompt_tokens)
+    half = total // 2
+    shared = prose(seeded(seed, "dedup", "shared"), half)
+    reqs: list[BenchRequest] = []
+    previous: tuple[str, ...] = ()
+    for rnd in range(1, rounds + 1):
+        for i in range(prompts):
+            unique = f"[doc-{i}] " + prose(seeded(seed, "dedup", i), max(1, total - half - QUESTION_WORDS - 3))
+            rid = f"r{rnd}-p{i}"
+            reqs.append(BenchRequest(rid, f"p{i}", f"round {rnd}",
+                                     chat(f"{shared} {unique}", question(seed, "dedup", rnd, i), max_tokens),
+                                     previous, meta={"round": rnd, "prompt": i, "shared_words": half}))
+            previous = (rid,)
+    return Workload("host-dedup", "prompts sharing their first half, sent one at a time", tuple(reqs), 1,
+                    {"prompt_tokens": prompt_tokens, "prompts": prompts, "rounds": rounds,
+                     "max_tokens": max_tokens, "seed": seed})
+
+
+# ---- restore ------------------------------------------------------------------------------
+
+
+def restore(prompt_tokens: int = 1500, rounds: int = 3, fillers: int = 4, max_tokens: int = 16,
+            seed: int = 0) -> Workload:
+    """A prompt, then ``fillers`` other prompts at once (one per slot: the prompt is in no slot
+    any more), then the prompt again with a new question. Compare the TTFT of ``again`` (a
+    host restore, if the arm has a host cache) with ``first`` (a full prefill)."""
+    total = words_for(prompt_tokens)
+    reqs: list[BenchRequest] = []
+    previous: tuple[str, ...] = ()
+    for rnd in range(1, rounds + 1):
+        doc = f"[doc-{rnd}] " + prose(seeded(seed, "restore", rnd), max(1, total - QUESTION_WORDS - 3))
+        first = f"r{rnd}-first"
+        reqs.append(BenchRequest(first, f"s{rnd}", "first", chat(doc, question(seed, "restore", rnd, 1), max_tokens),
+                                 previous, meta={"round": rnd}))
+        fill_ids = []
+        for j in range(fillers):
+            text = f"[filler-{rnd}-{j}] " + prose(seeded(seed, "filler", rnd, j), max(1, total // 2))
+            fid = f"r{rnd}-fill{j}"
+            reqs.append(BenchRequest(fid, f"f{rnd}-{j}", "fill", chat(text, question(seed, "fill", rnd, j),
+                                                                     max_tokens), (first,), meta={"round": rnd}))
+            fill_ids.append(fid)
+        again = f"r{rnd}-again"
+        reqs.append(BenchRequest(again, f"s{rnd}", "again", chat(doc, question(seed, "restore", rnd, 2), max_tokens),
+                                 tuple(fill_ids), meta={"round": rnd}))
+        previous = (again,)
+    return Workload("restore", "a prompt evicted from every slot, then asked again", tuple(reqs), max(1, fillers),
+                    {"prompt_tokens": prompt_tokens, "rounds": rounds, "fillers": fillers,
+                     "max_tokens": max_tokens, "seed": seed})
+
+
+# ---- overhead -----------------------------------------------------------------------------
+
+
+def overhead(pairs: int = 40, prompt_tokens: int = 32, max_tokens: int = 1, delay_s: float = 0.2,
+             seed: int = 0) -> Workload:
+    """Short distinct prompts, alternately through the arm's front and to its server directly.
+
+    On the proxy arm the paired TTFT difference is what the proxy adds on a miss. On arms
+    without a proxy both sides hit the same server, so their difference is the noise floor.
+    ``delay_s`` between requests lets the proxy's background save finish, so the direct
+    request never races it.
+    """
+    n = words_for(prompt_tokens)
+    reqs: list[BenchRequest] = []
+    previous: tuple[str, ...] = ()
+    for k in range(pairs):
+        order = ("front", "server") if k % 2 == 0 else ("server", "front")
+        for via in order:
+            text = f"[note-{k}-{via}] " + prose(seeded(seed, "overhead", k, via), max(1, n - 1))
+            rid = f"pair{k}-{via}"
+            body = {"messages": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": text}],
+                    "max_tokens": max_tokens, "temperature": 0}
+            reqs.append(BenchRequest(rid, f"pair{k}", via, body, previous, delay_s, via, meta={"pair": k}))
+            previous = (rid,)
+    return Workload("overhead", "proxy latency on a miss against the server direct (paired)", tuple(reqs), 1,
+                    {"pairs": pairs, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "delay_s": delay_s,
+                     "seed": seed})
+
+
+# ---- registry -----------------------------------------------------------------------------
+
+
+def _agents(**kw: Any) -> Workload:
+    from proxy.bench.agents import agents
+
+    return agents(**kw)
+
+
+# Arms run when --arms is not given (all three otherwise). Overhead compares the proxy with its
+# own server; Legacy runs it too, where front and server are the same (the noise floor).
+DEFAULT_ARMS: dict[str, tuple[str, ...]] = {"overhead": ("legacy", "proxy")}
+
+GENERATORS: dict[str, Callable[..., Workload]] = {
+    "prefix-tiers": prefix_tiers,
+    "host-dedup": host_dedup,
+    "restore": restore,
+    "overhead": overhead,
+    "agents": _agents,
+}
+
+
+def generator_params(name: str) -> set[str]:
+    fn: Callable[..., Workload] = GENERATORS[name]
+    if name == "agents":
+        from proxy.bench.agents import agents
+
+        fn = agents
+    return set(inspect.signature(fn).parameters)
+
+
+def make_workload(name: str, **options: Any) -> Workload:
+    """The workload ``name`` with the given sizes; options it does not take (or None) are ignored."""
+    if name not in GENERATORS:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(GENERATORS)}")
+    accepted = generator_params(name)
+    return GENERATORS[name](**{k: v for k, v in options.items() if v is not None and k in accepted})
