@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.bench.text import fill_to, prose, seeded, words_for
+from proxy.bench.text import fill_to, prose, seeded
 from proxy.bench.workloads import BenchRequest, Workload
 
 SCENARIOS = ("finance", "maintenance", "incident")
@@ -35,13 +35,13 @@ def _tool(name: str, description: str, **props: str) -> dict[str, Any]:
         "required": list(props)}}}
 
 
-def _system(role: str, tools: list[dict[str, Any]], rules: list[str], docs: list[str], words: int, seed: object) -> str:
+def _system(role: str, tools: list[dict[str, Any]], rules: list[str], docs: list[str], tokens: int, seed: object) -> str:
     text = "\n".join([
         role, "", "## Tools",
         "Call one tool at a time by answering only with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.",
-        json.dumps(tools, indent=1), "", "## Rules", *[f"- {r}" for r in rules], "", "## Documents", *docs,
+        json.dumps(tools), "", "## Rules", *[f"- {r}" for r in rules], "", "## Documents", *docs,
         "", "## Background notes"])
-    return fill_to(text, seeded(seed, "notes"), words)
+    return fill_to(text, seeded(seed, "notes"), tokens)
 
 
 def _call(name: str, **arguments: Any) -> dict[str, Any]:
@@ -50,9 +50,8 @@ def _call(name: str, **arguments: Any) -> dict[str, Any]:
 
 # ---- financial research -------------------------------------------------------------------
 
-_COMPANIES = ("Altamira Foods", "Borealis Grid", "Cobalt Harbor Logistics", "Dunmore Textiles", "Elkridge Pharma",
-              "Fenwick Robotics")
-_YEARS = (2021, 2022, 2023)
+_COMPANIES = ("Altamira Foods", "Borealis Grid", "Cobalt Harbor Logistics", "Dunmore Textiles")
+_YEARS = (2022, 2023)
 
 
 def _financials(seed: object) -> dict[str, dict[int, dict[str, float]]]:
@@ -90,14 +89,14 @@ def _ratio(data: dict[str, dict[int, dict[str, float]]], company: str, ratio: st
             "value": round(fn(data[company][year]), 3)}
 
 
-def finance(n_sessions: int, words: int, seed: object) -> tuple[str, list[Task]]:
+def finance(n_sessions: int, tokens: int, seed: object) -> tuple[str, list[Task]]:
     data = _financials(seed)
     docs = []
     for name in _COMPANIES:
         for year in _YEARS:
             figures = "; ".join(f"{k.replace('_', ' ')} {v} M" for k, v in data[name][year].items())
             docs.append(f"### {name}, annual report {year} (fictional)\n{figures}.\n"
-                        f"{prose(seeded(seed, 'fin-doc', name, year), 40)}")
+                        f"{prose(seeded(seed, 'fin-doc', name, year), 10)}")
     tools = [_tool("get_financials", "Reported figures of a company for a fiscal year", company="company name",
                    year="fiscal year"),
              _tool("compute_ratio", "Compute a financial ratio from the reported figures", company="company name",
@@ -105,7 +104,7 @@ def finance(n_sessions: int, words: int, seed: object) -> tuple[str, list[Task]]
              _tool("search_reports", "Full-text search in the annual reports", query="search terms")]
     system = _system("You are a financial research assistant. All companies below are fictional.", tools,
                      ["Use only the figures in the documents or returned by tools.", "Show each ratio's formula.",
-                      "Give no investment advice."], docs, words, (seed, "finance"))
+                      "Give no investment advice."], docs, tokens, (seed, "finance"))
     tasks = []
     for i in range(n_sessions):
         company, other = _COMPANIES[i % len(_COMPANIES)], _COMPANIES[(i + 1) % len(_COMPANIES)]
@@ -141,29 +140,29 @@ def _device_log(device: str, code: str, n: int, seed: object) -> list[str]:
     return lines
 
 
-def maintenance(n_sessions: int, words: int, seed: object) -> tuple[str, list[Task]]:
+def maintenance(n_sessions: int, tokens: int, seed: object) -> tuple[str, list[Task]]:
     docs = []
     for model in _MODELS:
         docs.append(f"### Service manual: {model}")
         for code, meaning in _CODES.items():
-            docs.append(f"{code} ({meaning}): {prose(seeded(seed, 'manual', model, code), 45)}")
+            docs.append(f"{code} ({meaning}): {prose(seeded(seed, 'manual', model, code), 20)}")
     tools = [_tool("read_device_log", "Last readings of a device", device_id="device id", last_n="number of lines"),
              _tool("lookup_manual", "Manual section for an error code", model="device model", code="error code"),
              _tool("create_work_order", "Draft a work order for a supervisor to approve", device_id="device id",
                    action="what to do", priority="low|medium|high")]
     system = _system("You are a field maintenance assistant for remote pumping stations.", tools,
                      ["Quote the manual section you rely on.", "Never clear an alarm yourself.",
-                      "Work orders are drafts until a supervisor approves them."], docs, words, (seed, "maint"))
+                      "Work orders are drafts until a supervisor approves them."], docs, tokens, (seed, "maint"))
     tasks = []
     models, codes = list(_MODELS), list(_CODES)
     for i in range(n_sessions):
         model = models[i % len(models)]
         device, code = f"{_MODELS[model]}-{400 + 7 * i:04d}", codes[i % len(codes)]
-        log = _device_log(device, code, 12, seed)
-        manual = f"{code} ({_CODES[code]}): {prose(seeded(seed, 'manual', model, code), 45)}"
+        log = _device_log(device, code, 8, seed)
+        manual = f"{code} ({_CODES[code]}): {prose(seeded(seed, 'manual', model, code), 20)}"
         order = {"work_order": f"WO-{7100 + i}", "device_id": device, "status": "draft",
                  "note": "awaiting supervisor approval"}
-        steps = ((_call("read_device_log", device_id=device, last_n=12), "\n".join(log)),
+        steps = ((_call("read_device_log", device_id=device, last_n=8), "\n".join(log)),
                  (_call("lookup_manual", model=model, code=code), manual),
                  (_call("create_work_order", device_id=device, action=f"inspect for {_CODES[code]}",
                         priority="high"), json.dumps(order)))
@@ -187,8 +186,8 @@ def _status(service: str, seed: object) -> dict[str, Any]:
             "error_rate_pct": round(rng.uniform(2, 15), 1), "slo_error_rate_pct": 1.0}
 
 
-def incident(n_sessions: int, words: int, seed: object) -> tuple[str, list[Task]]:
-    docs = [f"### Runbook: {s}\n{prose(seeded(seed, 'runbook', s), 70)}" for s in _SERVICES]
+def incident(n_sessions: int, tokens: int, seed: object) -> tuple[str, list[Task]]:
+    docs = [f"### Runbook: {s}\n{prose(seeded(seed, 'runbook', s), 40)}" for s in _SERVICES]
     docs.append(f"### Architecture\n{' -> '.join(_SERVICES)}. {prose(seeded(seed, 'arch'), 60)}")
     tools = [_tool("get_service_status", "Health and key figures of a service (read-only)", service="service name"),
              _tool("query_logs", "Recent log lines of a service (read-only)", service="service name",
@@ -198,7 +197,7 @@ def incident(n_sessions: int, words: int, seed: object) -> tuple[str, list[Task]
     system = _system("You are an incident assistant for a simulated edge service (a test environment).", tools,
                      ["You may only read status and logs and propose actions.",
                       "Every proposal waits for a human operator's review; you never execute anything.",
-                      "State your evidence for each proposal."], docs, words, (seed, "incident"))
+                      "State your evidence for each proposal."], docs, tokens, (seed, "incident"))
     tasks = []
     for i in range(n_sessions):
         service = _SERVICES[i % len(_SERVICES)]
@@ -229,7 +228,7 @@ def agents(system_tokens: int = 1200, sessions: int = 2, max_tokens: int = 32, s
     """All sessions of all scenarios run concurrently; turns within a session in order."""
     reqs: list[BenchRequest] = []
     for scenario in scenarios:
-        system, tasks = _BUILDERS[scenario](sessions, words_for(system_tokens), seed)
+        system, tasks = _BUILDERS[scenario](sessions, system_tokens, seed)
         for i, task in enumerate(tasks):
             session = f"{scenario}-s{i}"
             messages: list[dict[str, str]] = [{"role": "system", "content": system},

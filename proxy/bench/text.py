@@ -1,7 +1,9 @@
 """Deterministic local text for the benchmark workloads (no network, no model, no downloads).
 
-Token counts are approximated from words: ``TOKENS_PER_WORD`` tokens per whitespace-separated
-word, about right for plain English prose with the default model's tokenizer. Every random
+Token counts are approximate: prose is sized in words (``TOKENS_PER_WORD`` tokens each, as
+measured with the default model's tokenizer on this prose), and ``approx_tokens`` estimates any
+text (JSON, figures, logs) by counting letter runs, digits and punctuation runs, within about
+10 % of the real count on the agents' documents. Every random
 choice comes from a ``random.Random`` seeded with a string, which Python hashes with SHA-512,
 so the same seed gives the same text on every machine and run (``PYTHONHASHSEED`` plays no part).
 """
@@ -9,8 +11,9 @@ so the same seed gives the same text on every machine and run (``PYTHONHASHSEED`
 from __future__ import annotations
 
 import random
+import re
 
-TOKENS_PER_WORD = 1.3
+TOKENS_PER_WORD = 1.1
 
 _VOCAB_TEXT = """
 the of and to in is that for it as with was on be by this are from at or an have not which one all
@@ -44,8 +47,14 @@ def words_for(tokens: int) -> int:
     return max(1, round(tokens / TOKENS_PER_WORD))
 
 
+_LETTERS = re.compile(r"[A-Za-z]+")
+_DIGITS = re.compile(r"\d")
+_PUNCT = re.compile(r"[^\sA-Za-z\d]+")
+
+
 def approx_tokens(text: str) -> int:
-    return round(len(text.split()) * TOKENS_PER_WORD)
+    """About how many tokens ``text`` makes (most digits and punctuation runs are a token each)."""
+    return round(1.05 * len(_LETTERS.findall(text)) + len(_DIGITS.findall(text)) + len(_PUNCT.findall(text)))
 
 
 def prose(rng: random.Random, n_words: int) -> str:
@@ -60,10 +69,10 @@ def prose(rng: random.Random, n_words: int) -> str:
     return " ".join(out)
 
 
-def fill_to(text: str, rng: random.Random, n_words: int) -> str:
-    """``text`` followed by prose up to ``n_words`` words in all (``text`` alone if it is longer)."""
-    have = len(text.split())
-    return text if have >= n_words else f"{text}\n{prose(rng, n_words - have)}"
+def fill_to(text: str, rng: random.Random, tokens: int) -> str:
+    """``text`` followed by prose up to about ``tokens`` tokens in all (``text`` alone if it is longer)."""
+    need = tokens - approx_tokens(text)
+    return text if need <= 0 else f"{text}\n{prose(rng, words_for(need))}"
 
 
 def word_prefix(a: str, b: str) -> int:

@@ -215,13 +215,14 @@ GENERATORS: dict[str, Callable[..., Workload]] = {
 }
 
 
-def generator_params(name: str) -> set[str]:
+def generator_params(name: str) -> dict[str, Any]:
+    """The size options a workload takes, with their defaults."""
     fn: Callable[..., Workload] = GENERATORS[name]
     if name == "agents":
         from proxy.bench.agents import agents
 
         fn = agents
-    return set(inspect.signature(fn).parameters)
+    return {k: p.default for k, p in inspect.signature(fn).parameters.items()}
 
 
 def make_workload(name: str, **options: Any) -> Workload:
