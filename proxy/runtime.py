@@ -221,6 +221,7 @@ def up_forever(*, model_arg: str | None, server_port: int, n_parallel: int, ctx_
         with contextlib.suppress(OSError):
             for leftover in shm_dir.glob("radix-*.kv"):
                 leftover.unlink()
+            shm_dir.rmdir()
 
 
 def _default_shm_dir(port: int) -> Path:

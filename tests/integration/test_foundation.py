@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -18,8 +20,9 @@ from proxy.errors import BuildError
 from proxy.native import build as build_mod
 from proxy.native.build import BuildSpec, build_server
 from proxy.native.fetch import pip_download
-from proxy.native.launch import ServerProcess
+from proxy.native.launch import ServerProcess, check_port_free, free_port
 from proxy.native.pins import LLAMA_CPP, SMOLLM2
+from tests.helpers import post
 
 
 def chat(url: str, content: str, max_tokens: int = 16, **extra: object) -> dict:
@@ -112,3 +115,32 @@ def test_up_with_port_in_use_says_cause_and_fix() -> None:
         out = _cli("up", "--port", str(port))
     assert out.returncode == 1
     assert "in use" in out.stderr and "fix:" in out.stderr
+
+
+def test_up_serves_through_the_proxy_and_stops_cleanly(patched_bin: Path, model_path: Path) -> None:
+    """What `make run` does: build/fetch (cached here), serve, answer, stop on SIGTERM."""
+    port, server_port = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "up", "--port", str(port),
+                             "--server-port", str(server_port), "-t", "2", "-c", "4096"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        reply = post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                     {"messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8})
+        assert reply.status == 200 and reply.headers["X-Radix-Route"] == "prefill"
+        assert reply.body["choices"][0]["message"]["content"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert f"http://127.0.0.1:{port}/v1" in out and "curl" in out
+    # The server child is gone: nothing listens on its port any more.
+    check_port_free("127.0.0.1", server_port, "llama-server")
