@@ -144,3 +144,36 @@ def test_up_serves_through_the_proxy_and_stops_cleanly(patched_bin: Path, model_
     assert f"http://127.0.0.1:{port}/v1" in out and "curl" in out
     # The server child is gone: nothing listens on its port any more.
     check_port_free("127.0.0.1", server_port, "llama-server")
+
+
+def _patch_body(text: str) -> str:
+    # The first line names the commit and git may append a version signature: neither is content.
+    lines = text.rstrip().splitlines()[1:]
+    if len(lines) >= 2 and lines[-2] == "-- ":
+        lines = lines[:-2]
+    return "\n".join(lines).rstrip()
+
+
+def test_patch_checkout_and_export_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from proxy.native import patches as workflow
+
+    series = tmp_path / "patches"
+    series.mkdir()
+    originals = {p.name: p.read_text() for p in build_mod.patch_files()}
+    assert originals, "the repository has no patch series"
+    for name, text in originals.items():
+        (series / name).write_text(text)
+    monkeypatch.setenv("RADIX_PATCH_DIR", str(series))
+    tree = tmp_path / "tree"
+    workflow.checkout(tree)
+    log = subprocess.run(["git", "log", "--format=%s"], cwd=tree, capture_output=True, text=True).stdout
+    assert len(log.splitlines()) == len(originals) + 1
+    (tree / "tools" / "server" / "README-radix.txt").write_text("a new file\n")
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A"], cwd=tree, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "server : note"],
+                   cwd=tree, check=True)
+    written = workflow.export(tree)
+    assert len(written) == len(originals) + 1
+    for path in written[:-1]:
+        assert _patch_body(path.read_text()) == _patch_body(originals[path.name])
+    assert "README-radix.txt" in written[-1].read_text()

@@ -1,0 +1,695 @@
+"""The /kvctl/* control API of the patched llama-server (docs/kvctl.md), on real servers.
+
+Default model, greedy, one request at a time. Invariant 5 of the architecture: a KV move is
+lossless (re-export byte-identical, continuation bitwise identical to the one computed from
+the same KV left in place, when the imported cells land at the same cell indices); against a
+full prefill on the stock build, answers may part only at a near-tie (NEAR_TIE_NATS).
+
+Servers, all module scoped except the session stock reference: one patched server with
+--kvctl that these tests may erase and overwrite (not the shared session ``patched_server``),
+one with --kvctl-key, one fault-injection build, one patched without --kvctl.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import os
+import struct
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.native.launch import PROXY_SERVER_ARGS, ServerProcess, free_port
+from tests.conftest import ServerFactory
+from tests.helpers import NEAR_TIE_NATS, Reply, chat_body
+
+PROMPT = ("You are a helpful assistant. Answer briefly and precisely. " * 6 +
+          "The quick brown fox jumps over the lazy dog. Tell me a short story about a cat named Bob "
+          "who lived in a small house by the sea, and what he found one morning on the beach.")
+SUFFIX = " The end. Now tell me what Bob did next."
+CANARY = "List three colors of the rainbow:"
+N_PREDICT = 12
+KEY = "kvctl-test-key"
+MAGIC = 0xAF143CD8
+
+
+# --- HTTP -------------------------------------------------------------------------------------
+
+def call(url: str, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
+         timeout: float = 180) -> Reply:
+    data = json.dumps(body).encode() if body is not None else None
+    hdrs = {"Content-Type": "application/json", **(headers or {})}
+    req = urllib.request.Request(url + path, data=data, method=method, headers=hdrs)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return Reply(resp.status, dict(resp.headers), _decode(resp.read()))
+    except urllib.error.HTTPError as err:
+        return Reply(err.code, dict(err.headers), _decode(err.read()))
+
+
+def _decode(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+def ok(url: str, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None) -> Any:
+    reply = call(url, method, path, body, headers)
+    assert reply.status == 200, f"{method} {path} -> {reply.status}: {str(reply.body)[:400]}"
+    return reply.body
+
+
+def assert_error(reply: Reply, status: int, etype: str, *needles: str) -> str:
+    """llama-server's error shape, the given status and type, and a message naming the cause."""
+    assert reply.status == status, f"expected {status}, got {reply.status}: {str(reply.body)[:400]}"
+    assert isinstance(reply.body, dict) and isinstance(reply.body.get("error"), dict), reply.body
+    err = reply.body["error"]
+    assert err.get("code") == status, err
+    assert err.get("type") == etype, err
+    message = err.get("message")
+    assert isinstance(message, str) and message, err
+    for needle in needles:
+        assert needle.lower() in message.lower(), f"{needle!r} not in error message {message!r}"
+    return message
+
+
+# --- kvctl helpers ----------------------------------------------------------------------------
+
+def caps(url: str) -> dict[str, Any]:
+    return dict(ok(url, "GET", "/kvctl/caps"))
+
+
+def slot_info(url: str, slot: int) -> dict[str, Any]:
+    return dict(ok(url, "GET", "/kvctl/slots?tokens=1")["slots"][slot])
+
+
+def cells(url: str) -> dict[str, Any]:
+    return dict(ok(url, "GET", "/kvctl/cells"))
+
+
+def erase(url: str, slot: int) -> None:
+    ok(url, "POST", "/kvctl/erase", {"slot": slot})
+
+
+def reset(url: str) -> None:
+    """Every slot erased, every owner released: an empty pool."""
+    c = caps(url)
+    for slot in range(c["n_parallel"]):
+        erase(url, slot)
+    for owner in range(*c["owner_ids"]):
+        ok(url, "POST", "/kvctl/release", {"owner": owner})
+    assert cells(url)["used"] == 0
+
+
+def export(url: str, p0: int, p1: int, slot: int | None = 0, owner: int | None = None) -> bytes:
+    body: dict[str, Any] = {"p0": p0, "p1": p1}
+    body.update({"owner": owner} if owner is not None else {"slot": slot})
+    res = ok(url, "POST", "/kvctl/export", body)
+    blob = base64.b64decode(res["data"])
+    assert res["size"] == len(blob) and res["n_cells"] == p1 - p0
+    return blob
+
+
+def b64(blob: bytes) -> str:
+    return base64.b64encode(blob).decode()
+
+
+def import_body(compat: Any, slot: int, p0: int, p1: int, tokens: list[int], blobs: list[bytes],
+                **extra: Any) -> dict[str, Any]:
+    return {"slot": slot, "p0": p0, "p1": p1, "tokens": tokens, "compat": compat,
+            "segments": [{"data": b64(b)} for b in blobs], **extra}
+
+
+def import_(url: str, compat: Any, slot: int, p0: int, p1: int, tokens: list[int],
+            blobs: list[bytes]) -> dict[str, Any]:
+    return dict(ok(url, "POST", "/kvctl/import", import_body(compat, slot, p0, p1, tokens, blobs)))
+
+
+def parse_payload(blob: bytes, n_meta: int) -> tuple[int, list[int]]:
+    """(cell count, positions) of a payload, per the documented format (version 1)."""
+    magic, _seq, n_stream, n_cells = struct.unpack_from("<IiII", blob, 0)
+    assert magic == MAGIC and n_stream == 1
+    positions = [struct.unpack_from("<i", blob, 16 + i * n_meta)[0] for i in range(n_cells)]
+    return n_cells, positions
+
+
+# --- completions ------------------------------------------------------------------------------
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    # per generated token: (id, logprob, [(id, logprob) of the top candidates])
+    probs: list[tuple[int, float, list[tuple[int, float]]]]
+    cache_n: int
+    prompt_n: int
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    def margin(self, i: int) -> float:
+        tops = sorted((lp for _, lp in self.probs[i][2]), reverse=True)
+        return tops[0] - tops[1] if len(tops) > 1 else float("inf")
+
+
+def complete(url: str, prompt: Any, slot: int | None = 0, cache: bool = True, n: int = N_PREDICT,
+             **extra: Any) -> Completion:
+    body = {"prompt": prompt, "cache_prompt": cache, "temperature": 0, "n_predict": n, "n_probs": 3,
+            "return_tokens": True, **extra}
+    if slot is not None:
+        body["id_slot"] = slot
+    res = ok(url, "POST", "/completion", body)
+    probs = [(p["id"], p["logprob"], [(t["id"], t["logprob"]) for t in p["top_logprobs"]])
+             for p in res["completion_probabilities"]]
+    return Completion(res["tokens"], probs, res["timings"]["cache_n"], res["timings"]["prompt_n"], res)
+
+
+def assert_bitwise(got: Completion, ref: Completion) -> None:
+    """Same tokens, same log-probabilities of every token and every top candidate, bit for bit."""
+    assert got.tokens == ref.tokens
+    assert got.probs == ref.probs
+
+
+def assert_same_or_near_tie(got: Completion, ref: Completion, tol: float = NEAR_TIE_NATS) -> None:
+    """Invariant 5 against a full prefill: equal tokens, or parting only where ``ref`` is near a tie."""
+    assert got.tokens and ref.tokens
+    for i, (x, y) in enumerate(zip(got.tokens, ref.tokens, strict=False)):
+        if x != y:
+            assert ref.margin(i) < tol, (f"answers part at token {i} ({x} vs {y}) where the reference's "
+                                         f"top-two margin is {ref.margin(i):.3f} >= {tol}")
+            return
+    assert len(got.tokens) == len(ref.tokens)
+
+
+# --- servers ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def kv_server(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
+    """Patched, --kvctl, with a --kvctl-dir: these tests own its slots."""
+    return start_server(patched_bin)
+
+
+@pytest.fixture(scope="module")
+def keyed_server(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
+    return start_server(patched_bin, kvctl_key=KEY, n_parallel=2)
+
+
+@pytest.fixture(scope="module")
+def fault_server(start_server: ServerFactory, fault_bin: Path) -> ServerProcess:
+    return start_server(fault_bin, n_parallel=2)
+
+
+@pytest.fixture(scope="module")
+def off_server(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
+    return start_server(patched_bin, kvctl=False)
+
+
+@dataclass
+class Moved:
+    """Slot 0 of ``kv_server`` after one completion, its KV exported, and the reference continuation."""
+    url: str
+    dir: Path
+    caps: dict[str, Any]
+    tokens: list[int]  # what slot 0 recorded: n tokens
+    blob: bytes  # export of [0, n)
+    request: list[int]  # tokens + a suffix: reuses the whole slot
+    ref: Completion  # the continuation from the KV left in place
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def compat(self) -> dict[str, Any]:
+        return dict(self.caps["compat"])
+
+    @property
+    def cell_bytes(self) -> int:
+        return int(self.caps["payload"]["cell_bytes"])
+
+    @property
+    def header_bytes(self) -> int:
+        return int(self.caps["payload"]["header_bytes"])
+
+
+@pytest.fixture(scope="module")
+def moved(kv_server: ServerProcess) -> Moved:
+    url = kv_server.url
+    assert kv_server.spec.kvctl_dir is not None
+    c = caps(url)
+    assert c["sharing"] and not c["fault_injection"] and c["n_parallel"] == 4
+    reset(url)
+    first = complete(url, PROMPT, slot=0)
+    assert first.cache_n == 0
+    info = slot_info(url, 0)
+    tokens, n = info["tokens"], info["n_tokens"]
+    assert n == first.prompt_n + len(first.tokens) - 1  # the last sampled token is not decoded yet
+    assert (info["pos_min"], info["pos_max"], info["n_cells"]) == (0, n - 1, n)
+    blob = export(url, 0, n)
+    suffix = ok(url, "POST", "/tokenize", {"content": SUFFIX})["tokens"]
+    request = tokens + [int(t) for t in suffix]
+    ref = complete(url, request, slot=0)
+    assert ref.cache_n == n and ref.prompt_n == len(suffix)
+    return Moved(url, kv_server.spec.kvctl_dir, c, tokens, blob, request, ref)
+
+
+# --- 1. move a slot out and back --------------------------------------------------------------
+
+def test_export_erase_import_is_lossless(moved: Moved, stock_server: ServerProcess) -> None:
+    url, n = moved.url, moved.n
+    meta_bytes = moved.compat["cell_meta_bytes"]
+    assert len(moved.blob) == moved.header_bytes + n * moved.cell_bytes
+    assert parse_payload(moved.blob, meta_bytes) == (n, list(range(n)))
+    # the reference completion extended the slot; its [0, n) is the same KV
+    assert export(url, 0, n) == moved.blob
+
+    assert ok(url, "POST", "/kvctl/erase", {"slot": 0})["n_erased"] > n
+    info = slot_info(url, 0)
+    assert (info["n_tokens"], info["n_cells"], info["pos_max"]) == (0, 0, -1)
+    assert_error(call(url, "POST", "/kvctl/export", {"slot": 0, "p0": 0, "p1": n}), 400,
+                 "invalid_request_error", "does not hold")
+
+    res = import_(url, moved.compat, 0, 0, n, moved.tokens, [moved.blob])
+    assert (res["slot"], res["n_tokens"], res["n_cells"], res["bytes"]) == (0, n, n, len(moved.blob))
+    info = slot_info(url, 0)
+    assert info["tokens"] == moved.tokens
+    assert (info["pos_min"], info["pos_max"], info["n_cells"]) == (0, n - 1, n)
+    assert cells(url)["seq"] == {"0": n}
+    assert export(url, 0, n) == moved.blob
+
+    out = complete(url, moved.request, slot=0)
+    assert out.cache_n == n and out.prompt_n == len(moved.request) - n
+    assert_bitwise(out, moved.ref)
+
+    # against a full prefill of the same tokens on the stock build: equal, or parting at a near-tie
+    full = complete(stock_server.url, moved.request, slot=None, cache=False)
+    assert full.cache_n == 0 and full.prompt_n == len(moved.request)
+    assert_same_or_near_tie(out, full)
+
+
+# --- 2. segments ------------------------------------------------------------------------------
+
+def test_two_segments_and_import_on_top(moved: Moved) -> None:
+    url, n = moved.url, moved.n
+    a = n // 2
+    reset(url)
+    import_(url, moved.compat, 0, 0, n, moved.tokens, [moved.blob])
+    s1, s2 = export(url, 0, a), export(url, a, n)
+    assert len(s1) == moved.header_bytes + a * moved.cell_bytes
+    assert parse_payload(s2, moved.compat["cell_meta_bytes"]) == (n - a, list(range(a, n)))
+
+    # [0,a) + [a,n) in one import, compat given as compat_id
+    erase(url, 0)
+    import_(url, moved.caps["compat_id"], 0, 0, n, moved.tokens, [s1, s2])
+    assert export(url, 0, n) == moved.blob
+    out = complete(url, moved.request, slot=0)
+    assert out.cache_n == n
+    assert_bitwise(out, moved.ref)
+
+    # [a,n) on top of a slot that holds [0,a)
+    erase(url, 0)
+    import_(url, moved.compat, 0, 0, a, moved.tokens[:a], [s1])
+    assert slot_info(url, 0)["n_tokens"] == a
+    res = import_(url, moved.compat, 0, a, n, moved.tokens, [s2])
+    assert res["n_tokens"] == n and res["n_cells"] == n
+    assert slot_info(url, 0)["tokens"] == moved.tokens
+    assert export(url, 0, n) == moved.blob
+    out = complete(url, moved.request, slot=0)
+    assert out.cache_n == n
+    assert_bitwise(out, moved.ref)
+
+    # the same two segments through payload files, both from one file at offsets
+    res = ok(url, "POST", "/kvctl/export", {"slot": 0, "p0": 0, "p1": a, "file": "seg1.kv"})
+    assert res["file"] == "seg1.kv" and "data" not in res
+    assert (moved.dir / "seg1.kv").read_bytes() == s1
+    (moved.dir / "both.kv").write_bytes(b"xyz" + s1 + s2)
+    erase(url, 0)
+    ok(url, "POST", "/kvctl/import", {
+        "slot": 0, "p0": 0, "p1": n, "tokens": moved.tokens, "compat": moved.compat,
+        "segments": [{"file": "both.kv", "offset": 3, "size": len(s1)},
+                     {"file": "both.kv", "offset": 3 + len(s1), "size": len(s2)}]})
+    assert export(url, 0, n) == moved.blob
+
+
+# --- 3. owners: publish, attach, release -----------------------------------------------------
+
+def test_publish_attach_share_cells(moved: Moved) -> None:
+    url, n = moved.url, moved.n
+    reset(url)
+    owner = moved.caps["owner_ids"][0]
+    import_(url, moved.compat, 0, 0, n, moved.tokens, [moved.blob])
+    res = ok(url, "POST", "/kvctl/publish", {"slot": 0, "owner": owner, "n": n})
+    assert (res["id"], res["n_tokens"], res["n_cells"]) == (owner, n, n)
+    assert export(url, 0, n, slot=None, owner=owner) == moved.blob
+    for slot in (1, 2):
+        res = ok(url, "POST", "/kvctl/attach", {"owner": owner, "slot": slot})
+        assert (res["id"], res["owner"], res["n_tokens"], res["n_cells"]) == (slot, owner, n, n)
+        assert slot_info(url, slot)["tokens"] == moved.tokens
+
+    c = cells(url)
+    assert c["seq"] == {"0": n, "1": n, "2": n, str(owner): n}
+    assert c["logical"] == 4 * n
+    assert c["used"] == n < c["logical"]  # the shared prefix is held once
+    assert (c["slot"], c["owner"], c["owner_only"]) == (n, n, 0)
+    assert c["free"] == c["n_cells"] - n
+
+    # slot 0 moves on: the owner and the two slots still hold the cells
+    erase(url, 0)
+    c = cells(url)
+    assert (c["used"], c["owner_only"]) == (n, 0)
+
+    # each attached slot continues exactly like the slot the KV came from (same cells, suffix at the
+    # same cell indices: the other slot is erased first)
+    out1 = complete(url, moved.request, slot=1)
+    assert out1.cache_n == n
+    assert_bitwise(out1, moved.ref)
+    erase(url, 1)
+    out2 = complete(url, moved.request, slot=2)
+    assert out2.cache_n == n
+    assert_bitwise(out2, moved.ref)
+    c = cells(url)
+    assert c["owner_only"] == 0 and c["used"] == c["seq"]["2"] > n
+
+    # slot 2 is overwritten by an unrelated prompt: only the owner still holds the prefix
+    complete(url, CANARY, slot=2, cache=False)
+    c = cells(url)
+    held = c["seq"]["2"]
+    assert c["owner_only"] == n and c["used"] == n + held
+    res = ok(url, "POST", "/kvctl/release", {"owner": owner})
+    assert res == {"owner": owner, "n_released": n}
+    c = cells(url)
+    assert c["seq"] == {"2": held}
+    assert (c["used"], c["owner"], c["owner_only"], c["logical"]) == (held, 0, 0, held)
+    assert ok(url, "GET", "/kvctl/slots")["owners"] == []
+
+
+# --- 4. bad input -----------------------------------------------------------------------------
+
+@dataclass
+class BadCtx:
+    m: Moved
+    canary: Completion  # the answer before any bad request
+
+    def imp(self, **over: Any) -> dict[str, Any]:
+        body = import_body(self.m.compat, 0, 0, self.m.n, self.m.tokens, [self.m.blob])
+        body.update(over)
+        return body
+
+
+@pytest.fixture(scope="module")
+def bad(moved: Moved) -> BadCtx:
+    url = moved.url
+    reset(url)
+    import_(url, moved.compat, 0, 0, moved.n, moved.tokens, [moved.blob])
+    canary = complete(url, CANARY, slot=1, cache=False)
+    # a valid payload outside the directory, reachable by traversal or through a symlink inside it
+    outside = moved.dir.parent / f"outside-{moved.dir.name}.kv"
+    outside.write_bytes(moved.blob)
+    (moved.dir.parent / "x").write_bytes(moved.blob)
+    link = moved.dir / "link.kv"
+    if link.is_symlink():
+        link.unlink()
+    link.symlink_to(outside)
+    return BadCtx(moved, canary)
+
+
+Case = tuple[str, str, Any, int, str, tuple[str, ...]]  # method, path, body, status, type, message parts
+
+
+def _bad_magic(b: BadCtx) -> Case:
+    blob = b.m.blob
+    return "POST", "/kvctl/import", b.imp(segments=[{"data": b64(b"\0\0\0\0" + blob[4:])}]), 400, \
+        "invalid_request_error", ("magic",)
+
+
+BAD_CASES: dict[str, Callable[[BadCtx], Case]] = {
+    "import-slot-negative": lambda b: ("POST", "/kvctl/import", b.imp(slot=-1), 400, "invalid_request_error",
+                                       ("slot -1 does not exist",)),
+    "import-slot-n_parallel": lambda b: ("POST", "/kvctl/import", b.imp(slot=4), 400, "invalid_request_error",
+                                         ("slot 4 does not exist",)),
+    "export-slot-n_parallel": lambda b: ("POST", "/kvctl/export", {"slot": 4, "p0": 0, "p1": 1}, 400,
+                                         "invalid_request_error", ("slot 4",)),
+    "erase-slot-n_parallel": lambda b: ("POST", "/kvctl/erase", {"slot": 4}, 400, "invalid_request_error",
+                                        ("slot 4",)),
+    "erase-slot-negative": lambda b: ("POST", "/kvctl/erase", {"slot": -4}, 400, "invalid_request_error",
+                                      ("slot -4",)),
+    "publish-slot-n_parallel": lambda b: ("POST", "/kvctl/publish", {"slot": 4, "owner": 4, "n": 1}, 400,
+                                          "invalid_request_error", ("slot 4",)),
+    "attach-owner-is-a-slot": lambda b: ("POST", "/kvctl/attach", {"owner": 0, "slot": 1}, 400,
+                                         "invalid_request_error", ("owner 0 does not exist",)),
+    "export-range-beyond-sequence": lambda b: ("POST", "/kvctl/export", {"slot": 0, "p0": 0, "p1": b.m.n + 5},
+                                               400, "invalid_request_error", ("does not hold",)),
+    "import-p1-beyond-slot-context": lambda b: ("POST", "/kvctl/import", b.imp(p1=10 ** 6), 400,
+                                                "invalid_request_error", ("invalid range",)),
+    "import-segments-short-of-p1": lambda b: ("POST", "/kvctl/import",
+                                              b.imp(p1=b.m.n + 1, tokens=b.m.tokens + [1]), 400,
+                                              "invalid_request_error", ("segments cover",)),
+    "import-on-top-of-missing-prefix": lambda b: ("POST", "/kvctl/import",
+                                                  import_body(b.m.compat, 2, 4, b.m.n, b.m.tokens,
+                                                              [export(b.m.url, 4, b.m.n)]),
+                                                  409, "unavailable_error", ("does not hold tokens[0, 4)",)),
+    "import-incompatible-k-types": lambda b: ("POST", "/kvctl/import",
+                                              b.imp(compat=dict(b.m.compat, k_types=[0] * len(b.m.compat["k_types"]))),
+                                              400, "invalid_request_error", ("incompatible",)),
+    "import-incompatible-fingerprint": lambda b: ("POST", "/kvctl/import",
+                                                  b.imp(compat=dict(b.m.compat, fingerprint="0" * 64)), 400,
+                                                  "invalid_request_error", ("incompatible",)),
+    "import-wrong-compat-id": lambda b: ("POST", "/kvctl/import", b.imp(compat="0" * 64), 400,
+                                         "invalid_request_error", ("incompatible",)),
+    "import-unknown-format-version": lambda b: ("POST", "/kvctl/import",
+                                                b.imp(compat=dict(b.m.compat, format_version=99)), 400,
+                                                "invalid_request_error", ("format version",)),
+    "import-no-compat": lambda b: ("POST", "/kvctl/import",
+                                   {k: v for k, v in b.imp().items() if k != "compat"}, 400,
+                                   "invalid_request_error", ("compat",)),
+    "import-truncated-payload": lambda b: ("POST", "/kvctl/import", b.imp(segments=[{"data": b64(b.m.blob[:-1])}]),
+                                           400, "invalid_request_error", ("truncated",)),
+    "import-bad-magic": _bad_magic,
+    "import-tokens-wrong-length": lambda b: ("POST", "/kvctl/import", b.imp(tokens=b.m.tokens[:-1]), 400,
+                                             "invalid_request_error", ("tokens",)),
+    "import-fault-in-normal-build": lambda b: ("POST", "/kvctl/import", b.imp(fault="after_first_segment"), 400,
+                                               "invalid_request_error", ("fault",)),
+    "import-file-dotdot": lambda b: ("POST", "/kvctl/import",
+                                     b.imp(segments=[{"file": "../x", "size": len(b.m.blob)}]), 400,
+                                     "invalid_request_error", ("invalid file name",)),
+    "import-file-etc-passwd": lambda b: ("POST", "/kvctl/import",
+                                         b.imp(segments=[{"file": "/etc/passwd", "size": 10}]), 400,
+                                         "invalid_request_error", ("invalid file name",)),
+    "import-file-absolute-valid-payload": lambda b: (
+        "POST", "/kvctl/import",
+        b.imp(segments=[{"file": str(b.m.dir.parent / f"outside-{b.m.dir.name}.kv"), "size": len(b.m.blob)}]),
+        400, "invalid_request_error", ("invalid file name",)),
+    "import-file-symlink-out": lambda b: ("POST", "/kvctl/import",
+                                          b.imp(segments=[{"file": "link.kv", "size": len(b.m.blob)}]), 400,
+                                          "invalid_request_error", ("link.kv",)),
+    "import-file-beyond-its-size": lambda b: ("POST", "/kvctl/import",
+                                              b.imp(segments=[{"file": "both.kv", "offset": 8,
+                                                               "size": len(b.m.blob)}]),
+                                              400, "invalid_request_error", ("outside file",)),
+    "export-file-dotdot": lambda b: ("POST", "/kvctl/export", {"slot": 0, "p0": 0, "p1": 1, "file": "../y.kv"},
+                                     400, "invalid_request_error", ("invalid file name",)),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_bad_input_is_refused_and_changes_nothing(bad: BadCtx, case: str) -> None:
+    m = bad.m
+    url = m.url
+    if slot_info(url, 0)["tokens"] != m.tokens:  # a previous case broke it: start from a known state
+        reset(url)
+        import_(url, m.compat, 0, 0, m.n, m.tokens, [m.blob])
+    erase(url, 2)
+    method, path, body, status, etype, needles = BAD_CASES[case](bad)
+
+    assert_error(call(url, method, path, body), status, etype, *needles)
+
+    info = slot_info(url, 0)
+    assert info["tokens"] == m.tokens and info["n_cells"] == m.n and info["pos_max"] == m.n - 1
+    assert slot_info(url, 2)["n_tokens"] == 0
+    assert export(url, 0, m.n) == m.blob
+    assert_same_or_near_tie(complete(url, CANARY, slot=1, cache=False), bad.canary)
+    # nothing was written outside the directory, and no file appeared for a refused export
+    assert (m.dir.parent / f"outside-{m.dir.name}.kv").read_bytes() == m.blob
+    assert not (m.dir.parent / "y.kv").exists()
+
+
+def test_busy_slot_is_409(bad: BadCtx) -> None:
+    m = bad.m
+    url = m.url
+    busy = 3
+    erase(url, busy)
+    body = json.dumps({"prompt": PROMPT, "id_slot": busy, "cache_prompt": True, "temperature": 0,
+                       "n_predict": 2000, "ignore_eos": True, "stream": True})
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    try:
+        assert resp.status == 200
+        resp.readline()  # the first streamed chunk: the slot is generating
+        assert slot_info(url, busy)["busy"]
+        valid = import_body(m.compat, busy, 0, m.n, m.tokens, [m.blob])
+        assert_error(call(url, "POST", "/kvctl/import", valid), 409, "unavailable_error", f"slot {busy} is busy")
+        assert_error(call(url, "POST", "/kvctl/export", {"slot": busy, "p0": 0, "p1": 1}), 409,
+                     "unavailable_error", "busy")
+        assert_error(call(url, "POST", "/kvctl/erase", {"slot": busy}), 409, "unavailable_error", "busy")
+        assert slot_info(url, busy)["busy"]
+    finally:
+        conn.close()  # the server cancels the generation
+    deadline = time.monotonic() + 60
+    while slot_info(url, busy)["busy"]:
+        assert time.monotonic() < deadline, "the cancelled generation did not stop"
+        time.sleep(0.1)
+    info = slot_info(url, 0)
+    assert info["tokens"] == m.tokens and info["n_cells"] == m.n
+    assert_same_or_near_tie(complete(url, CANARY, slot=1, cache=False), bad.canary)
+    erase(url, busy)
+
+
+KEY_CASES = {
+    "no-key": {},
+    "wrong-key": {"Authorization": "Bearer wrong-" + KEY},
+    "key-without-bearer": {"Authorization": KEY},
+}
+
+
+@pytest.mark.parametrize("case", list(KEY_CASES))
+def test_kvctl_key_is_required(keyed_server: ServerProcess, case: str) -> None:
+    url = keyed_server.url
+    good = {"Authorization": "Bearer " + KEY}
+    before = complete(url, PROMPT, slot=0)
+    n = ok(url, "GET", "/kvctl/slots", headers=good)["slots"][0]["n_tokens"]
+    assert n > 0
+
+    headers = KEY_CASES[case]
+    for method, path, body in (("GET", "/kvctl/caps", None), ("GET", "/kvctl/slots", None),
+                               ("POST", "/kvctl/erase", {"slot": 0})):
+        assert_error(call(url, method, path, body, headers), 401, "authentication_error", "key")
+
+    # nothing changed, the key opens the API, and the server answers as before
+    assert ok(url, "GET", "/kvctl/slots", headers=good)["slots"][0]["n_tokens"] == n
+    assert ok(url, "GET", "/kvctl/caps", headers=good)["n_parallel"] == 2
+    assert ok(url, "POST", "/kvctl/erase", {"slot": 0}, headers=good)["n_erased"] == n
+    assert_bitwise(complete(url, PROMPT, slot=0), before)
+
+
+# --- 5. fault injection: a failed import leaves the slot empty ---------------------------------
+
+def test_failed_import_clears_the_slot(fault_server: ServerProcess, stock_server: ServerProcess) -> None:
+    url = fault_server.url
+    c = caps(url)
+    assert c["fault_injection"] is True
+    reset(url)
+    complete(url, PROMPT, slot=0)
+    info = slot_info(url, 0)
+    tokens, n = info["tokens"], info["n_tokens"]
+    a = n // 2
+    s1, s2 = export(url, 0, a), export(url, a, n)
+    request = tokens + [int(t) for t in ok(url, "POST", "/tokenize", {"content": SUFFIX})["tokens"]]
+
+    # the slot holds all of [0, n) when the import fails after writing its first segment
+    body = import_body(c["compat"], 0, 0, n, tokens, [s1, s2], fault="after_first_segment")
+    msg = assert_error(call(url, "POST", "/kvctl/import", body), 500, "server_error", "slot was cleared")
+    assert "fault" in msg
+    info = slot_info(url, 0)
+    assert (info["n_tokens"], info["pos_min"], info["pos_max"], info["n_cells"]) == (0, -1, -1, 0)
+    assert info["tokens"] == []
+    cl = cells(url)
+    assert "0" not in cl["seq"] and cl["used"] == 0 and cl["logical"] == 0
+
+    # the same on top of [0, a): the slot's own prefix goes too
+    import_(url, c["compat"], 0, 0, a, tokens[:a], [s1])
+    body = import_body(c["compat"], 0, a, n, tokens, [s2], fault="after_first_segment")
+    assert_error(call(url, "POST", "/kvctl/import", body), 500, "server_error", "slot was cleared")
+    info = slot_info(url, 0)
+    assert (info["n_tokens"], info["pos_max"], info["n_cells"]) == (0, -1, 0)
+    assert cells(url)["used"] == 0
+
+    # an unknown fault is refused before anything is written
+    import_(url, c["compat"], 0, 0, a, tokens[:a], [s1])
+    body = import_body(c["compat"], 0, a, n, tokens, [s2], fault="later")
+    assert_error(call(url, "POST", "/kvctl/import", body), 400, "invalid_request_error", "fault")
+    assert slot_info(url, 0)["n_tokens"] == a
+    erase(url, 0)
+
+    # the next request on that slot is a full prefill with the right answer
+    out = complete(url, request, slot=0)
+    assert out.cache_n == 0 and out.prompt_n == len(request)
+    full = complete(stock_server.url, request, slot=None, cache=False)
+    assert_same_or_near_tie(out, full)
+
+
+# --- 6. flag off: no API, stock behaviour ------------------------------------------------------
+
+def test_flag_off_is_stock(off_server: ServerProcess, stock_server: ServerProcess) -> None:
+    url = off_server.url
+    for path in ("/kvctl/caps", "/kvctl/slots", "/kvctl/cells"):
+        assert call(url, "GET", path).status == 404, path
+    for path in ("/kvctl/export", "/kvctl/import", "/kvctl/publish", "/kvctl/attach", "/kvctl/release",
+                 "/kvctl/erase"):
+        assert call(url, "POST", path, {"slot": 0}).status == 404, path
+    # n_cache_reuse is refused only with --kvctl
+    assert call(url, "POST", "/completion", {"prompt": CANARY, "n_predict": 2, "n_cache_reuse": 8}).status == 200
+
+    messages = [{"role": "user", "content": "Write one sentence about rivers."}]
+    got = ok(url, "POST", "/v1/chat/completions", chat_body(messages, 16, cache_prompt=False))
+    ref = ok(stock_server.url, "POST", "/v1/chat/completions", chat_body(messages, 16, cache_prompt=False))
+    content = got["choices"][0]["message"]["content"]
+    assert content and content == ref["choices"][0]["message"]["content"]
+    assert got["choices"][0]["logprobs"] == ref["choices"][0]["logprobs"]
+
+
+# --- 7. startup refusal -----------------------------------------------------------------------
+
+def test_startup_refusal_names_every_reason(patched_bin: Path, model_path: Path, shm_root: Path) -> None:
+    argv = [str(patched_bin), "-m", str(model_path), "--host", "127.0.0.1", "--port", str(free_port()),
+            "-np", "4", "-c", "2048", "-t", "1", "--no-webui", "--kvctl", "--context-shift"]
+    assert not set(PROXY_SERVER_ARGS) & set(argv)
+    t0 = time.monotonic()
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"the server did not refuse to start:\n{exc.stdout!r}\n{exc.stderr!r}") from exc
+    elapsed = time.monotonic() - t0
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text[-2000:]
+    assert elapsed < 60
+    lines = [line for line in text.splitlines() if "--kvctl cannot be enabled" in line]
+    assert len(lines) == 1, text[-2000:]
+    line = lines[0]
+    for reason in ("--kv-unified", "--cache-ram 0", "context shift", "-sps 0"):
+        assert reason in line, line
+    assert "server is listening" not in text
+
+
+# --- 8. requests refused while kvctl is on -----------------------------------------------------
+
+REFUSED = {
+    "completion-n_cache_reuse": ("/completion", {"prompt": CANARY, "n_predict": 2, "n_cache_reuse": 8}),
+    "completion-lora": ("/completion", {"prompt": CANARY, "n_predict": 2, "lora": [{"id": 0, "scale": 1.0}]}),
+    "chat-n_cache_reuse": ("/v1/chat/completions", {"messages": [{"role": "user", "content": CANARY}],
+                                                    "max_tokens": 2, "n_cache_reuse": 8}),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_cache_reuse_and_lora_are_refused(moved: Moved, case: str) -> None:
+    path, body = REFUSED[case]
+    assert_error(call(moved.url, "POST", path, body), 400, "invalid_request_error", "n_cache_reuse", "lora",
+                 "--kvctl")
+    plain = {k: v for k, v in body.items() if k not in ("n_cache_reuse", "lora")}
+    assert call(moved.url, "POST", path, plain).status == 200
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cleanup_outside(shm_root: Path) -> Iterator[None]:
+    yield
+    for p in shm_root.glob("outside-*.kv"):
+        os.unlink(p)
