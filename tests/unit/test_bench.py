@@ -210,7 +210,7 @@ def test_manifest_round_trip(tmp_path: Path) -> None:
     lines = path.read_text().splitlines()
     assert len(lines) == 2 and all(json.loads(line)["body"] for line in lines)
     assert read_manifest(path) == sorted(entries, key=lambda e: e.t)
-    results = [RequestResult("a", "s", "g", "front", 0.1, 200, 0.2, 0.3, None, 5, 10, 3, "H", {"pair": 1})]
+    results = [RequestResult("a", "s", "g", "front", 0.1, 200, 0.2, 0.3, None, 5, 10, 3, 150.0, "H", {"pair": 1})]
     write_results(tmp_path / "r.jsonl", results)
     assert read_results(tmp_path / "r.jsonl") == results
     assert base_url("http://h:1/v1/") == "http://h:1" and base_url("http://h:1") == "http://h:1"
@@ -275,9 +275,10 @@ async def test_runner_streams_records_and_replays(tmp_path: Path) -> None:
 # ---- report -------------------------------------------------------------------------------
 
 
-def _results(ttfts: list[float], group: str = "g", via: str = "front", cache: int = 10) -> list[RequestResult]:
-    return [RequestResult(f"{group}{i}", "s", group, via, float(i), 200, t, t + 1.0, None, cache, 100, 4, None,
-                          {"pair": i}) for i, t in enumerate(ttfts)]
+def _results(ttfts: list[float], group: str = "g", via: str = "front", cache: int = 10,
+             prompt_ms: list[float] | None = None) -> list[RequestResult]:
+    return [RequestResult(f"{group}{i}", "s", group, via, float(i), 200, t, t + 1.0, None, cache, 100, 4,
+                          prompt_ms[i] if prompt_ms else None, None, {"pair": i}) for i, t in enumerate(ttfts)]
 
 
 def test_percentile() -> None:
@@ -325,11 +326,13 @@ def test_report_on_synthetic_results(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_report_pairs_overhead() -> None:
-    front = _results([0.102, 0.205, 0.301], "front", "front")
-    server = _results([0.100, 0.200, 0.300], "server", "server")
+    front = _results([0.102, 0.205, 0.301], "front", "front", prompt_ms=[90.0, 200.0, 290.0])
+    server = _results([0.100, 0.200, 0.300], "server", "server", prompt_ms=[89.0, 199.0, 290.0])
     rep = report_mod.build_report({"name": "overhead"}, {"proxy": {"results": front + server, "stats": {}}})
     over = rep["arms"]["proxy"]["overhead"]
     assert over["pairs"] == 3 and over["ttft_ms_p50"] == pytest.approx(2.0)
+    # Residuals: front 12, 5, 11 ms; server 11, 1, 10 ms -> differences 1, 4, 1.
+    assert over["residual_ms_p50"] == pytest.approx(1.0) and over["residual_ms_p90"] == pytest.approx(3.4)
     assert "Paired difference" in report_mod.render_markdown(rep)
 
 
