@@ -1,24 +1,56 @@
-"""Read-only admin API under /radix/ (optional bearer key), read by `radixctl`."""
+"""Read-only admin API under /radix/ (optional bearer key), read by `radixctl`, and the
+metric refresh done when /metrics is scraped.
+
+Routes (JSON; with ``--admin-key`` each needs ``Authorization: Bearer KEY``):
+
+- ``GET /radix/routes?limit=N&since=T`` the last routing decisions (``since``: time.time()
+  of the last one seen, inclusive; ``after``: exclusive), each with where the longest
+  known prefix stopped matching, as text;
+- ``GET /radix/tree?top=N`` host radix tree totals and the most-hit prefixes, with a preview;
+- ``GET /radix/slots`` every server's slots (the proxy's view and the server's), resident
+  entries and KV pool counts;
+- ``GET /radix/stats`` the key figures since start, from the Prometheus metrics.
+
+Nothing here changes state: the handlers read the coordinator between its mutations (one
+event loop) and ask the servers read-only /kvctl questions.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 from aiohttp import web
 
-from proxy.errors import Unauthorized
+from proxy.errors import BadRequest, RadixError, Unauthorized
+from proxy.metrics import DIRECTIONS, FALLBACK_CAUSES, ROUTES
 
 if TYPE_CHECKING:
+    from proxy.coordinator import ServerState
     from proxy.runtime import Runtime
+
+log = logging.getLogger("radix")
+
+# Tokens of text shown on each side of a divergence, and at each end of a preview.
+PREVIEW_TOKENS = 16
+POOL_TIMEOUT_S = 2.0
+
+Handler = Callable[[web.Request, "Runtime"], Awaitable[dict[str, Any]]]
 
 
 def add_admin_routes(app: web.Application, runtime: Runtime) -> None:
-    def guarded(fn: Any) -> Any:
+    def guarded(fn: Handler) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handler(request: web.Request) -> web.Response:
             key = runtime.config.admin_key
             if key and request.headers.get("Authorization") != f"Bearer {key}":
-                raise Unauthorized("missing or wrong admin key")
+                # Answered here, not raised: an admin poll is not a failed completion request.
+                exc = Unauthorized("missing or wrong admin key (send Authorization: Bearer KEY)")
+                return web.json_response(exc.to_body(), status=exc.status)
             return web.json_response(await fn(request, runtime))
 
         return handler
@@ -29,36 +61,223 @@ def add_admin_routes(app: web.Application, runtime: Runtime) -> None:
     app.router.add_get("/radix/stats", guarded(_stats))
 
 
+def _query_number(request: web.Request, name: str, default: float, lo: float, hi: float) -> float:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise BadRequest(f"'{name}' must be a number, got {raw!r}") from exc
+    if not lo <= value <= hi:
+        raise BadRequest(f"'{name}' must be between {lo:g} and {hi:g}, got {raw!r}")
+    return value
+
+
+# ---- text of token ids -------------------------------------------------------------------
+
+
+async def detokenize(runtime: Runtime, ids: Sequence[int]) -> str:
+    """Text of ``ids``: the local tokenizer when the proxy uses one, else the server's /detokenize."""
+    ids = [int(t) for t in ids]
+    if not ids:
+        return ""
+    local = runtime.local_tokenizer
+    if local is not None:
+        return local.decode(ids)
+    try:
+        data = await runtime.primary.post_json("/detokenize", {"tokens": ids})
+    except (RadixError, aiohttp.ClientError) as exc:
+        return f"<{len(ids)} tokens: /detokenize failed: {exc}>"
+    return str(data.get("content", ""))
+
+
+async def preview(runtime: Runtime, ids: Sequence[int], n: int = PREVIEW_TOKENS) -> dict[str, str]:
+    """The first and last ``n`` tokens of a sequence as text (one piece when it is short)."""
+    if len(ids) <= 2 * n:
+        return {"head": await detokenize(runtime, ids), "tail": ""}
+    return {"head": await detokenize(runtime, ids[:n]), "tail": await detokenize(runtime, ids[-n:])}
+
+
+# ---- /radix/routes -----------------------------------------------------------------------
+
+
 async def _routes(request: web.Request, runtime: Runtime) -> dict[str, Any]:
-    limit = int(request.query.get("limit", "50"))
-    after = float(request.query.get("after", "0"))
-    items = [d for d in runtime.coordinator.decisions if d["time"] > after]
-    return {"decisions": items[-limit:]}
+    limit = int(_query_number(request, "limit", 50, 1, 1000))
+    since = _query_number(request, "since", 0, 0, float("inf"))
+    after = _query_number(request, "after", -1, -1, float("inf"))
+    items = [d for d in runtime.coordinator.decisions if d["time"] >= since and d["time"] > after]
+    return {"decisions": [await describe_decision(runtime, d) for d in items[-limit:]]}
+
+
+async def describe_decision(runtime: Runtime, decision: dict[str, Any]) -> dict[str, Any]:
+    """A decision for the API: the raw token windows replaced by the divergence as text.
+
+    ``diverge``: where the longest prefix any slot or the host tree held stopped matching
+    this prompt (``at``, a token position), the text just ``before`` it, how the
+    ``request`` goes on and how the best cached sequence went on (``cached``; None when
+    the host tree was longer or nothing was cached). It needs ``diverge_at``,
+    ``ctx_from``, ``request_ctx`` and ``cached_ctx`` in the decision (see
+    ``Coordinator._divergence``); without them only ``at`` is given.
+    """
+    out = {k: v for k, v in decision.items() if k not in ("request_ctx", "cached_ctx", "ctx_from")}
+    at = decision.get("diverge_at")
+    if at is None:
+        at = max(int(decision.get("host_match") or 0), int(decision.get("best_slot_match") or 0))
+    diverge: dict[str, Any] = {"at": int(at), "source": decision.get("diverge_source"),
+                               "complete": int(at) >= int(decision.get("prompt_tokens", 0))}
+    req_ctx = decision.get("request_ctx")
+    if req_ctx is not None:
+        cut = int(at) - int(decision.get("ctx_from", 0))
+        diverge["before"] = await detokenize(runtime, req_ctx[:cut])
+        diverge["request"] = await detokenize(runtime, req_ctx[cut:])
+        cached_ctx = decision.get("cached_ctx")
+        diverge["cached"] = await detokenize(runtime, cached_ctx[cut:]) if cached_ctx is not None else None
+    out["diverge"] = diverge
+    return out
+
+
+# ---- /radix/tree -------------------------------------------------------------------------
 
 
 async def _tree(request: web.Request, runtime: Runtime) -> dict[str, Any]:
     tree = runtime.coordinator.tree
-    top = int(request.query.get("top", "10"))
-    return {"stats": asdict(tree.stats()), "top": [asdict(p) for p in tree.top_prefixes(top)]}
+    top = int(_query_number(request, "top", 10, 0, 1000))
+    stats = tree.stats()
+    prefixes = []
+    # Whole prefixes (head_tokens unbounded) so the preview can show where each one ends.
+    for p in tree.top_prefixes(top, head_tokens=1 << 30):
+        prefixes.append({"length": p.length, "hits": p.hits, "bytes": p.bytes,
+                         "head": list(p.head[:PREVIEW_TOKENS]), "preview": await preview(runtime, p.head)})
+    dedup = stats.logical_tokens / stats.unique_tokens if stats.unique_tokens else 0.0
+    return {"stats": asdict(stats), "dedup_ratio": dedup, "top": prefixes}
+
+
+# ---- /radix/slots ------------------------------------------------------------------------
+
+
+async def _server_json(server: ServerState, what: str, call: Awaitable[Any]) -> tuple[Any, str | None]:
+    try:
+        return await asyncio.wait_for(call, POOL_TIMEOUT_S), None
+    except (RadixError, aiohttp.ClientError, TimeoutError) as exc:
+        return None, f"{server.name} {what}: {exc or type(exc).__name__}"
 
 
 async def _slots(request: web.Request, runtime: Runtime) -> dict[str, Any]:
+    now = time.monotonic()
     out = []
     for server in runtime.coordinator.servers:
-        out.append({"server": server.name, "url": server.backend.url,
-                    "slots": [{"id": s.slot_id, "busy": s.busy, "n_tokens": int(len(s.tokens)),
-                               "last_used": s.last_used} for s in server.slots]})
+        info, err1 = await _server_json(server, "/kvctl/slots", server.backend.slots(tokens=True))
+        cells, err2 = await _server_json(server, "/kvctl/cells", server.backend.cells())
+        runtime.metrics.set_pool(server.name, cells)
+        theirs = {int(s["id"]): s for s in (info or {}).get("slots", [])}
+        slots = []
+        for s in server.slots:
+            entry = theirs.get(s.slot_id, {})
+            slots.append({"id": s.slot_id, "busy": s.busy, "n_tokens": int(len(s.tokens)),
+                          "server_n_tokens": entry.get("n_tokens"), "n_cells": entry.get("n_cells"),
+                          "idle_s": round(now - s.last_used, 3) if s.last_used else None,
+                          "preview": await preview(runtime, s.tokens.tolist())})
+        residents = []
+        for o in (info or {}).get("owners", []):
+            residents.append({"owner": int(o["id"]), "n_tokens": int(o.get("n_tokens", 0)),
+                              "n_cells": o.get("n_cells"), "preview": await preview(runtime, o.get("tokens", []))})
+        out.append({"server": server.name, "url": server.backend.url, "n_ctx_slot": server.n_ctx_slot,
+                    "slots": slots, "residents": residents, "pool": cells,
+                    "errors": [e for e in (err1, err2) if e]})
     return {"servers": out}
 
 
+# ---- /radix/stats and the metric refresh ----------------------------------------------------
+
+
+async def refresh_pool_gauges(runtime: Runtime, timeout_s: float = POOL_TIMEOUT_S) -> dict[str, dict[str, Any] | None]:
+    """Read every server's GET /kvctl/cells (concurrently) into the kv_cache_*_cells gauges.
+
+    A server that does not answer within ``timeout_s`` keeps its last counts and gets
+    ``radix_backend_up 0``. Returns ``{server: cells or None}``.
+    """
+    servers = runtime.coordinator.servers
+
+    async def one(server: ServerState) -> dict[str, Any] | None:
+        cells, err = await _server_json(server, "/kvctl/cells", server.backend.cells())
+        if err:
+            log.debug("pool gauges: %s", err)
+        runtime.metrics.set_pool(server.name, cells)
+        return dict(cells) if cells is not None else None
+
+    results = await asyncio.gather(*(one(s) for s in servers))
+    return {s.name: r for s, r in zip(servers, results, strict=True)}
+
+
+async def refresh_metrics(runtime: Runtime) -> None:
+    """Everything /metrics shows that is not counted as it happens: tree mirror and pool gauges."""
+    runtime.metrics.sync_tree(runtime.coordinator.tree.stats())
+    await refresh_pool_gauges(runtime)
+
+
 async def _stats(request: web.Request, runtime: Runtime) -> dict[str, Any]:
-    coord = runtime.coordinator
-    decisions = list(coord.decisions)
-    by_route: dict[str, int] = {}
-    for d in decisions:
-        by_route[d["route"]] = by_route.get(d["route"], 0) + 1
-    prompt = sum(d["prompt_tokens"] for d in decisions)
-    cached = sum(d["cached"] or 0 for d in decisions)
-    return {"requests": len(decisions), "by_route": by_route, "prompt_tokens": prompt, "cached_tokens": cached,
-            "hit_ratio": cached / prompt if prompt else 0.0, "tree": asdict(coord.tree.stats()),
-            "tokenizer": runtime.tokenizer_note}
+    return await stats(runtime)
+
+
+async def stats(runtime: Runtime) -> dict[str, Any]:
+    """One screen of key figures since the proxy started (from the Prometheus metrics)."""
+    m = runtime.metrics
+    tree_stats = runtime.coordinator.tree.stats()
+    m.sync_tree(tree_stats)
+    pool = await refresh_pool_gauges(runtime)
+    by_route = m.total("radix_requests_total", "route", ROUTES)
+    ttft_sum = m.total("radix_ttft_seconds_sum", "route", ROUTES)
+    ttft_n = m.total("radix_ttft_seconds_count", "route", ROUTES)
+    prompt = m.value("radix_prompt_tokens_total")
+    cached = m.value("radix_cached_tokens_total")
+    return {
+        "uptime_s": round(time.time() - m.started, 1),
+        "requests": int(sum(by_route.values())),
+        "by_route": {r: int(n) for r, n in by_route.items() if n},
+        "errors": {s: int(m.value("radix_request_errors_total", status=s)) for s in ("4xx", "5xx")},
+        "prompt_tokens": int(prompt),
+        "cached_tokens": int(cached),
+        "prefilled_tokens": int(m.value("radix_prefilled_tokens_total")),
+        "predicted_cached_tokens": int(m.value("radix_predicted_cached_tokens_total")),
+        "hit_ratio": cached / prompt if prompt else 0.0,
+        "cached_by_route": {r: int(n) for r, n in m.total("radix_route_tokens_total", "route", ROUTES).items() if n},
+        "ttft_mean_s_by_route": {r: ttft_sum[r] / n for r, n in ttft_n.items() if n},
+        "kv_moves": {d: {"bytes": int(m.value("radix_kv_move_bytes_total", direction=d)),
+                         "seconds": round(m.value("radix_kv_move_seconds_total", direction=d), 4)}
+                     for d in DIRECTIONS},
+        "fallbacks": {c: int(m.value("radix_fallbacks_total", cause=c)) for c in FALLBACK_CAUSES},
+        "tree": asdict(tree_stats),
+        "dedup_ratio": tree_stats.logical_tokens / tree_stats.unique_tokens if tree_stats.unique_tokens else 0.0,
+        "pool": pool,
+        "tokenizer": runtime.tokenizer_note,
+    }
+
+
+# ---- the periodic log line ----------------------------------------------------------------------
+
+
+def cache_summary(runtime: Runtime) -> str:
+    """One structured log line on the host cache (key=value, like the per-request line)."""
+    s = runtime.coordinator.tree.stats()
+    m = runtime.metrics
+    fallbacks = ",".join(f"{c}:{int(m.value('radix_fallbacks_total', cause=c))}" for c in FALLBACK_CAUSES)
+    dedup = s.logical_tokens / s.unique_tokens if s.unique_tokens else 0.0
+    return (f"cache terminal_nodes={s.leaves} nodes={s.nodes} host_bytes={s.bytes} budget_bytes={s.budget_bytes} "
+            f"unique_tokens={s.unique_tokens} logical_tokens={s.logical_tokens} dedup={dedup:.2f} "
+            f"saves={s.saves} loads={s.loads} evictions={s.evictions} evicted_tokens={s.evicted_tokens} "
+            f"fallbacks={fallbacks}")
+
+
+async def summary_loop(runtime: Runtime, interval_s: float = 60.0) -> None:
+    """Log ``cache_summary`` every ``interval_s`` seconds when it changed since the last line.
+
+    Run it as its own task and cancel it on shutdown (not with ``runtime.spawn``: drain()
+    waits for spawned tasks to end, and this one never does)."""
+    last = ""
+    while True:
+        await asyncio.sleep(interval_s)
+        line = cache_summary(runtime)
+        if line != last:
+            log.info("%s", line)
+            last = line

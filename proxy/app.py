@@ -116,7 +116,7 @@ async def _steered(request: web.Request, body: dict[str, Any], tokens: np.ndarra
     ttft: float | None = None
     status = 0
     try:
-        await coord.restore(lease)
+        await coord.restore(lease, _n_predict(body))
         if body.get("cache_prompt") is not False:
             body["cache_prompt"] = True
         body["id_slot"] = lease.slot.slot_id
@@ -125,6 +125,15 @@ async def _steered(request: web.Request, body: dict[str, Any], tokens: np.ndarra
     finally:
         coord.record(lease, timings, ttft, status)
         runtime.spawn(coord.finish(lease))
+
+
+def _n_predict(body: dict[str, Any]) -> int:
+    """Tokens the answer may add to the slot (for the free-cell headroom)."""
+    for key in ("max_completion_tokens", "max_tokens", "n_predict"):
+        value = body.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 256
 
 
 def _radix_headers(lease: Lease) -> dict[str, str]:

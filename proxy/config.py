@@ -18,7 +18,6 @@ class Config:
     shm_dir: Path | None = None
     # A host restore shorter than this is not worth a KV move (prefill it instead).
     min_restore_tokens: int = 64
-    # Save at most this many tokens of one request's KV into the host tree (0: all).
     kvctl_key: str | None = None
     admin_key: str | None = None
     tokenizer_cache: Path | None = None
@@ -27,6 +26,9 @@ class Config:
     # Resident sharing (route S); off by default like the reference design.
     kv_share: bool = False
     kv_share_min_tokens: int = 32
+    kv_share_max_entries: int = 0  # 0: min(64, owner ids the server offers)
+    kv_share_cells: int = 0  # owner cell budget B; 0: half the pool
+    kv_share_headroom: int = 0  # free cells R kept for requests; 0: min(n_ubatch, max(1, pool/8))
     kv_share_route: Literal["longest", "share"] = "longest"
     mixed_restore: bool = True
     extra: dict[str, str] = field(default_factory=dict)

@@ -25,6 +25,7 @@ from proxy.core.radix import HostMatch, RadixTree
 from proxy.errors import BadRequest, KvMoveError
 from proxy.metrics import Metrics
 from proxy.mover import KvMover
+from proxy.sharing import Sharing
 
 log = logging.getLogger("radix")
 
@@ -54,6 +55,7 @@ class ServerState:
     mover: KvMover
     slots: list[SlotState]
     n_ctx_slot: int
+    sharing: Sharing | None = None
     move_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def busy_count(self) -> int:
@@ -73,7 +75,9 @@ class Lease:
     queued_s: float = 0.0
     route: str = ""
     fallback: str = ""
+    owner_pinned: bool = False
     started: float = field(default_factory=time.monotonic)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass
@@ -91,6 +95,7 @@ class Coordinator:
         self.tree = tree
         self.metrics = metrics
         self._waiters: collections.deque[_Waiter] = collections.deque()
+        self._inflight: dict[str, Lease] = {}
         self.decisions: collections.deque[dict[str, Any]] = collections.deque(maxlen=1000)
 
     # ---- acquiring a slot ------------------------------------------------------------
@@ -101,6 +106,7 @@ class Coordinator:
         if len(tokens) >= limit:
             raise BadRequest(f"the request exceeds the available context size: {len(tokens)} prompt tokens, "
                              f"{limit} per slot")
+        await self._wait_for_shared_prefix(tokens)
         if not self._waiters:
             lease = self._plan_and_lease(request_id, tokens)
             if lease is not None:
@@ -117,6 +123,34 @@ class Coordinator:
             raise
         lease.queued_s = time.monotonic() - waiter.since
         return lease
+
+    async def _wait_for_shared_prefix(self, tokens: np.ndarray) -> None:
+        """Fan-out: while a request in flight is computing a long prefix this one shares, and
+        nothing cached gives as much, wait for it to finish; then this request reuses that
+        prefix (resident attach or host restore) instead of computing it again."""
+        if not self.config.kv_share or len(tokens) == 0:
+            return
+        while True:
+            blocker = self._fanout_blocker(tokens)
+            if blocker is None:
+                return
+            await blocker.done.wait()
+
+    def _fanout_blocker(self, tokens: np.ndarray) -> Lease | None:
+        gain = self.config.min_restore_tokens
+        best, blocker = 0, None
+        for lease in self._inflight.values():
+            shared = min(common_prefix(lease.tokens, tokens), len(tokens) - 1)
+            if shared > best:
+                best, blocker = shared, lease
+        if blocker is None or best < max(gain, self.config.kv_share_min_tokens):
+            return None
+        have = self.tree.match(tokens, touch=False).length
+        for server in self.servers:
+            have = max([have] + [common_prefix(s.tokens, tokens) for s in server.slots])
+            if server.sharing is not None:
+                have = max([have] + [v.lcp for v in server.sharing.index.views(tokens)])
+        return blocker if best >= have + gain else None
 
     def _plan_and_lease(self, request_id: str, tokens: np.ndarray) -> Lease | None:
         """Pick server, slot and route on pure data, and mark the slot busy (synchronous)."""
@@ -137,22 +171,29 @@ class Coordinator:
         uses_host = plan.host_to > plan.host_from
         if uses_host:
             self.tree.pin(host)
-        return Lease(request_id, server, slot, plan, tokens, host if uses_host else None, route=plan.route.value)
+        lease = Lease(request_id, server, slot, plan, tokens, host if uses_host else None, route=plan.route.value)
+        if plan.owner_id is not None and server.sharing is not None:
+            server.sharing.index.pin(plan.owner_id)
+            lease.owner_pinned = True
+        self._inflight[request_id] = lease
+        return lease
 
     def _plan_input(self, server: ServerState, tokens: np.ndarray, host_len: int) -> PlanInput:
         views = tuple(SlotView(s.slot_id, not s.busy, common_prefix(s.tokens, tokens), len(s.tokens), s.last_used)
                       for s in server.slots)
-        return PlanInput(n_prompt=len(tokens), slots=views, host_len=host_len, residents=(),
+        sharing = server.sharing
+        residents = sharing.index.views(tokens) if sharing is not None else ()
+        return PlanInput(n_prompt=len(tokens), slots=views, host_len=host_len, residents=residents,
                          policy=self.config.kv_share_route, min_restore_tokens=self.config.min_restore_tokens,
-                         share_enabled=False, mixed_enabled=self.config.mixed_restore)
+                         share_enabled=sharing is not None, mixed_enabled=self.config.mixed_restore)
 
     def release(self, lease: Lease) -> None:
         """Give the slot back and hand it to the first waiter that can use a slot now."""
         lease.slot.busy = False
         lease.slot.last_used = time.monotonic()
-        if lease.host is not None:
-            self.tree.unpin(lease.host)
-            lease.host = None
+        self._unpin(lease)
+        self._inflight.pop(lease.request_id, None)
+        lease.done.set()
         while self._waiters:
             waiter = self._waiters[0]
             if waiter.future.done():
@@ -166,24 +207,19 @@ class Coordinator:
 
     # ---- KV moves --------------------------------------------------------------------
 
-    async def restore(self, lease: Lease) -> None:
-        """Import the planned host range into the leased slot; on failure fall back to prefill."""
-        plan = lease.plan
-        if lease.host is None:
-            return
-        slot, server = lease.slot, lease.server
-        p0 = plan.host_from
-        # The server imports on top of a slot only when it holds exactly [0,p0).
-        if p0 > 0 and len(slot.tokens) != p0:
-            p0 = 0
-        p1 = plan.host_to
+    async def restore(self, lease: Lease, n_predict: int) -> None:
+        """Do the plan's KV moves into the leased slot; on failure fall back to prefill."""
+        plan, slot, server = lease.plan, lease.slot, lease.server
         try:
-            segments = self.tree.segments(lease.host, p0, p1)
             async with server.move_lock:
-                await server.mover.import_(slot.slot_id, p0, lease.tokens[:p1].tolist(), segments)
-            slot.tokens = lease.tokens[:p1].copy()
-            self.tree.record_load(p1 - p0)
-            self.metrics.tree_loads.inc()
+                if server.sharing is not None:
+                    need = len(lease.tokens) - plan.predicted_cached + n_predict
+                    await server.sharing.ensure_free(need)
+                if plan.route in (Route.S, Route.SH) and server.sharing is not None and plan.owner_id is not None:
+                    await server.sharing.attach(plan.owner_id, slot.slot_id, plan.reuse_len)
+                    slot.tokens = lease.tokens[:plan.reuse_len].copy()
+                if lease.host is not None:
+                    await self._import_host(lease)
         except KvMoveError as exc:
             # The server removed what it wrote and cleared the slot's tokens.
             slot.tokens = _EMPTY
@@ -192,14 +228,32 @@ class Coordinator:
             self.metrics.fallbacks.labels(exc.cause).inc()
             log.warning("restore into %s slot %d failed, prefilling: %s", server.name, slot.slot_id, exc)
         finally:
+            self._unpin(lease)
+
+    async def _import_host(self, lease: Lease) -> None:
+        assert lease.host is not None
+        # On top of the slot's verified [0,p0) (the server drops whatever it holds past p0).
+        p0, p1 = lease.plan.host_from, lease.plan.host_to
+        segments = self.tree.segments(lease.host, p0, p1)
+        await lease.server.mover.import_(lease.slot.slot_id, p0, lease.tokens[:p1].tolist(), segments)
+        lease.slot.tokens = lease.tokens[:p1].copy()
+        self.tree.record_load(p1 - p0)
+        self.metrics.tree_loads.inc()
+
+    def _unpin(self, lease: Lease) -> None:
+        if lease.host is not None:
             self.tree.unpin(lease.host)
             lease.host = None
+        if lease.owner_pinned and lease.server.sharing is not None and lease.plan.owner_id is not None:
+            lease.server.sharing.index.unpin(lease.plan.owner_id)
+            lease.owner_pinned = False
 
     async def finish(self, lease: Lease) -> None:
         """After the answer: learn what the slot holds, save what the tree lacks, release."""
         try:
             await self._refresh_slot(lease)
             await self._save(lease)
+            await self._share(lease)
         except Exception as exc:  # a failed save loses a future hit, never an answer
             cause = exc.cause if isinstance(exc, KvMoveError) else "transport"
             self.metrics.fallbacks.labels(cause).inc()
@@ -239,6 +293,20 @@ class Coordinator:
             self.tree.unpin(match)
         self.metrics.tree_saves.inc()
         self.metrics.tree_saved_tokens.inc(stored)
+
+    async def _share(self, lease: Lease) -> None:
+        """Record the completed prompt, and a restored host prefix, as resident prefixes."""
+        sharing = lease.server.sharing
+        if sharing is None:
+            return
+        tokens = lease.slot.tokens
+        sharing.index.slot_changed(lease.slot.slot_id, tokens)
+        held = common_prefix(tokens, lease.tokens)
+        lengths = [n for n in (len(lease.tokens), lease.plan.host_to) if 0 < n <= held]
+        if not lengths or lease.fallback:
+            return
+        async with lease.server.move_lock:
+            await sharing.record(lease.slot.slot_id, tokens, lengths)
 
     def _update_tree_gauges(self) -> None:
         stats = self.tree.stats()

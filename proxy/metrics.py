@@ -1,62 +1,146 @@
 """Prometheus metrics of the proxy, on an injected registry.
 
-Label values are initialised at start so every series exists (at 0) before traffic.
+Every label value is initialised at start (routes, servers, causes, directions), so every
+series exists at 0 before traffic and dashboards never see "no data" for a quiet route.
+Names follow the Prometheus conventions: base units (seconds, bytes), counters end in
+``_total`` (added by the client library), gauges describe a current state.
+
+Two families are not ``radix_``-prefixed because they describe the llama-server's KV pool,
+not the proxy: ``kv_cache_*_cells{server}``, read from each server's ``GET /kvctl/cells``
+when /metrics is scraped (see ``proxy.admin.refresh_metrics``).
+
+The metric list, with what each means and how to read it, is in docs/observability.md.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Mapping
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from proxy.core.radix import TreeStats
 
 ROUTES = ("A", "S", "H", "A+H", "S+H", "prefill")
 FALLBACK_CAUSES = ("export", "import", "verify", "compat", "payload", "transport")
+DIRECTIONS = ("export", "import")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+
+# GET /kvctl/cells field -> pool gauge (all per server, in KV cells).
+POOL_FIELDS = {
+    "n_cells": "kv_cache_total_cells",
+    "used": "kv_cache_used_cells",
+    "slot": "kv_cache_slot_cells",
+    "owner": "kv_cache_owner_cells",
+    "owner_only": "kv_cache_owner_only_cells",
+    "logical": "kv_cache_business_logical_cells",
+}
+_POOL_HELP = {
+    "n_cells": "Cells in the server's unified KV pool",
+    "used": "Non-empty cells of the server's KV pool",
+    "slot": "Cells held by at least one slot",
+    "owner": "Cells held by at least one owner sequence (resident prefixes)",
+    "owner_only": "Cells held by owner sequences and no slot",
+    "logical": "Sum over sequences of the cells each holds (a cell shared by k sequences counts k times)",
+}
+
+
+class SyncedCounter:
+    """A Counter that follows a monotonic total kept elsewhere (the radix tree's stats).
+
+    ``set(total)`` adds what the total grew by since the last call; it never goes down.
+    """
+
+    def __init__(self, counter: Counter) -> None:
+        self.counter = counter
+        self._last = 0.0
+
+    def set(self, total: float) -> None:
+        if total > self._last:
+            self.counter.inc(total - self._last)
+        self._last = max(self._last, total)
 
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry, servers: tuple[str, ...]) -> None:
         self.registry = registry
+        self.servers = servers
+        self.started = time.time()
         ns = "radix"
+        # ---- per request (coordinator.record) ------------------------------------------
         self.requests = Counter(f"{ns}_requests", "Completion requests by route and server",
                                 ["route", "server"], registry=registry)
         self.request_errors = Counter(f"{ns}_request_errors", "Requests answered with an error, by status class",
                                       ["status"], registry=registry)
-        self.ttft = Histogram(f"{ns}_ttft_seconds", "Time to first byte of the answer", ["route", "server"],
-                              buckets=_LATENCY_BUCKETS, registry=registry)
+        self.ttft = Histogram(f"{ns}_ttft_seconds",
+                              "Time from arrival to the first byte of the answer (whole answer when not streamed)",
+                              ["route", "server"], buckets=_LATENCY_BUCKETS, registry=registry)
         self.e2e = Histogram(f"{ns}_request_seconds", "End-to-end request time", ["route", "server"],
                              buckets=_LATENCY_BUCKETS, registry=registry)
+        # By server only: the route is chosen when the slot is granted, i.e. when the wait ends.
         self.queue_wait = Histogram(f"{ns}_queue_wait_seconds", "Wait for a free slot", ["server"],
                                     buckets=_LATENCY_BUCKETS, registry=registry)
         self.prompt_tokens = Counter(f"{ns}_prompt_tokens", "Prompt tokens of steered requests", registry=registry)
         self.cached_tokens = Counter(f"{ns}_cached_tokens", "Prompt tokens the server reused (timings.cache_n)",
                                      registry=registry)
-        self.prefilled_tokens = Counter(f"{ns}_prefilled_tokens", "Prompt tokens the server computed",
-                                        registry=registry)
+        self.prefilled_tokens = Counter(f"{ns}_prefilled_tokens", "Prompt tokens the server computed "
+                                        "(timings.prompt_n)", registry=registry)
         self.predicted_cached = Counter(f"{ns}_predicted_cached_tokens", "Prompt tokens the plan expected to reuse",
                                         registry=registry)
-        self.route_tokens = Counter(f"{ns}_route_tokens", "Prompt tokens served from cache, by route",
-                                    ["route"], registry=registry)
+        self.route_tokens = Counter(f"{ns}_route_tokens", "Prompt tokens the server reused (timings.cache_n), "
+                                    "by route", ["route"], registry=registry)
+        # ---- KV moves --------------------------------------------------------------------
         self.fallbacks = Counter(f"{ns}_fallbacks", "KV moves that failed and fell back to prefill, by cause",
                                  ["cause"], registry=registry)
-        self.kv_move_bytes = Counter(f"{ns}_kv_move_bytes", "Bytes moved between server and host",
-                                     ["direction"], registry=registry)
+        self.kv_move_bytes = Counter(f"{ns}_kv_move_bytes", "Bytes moved between server and host "
+                                     "(export: KV data; import: payload with headers)", ["direction"],
+                                     registry=registry)
         self.kv_move_seconds = Counter(f"{ns}_kv_move_seconds", "Time spent in KV moves",
                                        ["direction"], registry=registry)
+        # ---- host radix tree ---------------------------------------------------------------
         self.tree_nodes = Gauge(f"{ns}_host_tree_nodes", "Nodes in the host radix tree", registry=registry)
-        self.tree_bytes = Gauge(f"{ns}_host_tree_bytes", "Bytes held by the host radix tree", registry=registry)
-        self.tree_unique = Gauge(f"{ns}_host_tree_unique_tokens", "Distinct token positions stored",
+        self.tree_leaves = Gauge(f"{ns}_host_tree_leaves", "Terminal nodes (leaves) of the host radix tree",
                                  registry=registry)
-        self.tree_logical = Gauge(f"{ns}_host_tree_logical_tokens", "Tokens servable across stored prompts",
-                                  registry=registry)
+        self.tree_bytes = Gauge(f"{ns}_host_tree_bytes", "Bytes held by the host radix tree (KV plus metadata)",
+                                registry=registry)
+        self.tree_budget = Gauge(f"{ns}_host_tree_budget_bytes", "Byte budget of the host radix tree",
+                                 registry=registry)
+        self.tree_unique = Gauge(f"{ns}_host_tree_unique_tokens", "Token positions stored (each shared prefix once)",
+                                 registry=registry)
+        self.tree_logical = Gauge(f"{ns}_host_tree_logical_tokens", "Prompt tokens servable from the tree "
+                                  "(sum of leaf depths)", registry=registry)
         self.tree_saves = Counter(f"{ns}_host_saves", "Exports inserted into the host tree", registry=registry)
         self.tree_saved_tokens = Counter(f"{ns}_host_saved_tokens", "New tokens stored in the host tree",
                                          registry=registry)
         self.tree_loads = Counter(f"{ns}_host_loads", "Host restores into a slot", registry=registry)
-        self.tree_evictions = Gauge(f"{ns}_host_evictions", "Host tree evictions since start", registry=registry)
+        self.tree_loaded_tokens = SyncedCounter(Counter(f"{ns}_host_loaded_tokens", "Tokens restored from the host "
+                                                        "tree into slots", registry=registry))
+        self.tree_evictions = SyncedCounter(Counter(f"{ns}_host_evictions", "Leaves evicted from the host tree",
+                                                    registry=registry))
+        self.tree_evicted_tokens = SyncedCounter(Counter(f"{ns}_host_evicted_tokens",
+                                                         "Tokens evicted from the host tree", registry=registry))
+        # ---- resident prefixes (route S; filled by the resident index when it lands) ----------
+        self.resident_entries = Gauge(f"{ns}_resident_entries", "Resident prefixes held by owner sequences",
+                                      ["server"], registry=registry)
+        self.resident_cells = Gauge(f"{ns}_resident_cells", "KV cells held by resident prefixes",
+                                    ["server"], registry=registry)
+        # ---- servers -------------------------------------------------------------------------
+        self.backend_up = Gauge(f"{ns}_backend_up", "1 when the server answered the last /kvctl/cells read",
+                                ["server"], registry=registry)
+        self.pool = {field: Gauge(name, _POOL_HELP[field], ["server"], registry=registry)
+                     for field, name in POOL_FIELDS.items()}
         self.tokenizer_fallback = Gauge(f"{ns}_tokenizer_server_fallback",
-                                        "1 when the server's tokenizer is used because the local one differed",
-                                        registry=registry)
+                                        "1 when the server's /tokenize is used because the local tokenizer is "
+                                        "unavailable or differed from the server's", registry=registry)
+
         for server in servers:
             self.queue_wait.labels(server)
+            self.resident_entries.labels(server)
+            self.resident_cells.labels(server)
+            self.backend_up.labels(server)
+            for gauge in self.pool.values():
+                gauge.labels(server)
             for route in ROUTES:
                 self.requests.labels(route, server)
                 self.ttft.labels(route, server)
@@ -65,8 +149,46 @@ class Metrics:
             self.route_tokens.labels(route)
         for cause in FALLBACK_CAUSES:
             self.fallbacks.labels(cause)
-        for direction in ("export", "import"):
+        for direction in DIRECTIONS:
             self.kv_move_bytes.labels(direction)
             self.kv_move_seconds.labels(direction)
         for status in ("4xx", "5xx"):
             self.request_errors.labels(status)
+
+    # ---- updates from state owned elsewhere --------------------------------------------------
+
+    def sync_tree(self, stats: TreeStats) -> None:
+        """Gauges and counters that mirror the host radix tree's own statistics."""
+        self.tree_nodes.set(stats.nodes)
+        self.tree_leaves.set(stats.leaves)
+        self.tree_bytes.set(stats.bytes)
+        self.tree_budget.set(stats.budget_bytes)
+        self.tree_unique.set(stats.unique_tokens)
+        self.tree_logical.set(stats.logical_tokens)
+        self.tree_loaded_tokens.set(stats.loaded_tokens)
+        self.tree_evictions.set(stats.evictions)
+        self.tree_evicted_tokens.set(stats.evicted_tokens)
+
+    def set_pool(self, server: str, cells: Mapping[str, Any] | None) -> None:
+        """The server's KV pool counts from GET /kvctl/cells; None: the server did not answer."""
+        self.backend_up.labels(server).set(0 if cells is None else 1)
+        if cells is None:
+            return  # keep the last known counts rather than report an empty pool
+        for field, gauge in self.pool.items():
+            gauge.labels(server).set(float(cells.get(field, 0)))
+
+    # ---- reading (admin API, radixctl stats) -------------------------------------------------
+
+    def value(self, name: str, **labels: str) -> float:
+        """A sample's current value (0 when absent): ``value("radix_requests_total", route="A", server="s0")``."""
+        got = self.registry.get_sample_value(name, labels)
+        return float(got) if got is not None else 0.0
+
+    def total(self, name: str, label: str, values: tuple[str, ...]) -> dict[str, float]:
+        """``{value: sample}`` for one label, summed over every other label."""
+        out = dict.fromkeys(values, 0.0)
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.name == name and label in sample.labels and sample.labels[label] in out:
+                    out[sample.labels[label]] += float(sample.value)
+        return out

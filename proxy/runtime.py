@@ -22,9 +22,11 @@ from proxy.config import Config
 from proxy.coordinator import Coordinator, ServerState, SlotState
 from proxy.core.payload import KvLayout
 from proxy.core.radix import RadixTree
+from proxy.core.resident import ResidentIndex
 from proxy.errors import ConfigError, KvMoveError, RadixError
 from proxy.metrics import Metrics
 from proxy.mover import KvMover
+from proxy.sharing import Sharing
 from proxy.tokenizer import CORPUS, PromptTokenizer, UnsupportedTokenizerError, check_parity, load_tokenizer
 
 log = logging.getLogger("radix")
@@ -109,9 +111,30 @@ async def _connect(config: Config, name: str, url: str, session: aiohttp.ClientS
              for s in slots_info["slots"]]
     n_ctx_slot = int(caps.get("n_ctx_slot") or caps.get("n_ctx") or 0)
     mover = KvMover(backend, layout, compat, shm, metrics)
-    log.info("%s: %s, %d slots, %d cells, payloads %s", name, url, len(slots), int(caps.get("n_cells", 0)),
-             f"via {shm}" if shm else "inline")
-    return ServerState(name, backend, mover, slots, n_ctx_slot)
+    sharing = await _sharing(config, name, backend, caps) if config.kv_share else None
+    log.info("%s: %s, %d slots, %d cells, payloads %s%s", name, url, len(slots), int(caps.get("n_cells", 0)),
+             f"via {shm}" if shm else "inline", ", resident sharing on" if sharing else "")
+    return ServerState(name, backend, mover, slots, n_ctx_slot, sharing)
+
+
+async def _sharing(config: Config, name: str, backend: Backend, caps: dict[str, Any]) -> Sharing:
+    if not caps.get("sharing"):
+        reasons = "; ".join(caps.get("reasons") or ["the server does not offer owner sequences"])
+        raise ConfigError(f"{name} cannot share resident KV: {reasons}",
+                          fix="start llama-server with --kvctl-owners N (N > 0), or use --cache-kv-share off")
+    n_cells = int(caps["n_cells"])
+    props = await backend.get_json("/props")
+    n_ubatch = int(props.get("n_ubatch") or (props.get("default_generation_settings") or {}).get("n_ubatch") or 512)
+    first, end = caps["owner_ids"]
+    index = ResidentIndex(range(int(first), int(end)), config.kv_share_max_entries)
+    budget = config.kv_share_cells or n_cells // 2
+    headroom = config.kv_share_headroom or min(n_ubatch, max(1, n_cells // 8))
+    # Owners left by an earlier proxy would hold cells nobody accounts for.
+    for owner in range(int(first), int(end)):
+        await backend.kv_post("release", {"owner": owner}, cause="release")
+    log.info("%s: resident sharing: %d entries, budget %d cells, headroom %d cells", name, index.max_entries,
+             budget, headroom)
+    return Sharing(backend, index, budget_cells=budget, headroom=headroom, min_tokens=config.kv_share_min_tokens)
 
 
 def _usable_shm(mine: Path | None, theirs: str | None) -> Path | None:

@@ -31,11 +31,17 @@ from proxy.native.launch import PROXY_SERVER_ARGS, ServerProcess, free_port
 from tests.conftest import ServerFactory
 from tests.helpers import NEAR_TIE_NATS, Reply, chat_body
 
-PROMPT = ("You are a helpful assistant. Answer briefly and precisely. " * 6 +
-          "The quick brown fox jumps over the lazy dog. Tell me a short story about a cat named Bob "
-          "who lived in a small house by the sea, and what he found one morning on the beach.")
-SUFFIX = " The end. Now tell me what Bob did next."
-CANARY = "List three colors of the rainbow:"
+# Story text: greedy continuations of N_PREDICT tokens without an early end of text, and no
+# near-tie at the first tokens (measured), so that comparisons see every generated token.
+PROMPT = ("The following is a short story for children, written in simple words. "
+          "Bob was a small orange cat who lived in a little blue house by the sea with an old fisherman "
+          "named Tom. Every day Tom went out in his boat, and every evening Bob waited for him on the steps, "
+          "watching the waves. The neighbours said Bob was the smartest cat in the village, because he always "
+          "knew when a storm was coming. He liked warm bread, the smell of rope and salt, and the sound of the "
+          "gulls over the harbour. One morning, after a long night of wind and rain, Bob walked down to the "
+          "beach alone. The sand was cold and wet, and")
+SUFFIX = " there, half buried in the sand, Bob found"
+CANARY = "The capital of France is"
 N_PREDICT = 12
 KEY = "kvctl-test-key"
 MAGIC = 0xAF143CD8
@@ -246,7 +252,7 @@ def moved(kv_server: ServerProcess) -> Moved:
     assert c["sharing"] and not c["fault_injection"] and c["n_parallel"] == 4
     reset(url)
     first = complete(url, PROMPT, slot=0)
-    assert first.cache_n == 0
+    assert first.cache_n == 0 and len(first.tokens) == N_PREDICT
     info = slot_info(url, 0)
     tokens, n = info["tokens"], info["n_tokens"]
     assert n == first.prompt_n + len(first.tokens) - 1  # the last sampled token is not decoded yet
@@ -255,7 +261,7 @@ def moved(kv_server: ServerProcess) -> Moved:
     suffix = ok(url, "POST", "/tokenize", {"content": SUFFIX})["tokens"]
     request = tokens + [int(t) for t in suffix]
     ref = complete(url, request, slot=0)
-    assert ref.cache_n == n and ref.prompt_n == len(suffix)
+    assert ref.cache_n == n and ref.prompt_n == len(suffix) and len(ref.tokens) == N_PREDICT
     return Moved(url, kv_server.spec.kvctl_dir, c, tokens, blob, request, ref)
 
 
@@ -564,7 +570,9 @@ KEY_CASES = {
 def test_kvctl_key_is_required(keyed_server: ServerProcess, case: str) -> None:
     url = keyed_server.url
     good = {"Authorization": "Bearer " + KEY}
+    ok(url, "POST", "/kvctl/erase", {"slot": 0}, headers=good)
     before = complete(url, PROMPT, slot=0)
+    assert before.cache_n == 0
     n = ok(url, "GET", "/kvctl/slots", headers=good)["slots"][0]["n_tokens"]
     assert n > 0
 

@@ -1,0 +1,100 @@
+"""Resident KV sharing on one server: publish prefixes into owner sequences, attach them
+to slots, and release owners to respect the cell budget and the free-cell headroom.
+
+Every method here does server I/O and must run under that server's move lock; the index
+it updates is plain data (proxy/core/resident.py), changed only after the server confirmed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from proxy.backend import Backend
+from proxy.core.resident import ResidentIndex
+from proxy.errors import KvMoveError
+
+log = logging.getLogger("radix")
+
+
+class Sharing:
+    def __init__(self, backend: Backend, index: ResidentIndex, *, budget_cells: int, headroom: int,
+                 min_tokens: int) -> None:
+        self.backend = backend
+        self.index = index
+        self.budget_cells = budget_cells
+        self.headroom = headroom
+        self.min_tokens = min_tokens
+        self.releases = 0
+        self.last_cells: dict[str, Any] = {}
+
+    async def cells(self) -> dict[str, Any]:
+        self.last_cells = await self.backend.cells()
+        return self.last_cells
+
+    async def attach(self, owner_id: int, slot_id: int, m: int) -> None:
+        await self.backend.kv_post("attach", {"owner": owner_id, "slot": slot_id, "m": m}, cause="attach")
+        self.index.attached(owner_id, slot_id, m, time.monotonic())
+
+    async def record(self, slot_id: int, slot_tokens: np.ndarray, lengths: Iterable[int]) -> int:
+        """Publish ``[0,n)`` of the slot for each length worth sharing; returns entries added."""
+        added = 0
+        for n in sorted(set(lengths)):
+            if n < self.min_tokens or n > len(slot_tokens) or self.index.has(slot_tokens[:n]):
+                continue
+            owner = self.index.free_owner()
+            if owner is None:
+                for victim in self.index.release_order():
+                    await self._release(victim)
+                    owner = self.index.free_owner()
+                    if owner is not None:
+                        break
+            if owner is None:
+                return added
+            before = int((await self.cells())["owner"])
+            await self.backend.kv_post("publish", {"slot": slot_id, "owner": owner, "n": n}, cause="publish")
+            self.index.add(owner, slot_tokens[:n], slot_id, time.monotonic())
+            added += 1
+            if not await self._within_budget(owner, before):
+                break
+        return added
+
+    async def _within_budget(self, new_owner: int, before: int) -> bool:
+        """Admission by the real growth of the owners' cell union: evict others, else the newcomer."""
+        owner_cells = int((await self.cells())["owner"])
+        if owner_cells <= self.budget_cells:
+            return True
+        self.index.pin(new_owner)
+        try:
+            for victim in self.index.release_order():
+                await self._release(victim)
+                owner_cells = int((await self.cells())["owner"])
+                if owner_cells <= self.budget_cells:
+                    return True
+        finally:
+            self.index.unpin(new_owner)
+        log.info("resident: owner %d grew owner cells by %d past the budget %d; released", new_owner,
+                 owner_cells - before, self.budget_cells)
+        await self._release(new_owner)
+        return False
+
+    async def ensure_free(self, need: int) -> None:
+        """Release owners until ``need`` cells plus the headroom are free (if owners can give them)."""
+        cells = await self.cells()
+        for victim in self.index.release_order():
+            if int(cells["free"]) >= need + self.headroom:
+                return
+            await self._release(victim)
+            cells = await self.cells()
+
+    async def _release(self, owner_id: int) -> None:
+        try:
+            await self.backend.kv_post("release", {"owner": owner_id}, cause="release")
+        except KvMoveError as exc:
+            log.warning("resident: release of owner %d failed: %s", owner_id, exc)
+        self.index.remove(owner_id)
+        self.releases += 1
