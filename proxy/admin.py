@@ -51,7 +51,10 @@ def add_admin_routes(app: web.Application, runtime: Runtime) -> None:
                 # Answered here, not raised: an admin poll is not a failed completion request.
                 exc = Unauthorized("missing or wrong admin key (send Authorization: Bearer KEY)")
                 return web.json_response(exc.to_body(), status=exc.status)
-            return web.json_response(await fn(request, runtime))
+            try:
+                return web.json_response(await fn(request, runtime))
+            except RadixError as exc:  # also answered here: admin errors are not request errors
+                return web.json_response(exc.to_body(), status=exc.status)
 
         return handler
 
@@ -156,9 +159,10 @@ async def _tree(request: web.Request, runtime: Runtime) -> dict[str, Any]:
 # ---- /radix/slots ------------------------------------------------------------------------
 
 
-async def _server_json(server: ServerState, what: str, call: Awaitable[Any]) -> tuple[Any, str | None]:
+async def _server_json(server: ServerState, what: str, call: Awaitable[Any],
+                       timeout_s: float = POOL_TIMEOUT_S) -> tuple[Any, str | None]:
     try:
-        return await asyncio.wait_for(call, POOL_TIMEOUT_S), None
+        return await asyncio.wait_for(call, timeout_s), None
     except (RadixError, aiohttp.ClientError, TimeoutError) as exc:
         return None, f"{server.name} {what}: {exc or type(exc).__name__}"
 
@@ -169,7 +173,6 @@ async def _slots(request: web.Request, runtime: Runtime) -> dict[str, Any]:
     for server in runtime.coordinator.servers:
         info, err1 = await _server_json(server, "/kvctl/slots", server.backend.slots(tokens=True))
         cells, err2 = await _server_json(server, "/kvctl/cells", server.backend.cells())
-        runtime.metrics.set_pool(server.name, cells)
         theirs = {int(s["id"]): s for s in (info or {}).get("slots", [])}
         slots = []
         for s in server.slots:
@@ -178,10 +181,17 @@ async def _slots(request: web.Request, runtime: Runtime) -> dict[str, Any]:
                           "server_n_tokens": entry.get("n_tokens"), "n_cells": entry.get("n_cells"),
                           "idle_s": round(now - s.last_used, 3) if s.last_used else None,
                           "preview": await preview(runtime, s.tokens.tolist())})
+        runtime.metrics.set_pool(server.name, cells)
+        _set_resident(runtime, server, cells)
+        index = server.sharing.index.entries if server.sharing is not None else {}
         residents = []
         for o in (info or {}).get("owners", []):
+            entry = index.get(int(o["id"]))
             residents.append({"owner": int(o["id"]), "n_tokens": int(o.get("n_tokens", 0)),
-                              "n_cells": o.get("n_cells"), "preview": await preview(runtime, o.get("tokens", []))})
+                              "n_cells": o.get("n_cells"), "indexed": entry is not None,
+                              "hits": entry.hits if entry else None, "pins": entry.pins if entry else None,
+                              "sharers": dict(entry.sharers) if entry else None,
+                              "preview": await preview(runtime, o.get("tokens", []))})
         out.append({"server": server.name, "url": server.backend.url, "n_ctx_slot": server.n_ctx_slot,
                     "slots": slots, "residents": residents, "pool": cells,
                     "errors": [e for e in (err1, err2) if e]})
@@ -200,14 +210,27 @@ async def refresh_pool_gauges(runtime: Runtime, timeout_s: float = POOL_TIMEOUT_
     servers = runtime.coordinator.servers
 
     async def one(server: ServerState) -> dict[str, Any] | None:
-        cells, err = await _server_json(server, "/kvctl/cells", server.backend.cells())
+        cells, err = await _server_json(server, "/kvctl/cells", server.backend.cells(), timeout_s)
         if err:
             log.debug("pool gauges: %s", err)
         runtime.metrics.set_pool(server.name, cells)
+        _set_resident(runtime, server, cells)
         return dict(cells) if cells is not None else None
 
     results = await asyncio.gather(*(one(s) for s in servers))
     return {s.name: r for s, r in zip(servers, results, strict=True)}
+
+
+def _set_resident(runtime: Runtime, server: ServerState, cells: dict[str, Any] | None) -> None:
+    """Resident entries from the proxy's index; their cells are the pool's owner cells."""
+    m = runtime.metrics
+    if server.sharing is None:
+        m.resident_entries.labels(server.name).set(0)
+        m.resident_cells.labels(server.name).set(0)
+        return
+    m.resident_entries.labels(server.name).set(len(server.sharing.index.entries))
+    if cells is not None:
+        m.resident_cells.labels(server.name).set(float(cells.get("owner", 0)))
 
 
 async def refresh_metrics(runtime: Runtime) -> None:
@@ -250,6 +273,8 @@ async def stats(runtime: Runtime) -> dict[str, Any]:
         "tree": asdict(tree_stats),
         "dedup_ratio": tree_stats.logical_tokens / tree_stats.unique_tokens if tree_stats.unique_tokens else 0.0,
         "pool": pool,
+        "resident": {s.name: asdict(s.sharing.index.stats()) if s.sharing is not None else None
+                     for s in runtime.coordinator.servers},
         "tokenizer": runtime.tokenizer_note,
     }
 

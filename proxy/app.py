@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -106,24 +107,38 @@ async def _completion(request: web.Request) -> web.StreamResponse:
     return await _steered(request, body, tokens)
 
 
+@dataclass
+class _Outcome:
+    """What the answer said, filled in as it streams so that a disconnect keeps what was seen."""
+
+    status: int = 0
+    ttft_s: float | None = None
+    timings: dict[str, Any] | None = None
+    _partial: bytes = b""
+
+    def feed_sse(self, chunk: bytes) -> None:
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            if line.startswith(b"data: ") and b'"timings"' in line:
+                self.timings = _timings_of(line[6:]) or self.timings
+
+
 async def _steered(request: web.Request, body: dict[str, Any], tokens: np.ndarray) -> web.StreamResponse:
     runtime = request.app[RUNTIME]
     coord = runtime.coordinator
     request_id = f"r{next(_ids)}"
     arrived = time.monotonic()
     lease = await coord.acquire(request_id, tokens)
-    timings: dict[str, Any] | None = None
-    ttft: float | None = None
-    status = 0
+    outcome = _Outcome()
     try:
         await coord.restore(lease, _n_predict(body))
         if body.get("cache_prompt") is not False:
             body["cache_prompt"] = True
         body["id_slot"] = lease.slot.slot_id
-        response, timings, ttft, status = await _forward_completion(request, body, lease, arrived)
-        return response
+        return await _forward_completion(request, body, lease, arrived, outcome)
     finally:
-        coord.record(lease, timings, ttft, status)
+        coord.record(lease, outcome.timings, outcome.ttft_s, outcome.status)
         runtime.spawn(coord.finish(lease))
 
 
@@ -147,35 +162,33 @@ def _radix_headers(lease: Lease) -> dict[str, str]:
     }
 
 
-async def _forward_completion(request: web.Request, body: dict[str, Any], lease: Lease,
-                              arrived: float) -> tuple[web.StreamResponse, dict[str, Any] | None, float | None, int]:
+async def _forward_completion(request: web.Request, body: dict[str, Any], lease: Lease, arrived: float,
+                              outcome: _Outcome) -> web.StreamResponse:
     backend = lease.server.backend
     headers = {**_forward_headers(request), "Content-Type": "application/json"}
-    async with backend.session.post(backend.url + request.path, data=orjson.dumps(body), headers=headers) as up:
+    async with backend.post_stream(request.path, orjson.dumps(body), headers) as up:
+        outcome.status = up.status
         extra = _radix_headers(lease)
         if "text/event-stream" not in up.headers.get("Content-Type", ""):
             raw = await up.read()
-            elapsed = time.monotonic() - arrived
-            timings = _timings_of(raw)
-            if timings is not None:
-                extra["X-Radix-Cached-Tokens"] = str(timings.get("cache_n", 0))
-            resp = web.Response(body=raw, status=up.status, headers=extra,
+            outcome.ttft_s = time.monotonic() - arrived
+            outcome.timings = _timings_of(raw)
+            if outcome.timings is not None:
+                extra["X-Radix-Cached-Tokens"] = str(outcome.timings.get("cache_n", 0))
+            return web.Response(body=raw, status=up.status, headers=extra,
                                 content_type=up.content_type or "application/json")
-            return resp, timings, elapsed, up.status
         stream = web.StreamResponse(status=up.status, headers={**extra, "Content-Type": "text/event-stream",
                                                                 "Cache-Control": "no-cache"})
         await stream.prepare(request)
-        ttft: float | None = None
-        tail = b""
         async for chunk in up.content.iter_any():
-            if ttft is None:
-                ttft = time.monotonic() - arrived
+            if outcome.ttft_s is None:
+                outcome.ttft_s = time.monotonic() - arrived
+            outcome.feed_sse(chunk)
             # A client that went away raises here; leaving the block closes the upstream
             # connection, and llama-server cancels the task when it sees that.
             await stream.write(chunk)
-            tail = (tail + chunk)[-65536:]
         await stream.write_eof()
-        return stream, _stream_timings(tail), ttft, up.status
+        return stream
 
 
 def _timings_of(raw: bytes) -> dict[str, Any] | None:
@@ -185,13 +198,6 @@ def _timings_of(raw: bytes) -> dict[str, Any] | None:
         return None
     timings = data.get("timings") if isinstance(data, dict) else None
     return timings if isinstance(timings, dict) else None
-
-
-def _stream_timings(tail: bytes) -> dict[str, Any] | None:
-    for line in reversed(tail.split(b"\n")):
-        if line.startswith(b"data: ") and b'"timings"' in line:
-            return _timings_of(line[6:])
-    return None
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import base64
-from collections.abc import Mapping
+import contextlib
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -11,6 +12,11 @@ import msgpack
 import orjson
 
 from proxy.errors import BackendError, KvMoveError
+
+# llama-server's HTTP library closes a kept-alive connection after a few idle seconds or
+# 100 requests; a request sent on such a connection fails before the server read it, so
+# one retry on a fresh connection is safe.
+_STALE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
 
 class Backend:
@@ -23,13 +29,32 @@ class Backend:
 
     # ---- plain server API -------------------------------------------------------------
 
+    @contextlib.asynccontextmanager
+    async def request(self, method: str, path: str, **kw: Any) -> AsyncIterator[aiohttp.ClientResponse]:
+        """One request, retried once if a pooled connection turned out to be closed."""
+        for attempt in (0, 1):
+            try:
+                resp = await self.session.request(method, self.url + path, **kw)
+                break
+            except _STALE:
+                if attempt:
+                    raise
+        try:
+            yield resp
+        finally:
+            resp.release()
+
+    def post_stream(self, path: str, data: bytes,
+                    headers: Mapping[str, str]) -> contextlib.AbstractAsyncContextManager[aiohttp.ClientResponse]:
+        return self.request("POST", path, data=data, headers=headers)
+
     async def get_json(self, path: str) -> Any:
-        async with self.session.get(self.url + path) as resp:
+        async with self.request("GET", path) as resp:
             return await self._json(resp, path)
 
     async def post_json(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> Any:
-        async with self.session.post(self.url + path, data=orjson.dumps(body),
-                                     headers={"Content-Type": "application/json", **(headers or {})}) as resp:
+        async with self.request("POST", path, data=orjson.dumps(body),
+                                headers={"Content-Type": "application/json", **(headers or {})}) as resp:
             return await self._json(resp, path)
 
     async def apply_template(self, body: Mapping[str, Any], headers: Mapping[str, str]) -> str:
@@ -56,8 +81,11 @@ class Backend:
     # ---- /kvctl -----------------------------------------------------------------------
 
     async def kv_get(self, route: str, params: Mapping[str, str] | None = None) -> Any:
-        async with self.session.get(f"{self.url}/kvctl/{route}", params=params, headers=self._auth) as resp:
-            return await self._json(resp, f"/kvctl/{route}")
+        try:
+            async with self.request("GET", f"/kvctl/{route}", params=params, headers=self._auth) as resp:
+                return await self._json(resp, f"/kvctl/{route}")
+        except aiohttp.ClientError as exc:
+            raise KvMoveError("transport", f"/kvctl/{route}: {exc}") from exc
 
     async def kv_post(self, route: str, body: Mapping[str, Any], cause: str) -> Any:
         """POST a /kvctl operation; a refusal becomes a KvMoveError naming ``cause``."""
@@ -68,19 +96,21 @@ class Backend:
         else:
             data = orjson.dumps(body)
             headers = {**self._auth, "Content-Type": "application/json"}
-        async with self.session.post(f"{self.url}/kvctl/{route}", data=data, headers=headers) as resp:
-            raw = await resp.read()
-            try:
-                if resp.content_type == "application/msgpack":
-                    reply = msgpack.unpackb(raw, raw=False)
-                else:
-                    reply = orjson.loads(raw) if raw else {}
-            except (ValueError, msgpack.UnpackException) as exc:
-                raise KvMoveError(cause, f"/kvctl/{route}: unreadable reply ({exc})") from exc
-            if resp.status >= 400:
-                message = (reply.get("error") or {}).get("message", str(reply)) if isinstance(reply, dict) else reply
-                raise KvMoveError(cause, f"/kvctl/{route} answered {resp.status}: {message}")
-            return reply
+        try:
+            async with self.request("POST", f"/kvctl/{route}", data=data, headers=headers) as resp:
+                raw = await resp.read()
+                status, content_type = resp.status, resp.content_type
+        except aiohttp.ClientError as exc:
+            raise KvMoveError("transport", f"/kvctl/{route}: {exc}") from exc
+        try:
+            reply = msgpack.unpackb(raw, raw=False) if content_type == "application/msgpack" else (
+                orjson.loads(raw) if raw else {})
+        except (ValueError, msgpack.UnpackException) as exc:
+            raise KvMoveError(cause, f"/kvctl/{route}: unreadable reply ({exc})") from exc
+        if status >= 400:
+            message = (reply.get("error") or {}).get("message", str(reply)) if isinstance(reply, dict) else reply
+            raise KvMoveError(cause, f"/kvctl/{route} answered {status}: {message}")
+        return reply
 
     async def caps(self) -> dict[str, Any]:
         return dict(await self.kv_get("caps"))

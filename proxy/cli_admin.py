@@ -87,9 +87,15 @@ def why_text(d: dict[str, Any]) -> str:
     at = div.get("at", max(d.get("host_match") or 0, d.get("best_slot_match") or 0))
     if div.get("complete"):
         return "whole prompt was cached"
-    where = div.get("source") or ("host" if (d.get("host_match") or 0) >= (d.get("best_slot_match") or 0) else "slot")
+    if not at:
+        where = "nothing cached starts like it"
+    else:
+        where = div.get("source") or ("host" if (d.get("host_match") or 0) >= (d.get("best_slot_match") or 0)
+                                      else "slot")
     if "request" not in div:
         return f"@{at} ({where})"
+    if not at:
+        return f"@0 ({where}) ▸ {snippet(div.get('request'), 20)}"
     text = f"@{at} ({where}) {snippet(div.get('before'), 24, tail=True)} ▸ {snippet(div.get('request'), 20)}"
     if div.get("cached") is not None:
         text += f" | cached ▸ {snippet(div.get('cached'), 20)}"
@@ -140,8 +146,9 @@ def format_slots(data: dict[str, Any]) -> str:
             rows.append([srv["server"], s["id"], "busy" if s["busy"] else "idle", s["n_tokens"],
                          s.get("n_cells"), idle, _preview_text(s.get("preview"), 60)])
         for r in srv.get("residents", []):
-            resident_rows.append([srv["server"], r["owner"], r["n_tokens"], r.get("n_cells"),
-                                  _preview_text(r.get("preview"), 60)])
+            sharers = ",".join(f"{k}:{v}" for k, v in (r.get("sharers") or {}).items()) or None
+            resident_rows.append([srv["server"], r["owner"], r["n_tokens"], r.get("n_cells"), r.get("hits"),
+                                  sharers, _preview_text(r.get("preview"), 60)])
         pool = srv.get("pool")
         if pool:
             shared = int(pool.get("logical", 0)) - int(pool.get("used", 0))
@@ -151,7 +158,8 @@ def format_slots(data: dict[str, Any]) -> str:
         errors += srv.get("errors", [])
     out = table(rows, ["server", "slot", "state", "tokens", "cells", "idle", "holds (start … end)"])
     out += "\n\nresident entries: "
-    out += ("\n" + table(resident_rows, ["server", "owner", "tokens", "cells", "holds (start … end)"])
+    out += ("\n" + table(resident_rows, ["server", "owner", "tokens", "cells", "hits", "slots:cells",
+                                          "holds (start … end)"])
             if resident_rows else "none")
     if pools:
         out += "\n\nKV pool:\n" + "\n".join("  " + p for p in pools)
@@ -185,6 +193,10 @@ def format_stats(d: dict[str, Any]) -> str:
         lines.append((f"pool {server}", "unanswered" if pool is None else
                       f"{pool.get('used')} of {pool.get('n_cells')} cells used, owners {pool.get('owner')}, "
                       f"logical {pool.get('logical')}"))
+    for server, r in (d.get("resident") or {}).items():
+        if r is not None:
+            lines.append((f"resident {server}", f"{r['entries']} entries ({r['tokens']} tokens, {r['pinned']} pinned), "
+                          f"admitted {r['admitted']}, evicted {r['evicted']}, hits {r['hits']}"))
     lines.append(("tokenizer", d["tokenizer"]))
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)

@@ -76,6 +76,7 @@ class Lease:
     route: str = ""
     fallback: str = ""
     owner_pinned: bool = False
+    finishing: bool = False  # the answer is complete; the slot is being saved
     started: float = field(default_factory=time.monotonic)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -125,10 +126,11 @@ class Coordinator:
         return lease
 
     async def _wait_for_shared_prefix(self, tokens: np.ndarray) -> None:
-        """Fan-out: while a request in flight is computing a long prefix this one shares, and
-        nothing cached gives as much, wait for it to finish; then this request reuses that
-        prefix (resident attach or host restore) instead of computing it again."""
-        if not self.config.kv_share or len(tokens) == 0:
+        """Wait for a request in flight that holds a much longer prefix of this one than
+        anything available now, then reuse it instead of computing it again: a session's
+        next turn waits the few milliseconds its previous turn needs to save; and with
+        sharing on (fan-out), k requests sharing a prefix on a cold server compute it once."""
+        if len(tokens) == 0:
             return
         while True:
             blocker = self._fanout_blocker(tokens)
@@ -140,14 +142,16 @@ class Coordinator:
         gain = self.config.min_restore_tokens
         best, blocker = 0, None
         for lease in self._inflight.values():
+            if not (lease.finishing or self.config.kv_share):
+                continue
             shared = min(common_prefix(lease.tokens, tokens), len(tokens) - 1)
             if shared > best:
                 best, blocker = shared, lease
-        if blocker is None or best < max(gain, self.config.kv_share_min_tokens):
+        if blocker is None or best < gain:
             return None
         have = self.tree.match(tokens, touch=False).length
         for server in self.servers:
-            have = max([have] + [common_prefix(s.tokens, tokens) for s in server.slots])
+            have = max([have] + [common_prefix(s.tokens, tokens) for s in server.slots if not s.busy])
             if server.sharing is not None:
                 have = max([have] + [v.lcp for v in server.sharing.index.views(tokens)])
         return blocker if best >= have + gain else None
@@ -250,6 +254,7 @@ class Coordinator:
 
     async def finish(self, lease: Lease) -> None:
         """After the answer: learn what the slot holds, save what the tree lacks, release."""
+        lease.finishing = True
         try:
             await self._refresh_slot(lease)
             await self._save(lease)

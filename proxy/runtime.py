@@ -72,7 +72,7 @@ class Runtime:
 
 async def create_runtime(config: Config, registry: CollectorRegistry | None = None) -> Runtime:
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-                                    connector=aiohttp.TCPConnector(limit=0))
+                                    connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0))
     try:
         names = tuple(f"s{i}" for i in range(len(config.backends)))
         metrics = Metrics(registry or CollectorRegistry(), names)

@@ -112,7 +112,7 @@ class ProxyThread:
             assert self.runtime is not None
             return fn(self.runtime)
 
-        return self.run(wrapper())  # type: ignore[no-any-return]
+        return self.run(wrapper())
 
     def settle(self) -> None:
         """Wait until background saves are done."""

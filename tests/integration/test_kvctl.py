@@ -195,25 +195,30 @@ def assert_same_or_near_tie(got: Completion, ref: Completion, tol: float = NEAR_
 
 # --- servers ----------------------------------------------------------------------------------
 
+# One thread each: up to four of these servers are up at once on a shared 2-core machine, and
+# several threads per server spin against each other when the cores are oversubscribed.
+ONE = 1
+
+
 @pytest.fixture(scope="module")
 def kv_server(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
     """Patched, --kvctl, with a --kvctl-dir: these tests own its slots."""
-    return start_server(patched_bin)
+    return start_server(patched_bin, threads=ONE)
 
 
 @pytest.fixture(scope="module")
 def keyed_server(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
-    return start_server(patched_bin, kvctl_key=KEY, n_parallel=2)
+    return start_server(patched_bin, kvctl_key=KEY, n_parallel=2, ctx_size=2048, threads=ONE)
 
 
 @pytest.fixture(scope="module")
 def fault_server(start_server: ServerFactory, fault_bin: Path) -> ServerProcess:
-    return start_server(fault_bin, n_parallel=2)
+    return start_server(fault_bin, n_parallel=2, ctx_size=2048, threads=ONE)
 
 
 @pytest.fixture(scope="module")
 def off_server(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
-    return start_server(patched_bin, kvctl=False)
+    return start_server(patched_bin, kvctl=False, threads=ONE)
 
 
 @dataclass
@@ -482,6 +487,8 @@ BAD_CASES: dict[str, Callable[[BadCtx], Case]] = {
                                              "invalid_request_error", ("tokens",)),
     "import-fault-in-normal-build": lambda b: ("POST", "/kvctl/import", b.imp(fault="after_first_segment"), 400,
                                                "invalid_request_error", ("fault",)),
+    "import-fault-not-a-string": lambda b: ("POST", "/kvctl/import", b.imp(fault=1), 400,
+                                            "invalid_request_error", ("fault",)),
     "import-file-dotdot": lambda b: ("POST", "/kvctl/import",
                                      b.imp(segments=[{"file": "../x", "size": len(b.m.blob)}]), 400,
                                      "invalid_request_error", ("invalid file name",)),
@@ -693,3 +700,8 @@ def test_cache_reuse_and_lora_are_refused(moved: Moved, case: str) -> None:
                  "--kvctl")
     plain = {k: v for k, v in body.items() if k not in ("n_cache_reuse", "lora")}
     assert call(moved.url, "POST", path, plain).status == 200
+
+
+def test_lora_adapter_change_is_refused(moved: Moved, off_server: ServerProcess) -> None:
+    assert_error(call(moved.url, "POST", "/lora-adapters", []), 400, "invalid_request_error", "lora", "--kvctl")
+    assert call(off_server.url, "POST", "/lora-adapters", []).status == 200

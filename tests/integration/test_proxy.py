@@ -212,3 +212,17 @@ def test_metrics_and_admin(proxy: ProxyThread) -> None:
     assert "radix_host_tree_bytes" in text
     routes = get(f"{proxy.url}/radix/routes").body["decisions"]
     assert routes and {"route", "cached", "prompt_tokens", "slot"} <= set(routes[-1])
+
+
+def test_next_turn_sent_at_once_reuses_its_own_prefix(proxy: ProxyThread) -> None:
+    # No settle between the turns: the first turn's slot is still being saved when the
+    # second arrives, and the second must wait for it rather than prefill elsewhere.
+    messages = convo(document(10, 200), "Give one word.")
+    first = post(f"{proxy.url}/v1/chat/completions", chat_body(messages, 4))
+    assert first.status == 200
+    messages += [{"role": "assistant", "content": first.body["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "Another one."}]
+    second = post(f"{proxy.url}/v1/chat/completions", chat_body(messages, 4))
+    assert second.status == 200
+    assert second.headers["X-Radix-Route"] in ("A", "A+H", "H"), second.headers
+    assert second.body["timings"]["cache_n"] >= int(first.headers["X-Radix-Prompt-Tokens"]) - 1
