@@ -228,7 +228,11 @@ def _set_resident(runtime: Runtime, server: ServerState, cells: dict[str, Any] |
         m.resident_entries.labels(server.name).set(0)
         m.resident_cells.labels(server.name).set(0)
         return
-    m.resident_entries.labels(server.name).set(len(server.sharing.index.entries))
+    stats = server.sharing.index.stats()
+    m.resident_entries.labels(server.name).set(stats.entries)
+    m.resident_pinned.labels(server.name).set(stats.pinned)
+    m.resident_evictions[server.name].set(stats.evicted)
+    m.resident_admitted[server.name].set(stats.admitted)
     if cells is not None:
         m.resident_cells.labels(server.name).set(float(cells.get("owner", 0)))
 

@@ -16,6 +16,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from proxy.admin import refresh_metrics
 from proxy.coordinator import Lease
 from proxy.errors import BackendError, BadRequest, RadixError
 from proxy.runtime import Runtime
@@ -215,7 +216,7 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
-    runtime.refresh_gauges()
+    await refresh_metrics(runtime)
     return web.Response(body=generate_latest(runtime.metrics.registry),
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -23,7 +23,7 @@ from proxy.core.planner import Plan, PlanInput, Route, SlotView
 from proxy.core.planner import plan as choose_plan
 from proxy.core.radix import HostMatch, RadixTree
 from proxy.errors import BadRequest, KvMoveError
-from proxy.metrics import Metrics
+from proxy.metrics import SHARE_PATHS, Metrics
 from proxy.mover import KvMover
 from proxy.sharing import Sharing
 
@@ -77,6 +77,7 @@ class Lease:
     fallback: str = ""
     owner_pinned: bool = False
     finishing: bool = False  # the answer is complete; the slot is being saved
+    why: dict[str, Any] = field(default_factory=dict)  # where cached prefixes stopped matching, at plan time
     started: float = field(default_factory=time.monotonic)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -175,7 +176,8 @@ class Coordinator:
         uses_host = plan.host_to > plan.host_from
         if uses_host:
             self.tree.pin(host)
-        lease = Lease(request_id, server, slot, plan, tokens, host if uses_host else None, route=plan.route.value)
+        lease = Lease(request_id, server, slot, plan, tokens, host if uses_host else None, route=plan.route.value,
+                      why=self._divergence(tokens, host.length))
         if plan.owner_id is not None and server.sharing is not None:
             server.sharing.index.pin(plan.owner_id)
             lease.owner_pinned = True
@@ -314,12 +316,7 @@ class Coordinator:
             await sharing.record(lease.slot.slot_id, tokens, lengths)
 
     def _update_tree_gauges(self) -> None:
-        stats = self.tree.stats()
-        self.metrics.tree_nodes.set(stats.nodes)
-        self.metrics.tree_bytes.set(stats.bytes)
-        self.metrics.tree_unique.set(stats.unique_tokens)
-        self.metrics.tree_logical.set(stats.logical_tokens)
-        self.metrics.tree_evictions.set(stats.evictions)
+        self.metrics.sync_tree(self.tree.stats())
 
     # ---- bookkeeping -----------------------------------------------------------------
 
@@ -327,7 +324,7 @@ class Coordinator:
         """One decision for metrics, logs and `radixctl routes`."""
         cached = int(timings.get("cache_n", 0)) if timings else None
         prefilled = int(timings.get("prompt_n", 0)) if timings else None
-        prev = self._divergence(lease)
+        prev = lease.why
         decision = {
             "time": time.time(), "request_id": lease.request_id, "route": lease.route,
             "server": lease.server.name, "slot": lease.slot.slot_id, "prompt_tokens": len(lease.tokens),
@@ -344,18 +341,38 @@ class Coordinator:
             m.ttft.labels(lease.route, lease.server.name).observe(ttft_s)
         m.prompt_tokens.inc(len(lease.tokens))
         m.predicted_cached.inc(decision["predicted_cached"])
+        path = SHARE_PATHS[lease.route]
+        m.share_path_requests[path].inc()
         if cached is not None and prefilled is not None:
+            m.share_path_tokens[path].inc(cached)
             m.cached_tokens.inc(cached)
             m.prefilled_tokens.inc(prefilled)
             m.route_tokens.labels(lease.route).inc(cached)
-        log.info("request %s route=%s server=%s slot=%d prompt=%d predicted=%d cached=%s prefilled=%s%s",
+        log.info("request %s route=%s server=%s slot=%d prompt=%d predicted=%d cached=%s prefilled=%s "
+                 "ttft_ms=%s queued_ms=%.0f diverge_at=%s status=%d%s",
                  lease.request_id, lease.route, lease.server.name, lease.slot.slot_id, len(lease.tokens),
                  decision["predicted_cached"], cached, prefilled,
-                 f" fallback={lease.fallback}" if lease.fallback else "")
+                 f"{ttft_s * 1000:.0f}" if ttft_s is not None else "-", lease.queued_s * 1000,
+                 decision.get("diverge_at"), status, f" fallback={lease.fallback}" if lease.fallback else "")
         return decision
 
-    def _divergence(self, lease: Lease) -> dict[str, Any]:
-        """Where the longest known prefix stopped matching, for the route inspector."""
-        host_len = self.tree.match(lease.tokens).length
-        best_slot = max((common_prefix(s.tokens, lease.tokens) for sv in self.servers for s in sv.slots), default=0)
-        return {"host_match": host_len, "best_slot_match": best_slot}
+    _WHY_CONTEXT = 16  # tokens kept on each side of the divergence, shown as text by `radixctl routes`
+
+    def _divergence(self, tokens: np.ndarray, host_len: int) -> dict[str, Any]:
+        """Where the longest prefix held anywhere (a slot, a resident owner, the host tree)
+        stopped matching the prompt, with the token windows around that position."""
+        held: list[tuple[int, str, np.ndarray]] = []
+        for sv in self.servers:
+            held += [(common_prefix(s.tokens, tokens), f"slot {sv.name}/{s.slot_id}", s.tokens) for s in sv.slots]
+            if sv.sharing is not None:
+                held += [(common_prefix(e.tokens, tokens), f"resident {sv.name}/{e.owner_id}", e.tokens)
+                         for e in sv.sharing.index.entries.values()]
+        best, where, holder = max(held, key=lambda h: h[0], default=(0, None, _EMPTY))
+        best_slot = max((n for n, what, _ in held if what.startswith("slot")), default=0)
+        at = max(host_len, best)
+        lo, hi = max(0, at - self._WHY_CONTEXT), at + self._WHY_CONTEXT
+        from_holder = best >= host_len and best > 0
+        return {"host_match": host_len, "best_slot_match": best_slot, "diverge_at": at,
+                "diverge_source": where if from_holder else ("host" if host_len else None),
+                "ctx_from": lo, "request_ctx": tokens[lo:hi].tolist(),
+                "cached_ctx": holder[lo:hi].tolist() if from_holder else None}

@@ -23,6 +23,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from proxy.core.radix import TreeStats
 
 ROUTES = ("A", "S", "H", "A+H", "S+H", "prefill")
+# The reference implementation's per-path families; a mixed route (A+H, S+H) counts under
+# h, the host restore being the part that reached furthest.
+SHARE_PATHS = {"A": "a", "S": "s", "H": "h", "A+H": "h", "S+H": "h", "prefill": "prefill"}
 FALLBACK_CAUSES = ("export", "import", "verify", "compat", "payload", "transport")
 DIRECTIONS = ("export", "import")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
@@ -125,6 +128,24 @@ class Metrics:
                                       ["server"], registry=registry)
         self.resident_cells = Gauge(f"{ns}_resident_cells", "KV cells held by resident prefixes",
                                     ["server"], registry=registry)
+        self.resident_pinned = Gauge(f"{ns}_resident_pinned", "Resident prefixes pinned by an attach in flight",
+                                     ["server"], registry=registry)
+        self.resident_evictions = {}
+        self.resident_admitted = {}
+        evictions = Counter(f"{ns}_resident_evictions", "Resident prefixes released (budget, headroom, entries)",
+                            ["server"], registry=registry)
+        admitted = Counter(f"{ns}_resident_admitted", "Prefixes published as resident", ["server"],
+                           registry=registry)
+        for server in servers:
+            self.resident_evictions[server] = SyncedCounter(evictions.labels(server))
+            self.resident_admitted[server] = SyncedCounter(admitted.labels(server))
+        self.share_path_requests = {
+            path: Counter(f"kv_share_path_{path}_requests", f"Requests served on path {path}", registry=registry)
+            for path in ("a", "s", "h", "prefill")}
+        self.share_path_tokens = {
+            path: Counter(f"kv_share_path_{path}_tokens", f"Prompt tokens reused on path {path} (cache_n)",
+                          registry=registry)
+            for path in ("a", "s", "h", "prefill")}
         # ---- servers -------------------------------------------------------------------------
         self.backend_up = Gauge(f"{ns}_backend_up", "1 when the server answered the last /kvctl/cells read",
                                 ["server"], registry=registry)
@@ -138,6 +159,7 @@ class Metrics:
             self.queue_wait.labels(server)
             self.resident_entries.labels(server)
             self.resident_cells.labels(server)
+            self.resident_pinned.labels(server)
             self.backend_up.labels(server)
             for gauge in self.pool.values():
                 gauge.labels(server)

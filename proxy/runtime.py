@@ -17,6 +17,7 @@ import numpy as np
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from proxy.admin import summary_loop
 from proxy.backend import Backend
 from proxy.config import Config
 from proxy.coordinator import Coordinator, ServerState, SlotState
@@ -199,11 +200,15 @@ async def serve_forever(config: Config, on_ready: Any = None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    summary = loop.create_task(summary_loop(runtime))
     try:
         if on_ready is not None:
             on_ready(runtime)
         await stop.wait()
     finally:
+        summary.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await summary
         await runner.cleanup()
         await runtime.close()
 

@@ -12,9 +12,8 @@ sizes; only the caching differs:
   proxy in front (a ``radixctl serve`` child process, host radix tree; route H).
 
 Stock servers run with ``-lv 4`` (trace logging, per task only) so the size of their host
-prompt cache can be read from the log. Hook for resident sharing: when route S lands, add
-an ``ArmDef("proxy-hs", ..., proxy_args=(<the flag that enables sharing>,))`` to ``ARMS``;
-nothing else here needs to change.
+prompt cache can be read from the log.
+- ``proxy-hs``: the same with resident sharing on (``--cache-kv-share on``; routes A/S/H).
 """
 
 from __future__ import annotations
@@ -76,6 +75,8 @@ ARMS: dict[str, ArmDef] = {
                      "stock llama-server defaults: --cache-ram 8192, idle-slot saving, LCP slot selection"),
     "proxy": ArmDef("proxy", "patched", (), "patched llama-server + proxy (host radix tree, routes A/H)",
                     proxy=True),
+    "proxy-hs": ArmDef("proxy-hs", "patched", (), "patched llama-server + proxy with resident sharing (A/S/H)",
+                       proxy=True, proxy_args=("--cache-kv-share", "on")),
 }
 
 

@@ -207,6 +207,7 @@ def test_client_disconnect_mid_stream(proxy: ProxyThread) -> None:
 
 
 def test_metrics_and_admin(proxy: ProxyThread) -> None:
+    ask(proxy, convo(document(11, 40), "Say no."), n=2)
     text = get(f"{proxy.url}/metrics").body
     assert 'radix_requests_total{route="H",server="s0"}' in text
     assert "radix_host_tree_bytes" in text

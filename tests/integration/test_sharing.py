@@ -101,7 +101,16 @@ def test_attached_slots_hold_the_shared_cells_once(proxy: ProxyThread, backend: 
     # The owner and two slots hold the shared prefix in one set of cells.
     assert cells["logical"] - cells["used"] >= 2 * shared - 8, (cells, shared)
     assert cells["owner"] > 0
+    metrics = get(f"{proxy.url}/metrics").body
+    assert _sample(metrics, "kv_share_path_s_requests_total") >= 1
+    assert _sample(metrics, 'kv_cache_owner_cells{server="s0"}') == cells["owner"]
+    assert _sample(metrics, 'radix_resident_entries{server="s0"}') >= 1
     invariants(proxy)
+
+
+def _sample(text: str, name: str) -> float:
+    line = next(line for line in text.splitlines() if line.startswith(name + " "))
+    return float(line.split()[-1])
 
 
 def test_pool_near_full_releases_owners_instead_of_failing(start_server: ServerFactory, patched_bin: Path) -> None:
