@@ -2,33 +2,14 @@
 
 from __future__ import annotations
 
-import functools
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
-from proxy.errors import RadixError
-
-
-def _fail_cleanly(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """One message naming the cause and the fix, and a non-zero exit, for every known error."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except RadixError as exc:
-            click.echo(f"radixctl: error: {exc.message}", err=True)
-            fix = getattr(exc, "fix", "")
-            if fix:
-                click.echo(f"radixctl: fix: {fix}", err=True)
-            sys.exit(1)
-
-    return wrapper
+from proxy.cli_common import fail_cleanly
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "RADIX"})
@@ -47,7 +28,7 @@ def main() -> None:
 @click.option("--cmake-arg", "cmake_args", multiple=True, help="Extra CMake argument (repeatable).")
 @click.option("--fault-injection", is_flag=True, help="Build the test-only import fault injection in.")
 @click.option("--jobs", "-j", type=int, default=os.cpu_count() or 2, show_default=True)
-@_fail_cleanly
+@fail_cleanly
 def build(variant: str, backend: str, cmake_args: tuple[str, ...], fault_injection: bool, jobs: int) -> None:
     """Build llama-server from the pinned source (cached by content hash) and print its path."""
     from proxy.native.build import BuildSpec, build_server
@@ -63,7 +44,7 @@ def model() -> None:
 
 
 @model.command("path")
-@_fail_cleanly
+@fail_cleanly
 def model_path() -> None:
     """Fetch the default model if needed and print its path."""
     from proxy.native.model import default_model_path
@@ -78,7 +59,7 @@ def patch() -> None:
 
 @patch.command("checkout")
 @click.argument("tree", type=click.Path(file_okay=False, path_type=Path))
-@_fail_cleanly
+@fail_cleanly
 def patch_checkout(tree: Path) -> None:
     """Create an editable git tree of the pinned source with the patches applied as commits."""
     from proxy.native.patches import checkout
@@ -88,7 +69,7 @@ def patch_checkout(tree: Path) -> None:
 
 @patch.command("export")
 @click.argument("tree", type=click.Path(file_okay=False, exists=True, path_type=Path))
-@_fail_cleanly
+@fail_cleanly
 def patch_export(tree: Path) -> None:
     """Write the tree's commits after radix-base back into native/llama-server-patch/patches/."""
     from proxy.native.patches import export
@@ -147,7 +128,7 @@ def _config(backends: tuple[str, ...], **kw: Any) -> Any:
 @click.option("--backend-url", "backends", multiple=True, required=True, envvar="RADIX_BACKENDS",
               help="Patched llama-server base URL (repeatable; env: space-separated).")
 @_proxy_options
-@_fail_cleanly
+@fail_cleanly
 def serve(backends: tuple[str, ...], **kw: Any) -> None:
     """Run the proxy in front of already running patched llama-servers."""
     from proxy.app import run_proxy
@@ -168,7 +149,7 @@ def serve(backends: tuple[str, ...], **kw: Any) -> None:
               show_default=True, envvar="RADIX_BUILD_BACKEND")
 @click.option("--server-arg", "server_args", multiple=True, help="Extra llama-server argument (repeatable).")
 @_proxy_options
-@_fail_cleanly
+@fail_cleanly
 def up(model_arg: str | None, server_port: int, n_parallel: int, ctx_size: int, threads: int | None,
        build_backend: str, server_args: tuple[str, ...], **kw: Any) -> None:
     """Build and fetch what is missing, start llama-server and the proxy, serve until Ctrl-C."""

@@ -410,7 +410,7 @@ def format_doctor(url: str, checks: list[Check]) -> str:
 
 
 def register(main: click.Group) -> None:
-    from proxy.cli import _fail_cleanly
+    from proxy.cli_common import fail_cleanly
 
     common = [
         click.option("--url", default="http://127.0.0.1:8080", show_default=True, envvar="RADIX_URL",
@@ -429,7 +429,7 @@ def register(main: click.Group) -> None:
     @click.option("--follow", "-f", is_flag=True, help="Keep printing new decisions (Ctrl-C stops).")
     @click.option("--interval", default=1.0, show_default=True, help="Seconds between polls with --follow.")
     @with_common
-    @_fail_cleanly
+    @fail_cleanly
     def routes(url: str, admin_key: str | None, as_json: bool, limit: int, follow: bool, interval: float) -> None:
         """The last routing decisions: route, predicted and delivered cached tokens, TTFT, and why no
         longer prefix was reused (the first divergent token and the text around it)."""
@@ -460,7 +460,7 @@ def register(main: click.Group) -> None:
     @main.command()
     @click.option("--top", default=10, show_default=True, help="How many prefixes, most hits first.")
     @with_common
-    @_fail_cleanly
+    @fail_cleanly
     def tree(url: str, admin_key: str | None, as_json: bool, top: int) -> None:
         """The host radix tree: totals and the most used shared prefixes."""
         data = _fetch(url, f"/radix/tree?top={top}", admin_key)
@@ -468,7 +468,7 @@ def register(main: click.Group) -> None:
 
     @main.command()
     @with_common
-    @_fail_cleanly
+    @fail_cleanly
     def slots(url: str, admin_key: str | None, as_json: bool) -> None:
         """Each server's slots, resident entries and KV pool."""
         data = _fetch(url, "/radix/slots", admin_key)
@@ -476,7 +476,7 @@ def register(main: click.Group) -> None:
 
     @main.command()
     @with_common
-    @_fail_cleanly
+    @fail_cleanly
     def stats(url: str, admin_key: str | None, as_json: bool) -> None:
         """One screen of the key figures since the proxy started."""
         data = _fetch(url, "/radix/stats", admin_key)
@@ -489,7 +489,7 @@ def register(main: click.Group) -> None:
     @click.option("--shm-dir", type=click.Path(file_okay=False, path_type=Path), envvar="RADIX_SHM_DIR",
                   help="The --shm-dir the proxy will be given (checked against the server's --kvctl-dir).")
     @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-    @_fail_cleanly
+    @fail_cleanly
     def doctor_cmd(backends: tuple[str, ...], kvctl_key: str | None, shm_dir: Path | None, as_json: bool) -> None:
         """Check llama-servers for use behind the proxy: flags, /kvctl capabilities, tokenizer parity.
 

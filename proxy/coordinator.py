@@ -22,6 +22,7 @@ from proxy.config import Config
 from proxy.core.planner import Plan, PlanInput, Route, SlotView
 from proxy.core.planner import plan as choose_plan
 from proxy.core.radix import HostMatch, RadixTree
+from proxy.core.resident import common_prefix
 from proxy.errors import BadRequest, KvMoveError
 from proxy.metrics import SHARE_PATHS, Metrics
 from proxy.mover import KvMover
@@ -30,14 +31,6 @@ from proxy.sharing import Sharing
 log = logging.getLogger("radix")
 
 _EMPTY = np.zeros(0, dtype=np.int32)
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
 
 
 @dataclass

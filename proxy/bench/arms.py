@@ -23,7 +23,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.errors import ConfigError
-from proxy.native.launch import ServerProcess, ServerSpec, check_port_free, free_port
+from proxy.native.launch import ServerProcess, ServerSpec, check_port_free, free_port, stop_process_group
 
 
 @dataclass(frozen=True)
@@ -240,16 +239,7 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 
 def _stop(proc: subprocess.Popen[bytes], grace: float = 15.0) -> None:
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    stop_process_group(proc, grace)
 
 
 @contextlib.contextmanager

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,30 +12,14 @@ from typing import Any
 import click
 
 from proxy.bench.workloads import DEFAULT_ARMS, GENERATORS, Workload, make_workload
-from proxy.errors import ConfigError, RadixError
+from proxy.cli_common import fail_cleanly
+from proxy.errors import ConfigError
 
 ALL_ARMS = ("nocache", "legacy", "proxy")
 
 
 def _say(message: str) -> None:
     click.echo(f"[bench] {message}", err=True)
-
-
-def _fail_cleanly(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """One message naming the cause and the fix, and exit 1, for every known error (as in proxy.cli)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except RadixError as exc:
-            click.echo(f"radixctl: error: {exc.message}", err=True)
-            fix = getattr(exc, "fix", "")
-            if fix:
-                click.echo(f"radixctl: fix: {fix}", err=True)
-            sys.exit(1)
-
-    return wrapper
 
 
 def _default_out(name: str) -> Path:
@@ -170,7 +152,7 @@ def _workload_command(name: str) -> click.Command:
         if key in accepted:
             options.append(click.option(flag, key, type=int, default=None,
                                         help=f"{text} [default: {accepted[key]}]"))
-    return click.command(name, help=HELP[name])(_fail_cleanly(_apply(command, options)))
+    return click.command(name, help=HELP[name])(fail_cleanly(_apply(command, options)))
 
 
 def register(main: click.Group) -> None:
@@ -186,7 +168,7 @@ def register(main: click.Group) -> None:
     @click.option("--sizes", default="512,2048,8192", show_default=True, help="Token counts to move.")
     @click.option("--reps", default=5, show_default=True, help="Repetitions per size and direction.")
     @click.option("--no-probe", is_flag=True, help="Do not time a tiny generation during the moves.")
-    @_fail_cleanly
+    @fail_cleanly
     def kvctl(out_dir: Path | None, model_arg: str | None, n_parallel: int, ctx_size: int, threads: int | None,
               batch_size: int, ubatch_size: int, build_backend: str, sizes: str, reps: int, no_probe: bool) -> None:
         """KV export/import throughput through the proxy's mover against a numpy memcpy, and main-loop stalls."""
@@ -210,7 +192,7 @@ def register(main: click.Group) -> None:
     @click.option("--speed", default=1.0, show_default=True, help="Time scale: 2 sends twice as fast.")
     @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
                   help="Write results and a report here.")
-    @_fail_cleanly
+    @fail_cleanly
     def replay(manifest: Path, url: str, speed: float, out_dir: Path | None) -> None:
         """Replay a manifest (manifest-ARM.jsonl of a run) against any OpenAI URL with its original timing."""
         from proxy.bench.report import build_report, render_markdown, write_report

@@ -127,16 +127,22 @@ class ServerProcess:
 
     def stop(self, grace: float = 10.0) -> None:
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
+        if proc is not None:
+            stop_process_group(proc, grace)
+
+
+def stop_process_group(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
+    """SIGTERM a child started with ``start_new_session``, SIGKILL it after ``grace`` seconds."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 @contextlib.contextmanager
