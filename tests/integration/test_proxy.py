@@ -211,6 +211,12 @@ def test_metrics_and_admin(proxy: ProxyThread) -> None:
     text = get(f"{proxy.url}/metrics").body
     assert 'radix_requests_total{route="H",server="s0"}' in text
     assert "radix_host_tree_bytes" in text
+    # Sharing is off here: no owner holds a cell and no request took route S.
+    samples = {line.split()[0]: float(line.split()[-1]) for line in text.splitlines()
+               if line and not line.startswith("#")}
+    assert samples['kv_cache_owner_cells{server="s0"}'] == 0
+    assert samples["kv_share_path_s_requests_total"] == 0
+    assert samples["kv_share_path_h_requests_total"] >= 1
     routes = get(f"{proxy.url}/radix/routes").body["decisions"]
     assert routes and {"route", "cached", "prompt_tokens", "slot"} <= set(routes[-1])
 
