@@ -51,9 +51,17 @@ class ArmSettings:
     ubatch_size: int = 512
     build_backend: str = "cpu"
     proxy_cache_mib: int = 4096
+    stock_cache_mib: int | None = None  # replaces the stock arms' --cache-ram (None: as the arm says)
 
     def common_args(self) -> tuple[str, ...]:
         return ("-b", str(self.batch_size), "-ub", str(self.ubatch_size))
+
+    def server_args(self, arm: ArmDef) -> tuple[str, ...]:
+        """The arm's llama-server arguments, with ``--cache-ram`` replaced if ``stock_cache_mib`` says so."""
+        args = list(arm.server_args)
+        if self.stock_cache_mib is not None and "--cache-ram" in args:
+            args[args.index("--cache-ram") + 1] = str(self.stock_cache_mib)
+        return self.common_args() + tuple(args)
 
 
 @dataclass(frozen=True)
@@ -139,6 +147,20 @@ class RunningArm:
         return out
 
 
+def pool_cells(running: RunningArm) -> int | None:
+    """Cells of the server's KV pool as allocated (llama.cpp rounds ``-c`` up to a multiple of 256).
+
+    Patched servers say it in ``GET /kvctl/cells``; stock ones in ``/props`` (with ``-kvu`` a
+    slot's context is the whole pool).
+    """
+    cells = _get_json(f"{running.server_url}/kvctl/cells") if running.arm.proxy else None
+    if isinstance(cells, dict) and isinstance(cells.get("n_cells"), int):
+        return int(cells["n_cells"])
+    props = _get_json(f"{running.server_url}/props")
+    n_ctx = (props or {}).get("default_generation_settings", {}).get("n_ctx") if isinstance(props, dict) else None
+    return int(n_ctx) if isinstance(n_ctx, int) else None
+
+
 def _get_json(url: str, timeout: float = 10) -> Any:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
@@ -183,7 +205,7 @@ def start_arm(name: str, settings: ArmSettings, binary: Path | None = None) -> I
     shm = shm_base() / f"radix-bench-{os.getpid()}-{port}" if arm.proxy else None
     spec = ServerSpec(binary=binary, model=settings.model, port=port, n_parallel=settings.n_parallel,
                       ctx_size=settings.ctx_size, threads=settings.threads, kvctl=arm.proxy, kvctl_dir=shm,
-                      proxy_flags=arm.proxy, extra_args=settings.common_args() + arm.server_args)
+                      proxy_flags=arm.proxy, extra_args=settings.server_args(arm))
     server = ServerProcess(spec, settings.log_dir / f"server-{name}.log")
     proxy_proc: subprocess.Popen[bytes] | None = None
     try:

@@ -53,7 +53,10 @@ _ARM_OPTIONS = [
 _SIZE_OPTIONS: dict[str, tuple[str, str]] = {
     "prompt_tokens": ("--prompt-tokens", "Approximate prompt size in tokens."),
     "rounds": ("--rounds", "Rounds."),
-    "prompts": ("--prompts", "Prompts per tier (prefix-tiers) or in all (host-dedup)."),
+    "prompts": ("--prompts", "Prompts per tier (prefix-tiers), in all (host-dedup) or sent at once (capacity)."),
+    "shared_pct": ("--shared-pct", "Common prefix of the prompts, in percent."),
+    "trunk_tokens": ("--trunk-tokens", "Approximate size of the common trunk in tokens."),
+    "branches": ("--branches", "Concurrent branches off the trunk."),
     "fillers": ("--fillers", "Prompts sent at once to evict the first one from every slot."),
     "pairs": ("--pairs", "Front/server request pairs."),
     "sessions": ("--sessions", "Sessions per scenario."),
@@ -74,6 +77,11 @@ HELP = {
     "agents": "Edge agents: financial research, field maintenance and edge incident scenarios, each a long shared "
               "system prompt with tool schemas and documents; concurrent sessions with scripted tool loops on "
               "local data and branching follow-ups.",
+    "capacity": "The smallest KV pool (-c, searched; host caches off) that serves 4 concurrent requests with a 50% "
+                "common prefix in full, per arm, and the saving of sharing against Legacy. A fresh arm per probe; "
+                "-c itself is ignored.",
+    "fanout": "Concurrent branches off one long trunk on a cold server: TTFT of each branch and the total, "
+              "the trunk computed once per branch (stock) or once and shared (fan-out).",
 }
 
 
@@ -121,6 +129,24 @@ def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: P
     return report
 
 
+def run_capacity_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: Path,
+                      **search: Any) -> dict[str, Any]:
+    """The capacity search on each arm, then report.json and report.md."""
+    from proxy.bench.capacity import run_capacity
+    from proxy.bench.report import write_report
+
+    if search.get("step") is not None and search["step"] < 1:
+        raise ConfigError("--step must be positive", fix="pass e.g. --step 64")
+    if search.get("upper_factor") is not None and search["upper_factor"] < 1:
+        raise ConfigError("--upper-factor must be at least 1", fix="pass e.g. --upper-factor 4")
+    report = run_capacity(workload, arm_names, settings, out_dir, say=_say,
+                          **{k: v for k, v in search.items() if v is not None})
+    for path in write_report(report, out_dir):
+        _say(f"wrote {path}")
+    click.echo((out_dir / "report.md").read_text())
+    return report
+
+
 def _workload_command(name: str) -> click.Command:
     from proxy.bench.workloads import generator_params
 
@@ -133,6 +159,7 @@ def _workload_command(name: str) -> click.Command:
         from proxy.bench.arms import parse_arms
         from proxy.bench.runner import ManifestEntry, write_manifest
 
+        search = {k: sizes.pop(k) for k in ("step", "upper_factor", "probe_timeout_s") if k in sizes}
         workload = make_workload(name, **sizes)
         out = out_dir or _default_out(name)
         out.mkdir(parents=True, exist_ok=True)
@@ -143,7 +170,10 @@ def _workload_command(name: str) -> click.Command:
         if dry_run:
             return
         settings = _settings(out, model_arg, n_parallel, ctx_size, threads, batch_size, ubatch_size, build_backend)
-        run_arms(workload, parse_arms(arms or defaults), settings, out)
+        if name == "capacity":
+            run_capacity_arms(workload, parse_arms(arms or defaults), settings, out, **search)
+        else:
+            run_arms(workload, parse_arms(arms or defaults), settings, out)
 
     options = [click.option("--arms", default=None, help=f"Comma-separated arms (default: {defaults}).")]
     options += [click.option("--dry-run", is_flag=True, help="Only write the request list (workload.jsonl).")]
@@ -152,6 +182,17 @@ def _workload_command(name: str) -> click.Command:
         if key in accepted:
             options.append(click.option(flag, key, type=int, default=None,
                                         help=f"{text} [default: {accepted[key]}]"))
+    if name == "capacity":
+        from proxy.bench.capacity import DEFAULT_PROBE_TIMEOUT_S, DEFAULT_STEP, DEFAULT_UPPER_FACTOR
+
+        options += [
+            click.option("--step", type=int, default=DEFAULT_STEP, show_default=True,
+                         help="Grid of pool sizes (-c) searched, in cells."),
+            click.option("--upper-factor", type=float, default=DEFAULT_UPPER_FACTOR, show_default=True,
+                         help="Largest pool tried, as a multiple of the lower bound (one prompt plus generation)."),
+            click.option("--probe-timeout", "probe_timeout_s", type=float, default=DEFAULT_PROBE_TIMEOUT_S,
+                         show_default=True, help="Seconds a request of a probe may take."),
+        ]
     return click.command(name, help=HELP[name])(fail_cleanly(_apply(command, options)))
 
 
@@ -219,4 +260,4 @@ def _apply_options(options: list[Any]) -> Callable[[Callable[..., Any]], Callabl
     return lambda fn: _apply(fn, options)
 
 
-__all__ = ["register", "run_arms"]
+__all__ = ["register", "run_arms", "run_capacity_arms"]

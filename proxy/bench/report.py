@@ -95,6 +95,41 @@ def _residual_ms(r: RequestResult) -> float | None:
     return 1000 * r.ttft_s - r.prompt_ms
 
 
+def fanout_figures(results: Sequence[RequestResult]) -> dict[str, Any] | None:
+    """Per round of branches off one trunk: TTFT of each branch, sorted, the last and the total.
+
+    Times run from the round's first send (all branches are sent at once when the workload's
+    concurrency allows): a branch's TTFT is when its first token came, ``total_s`` when the
+    last answer ended. Over several rounds the figures are medians (for each rank of the
+    sorted TTFTs, the median over rounds).
+    """
+    rounds: dict[Any, list[RequestResult]] = {}
+    for r in results:
+        if "branch" in r.meta:
+            rounds.setdefault(r.meta.get("round", 1), []).append(r)
+    if not rounds:
+        return None
+    per_round = []
+    for rnd, rs in sorted(rounds.items()):
+        ok = [r for r in rs if r.ok and r.ttft_s is not None]
+        start = min(r.sent_s for r in rs)
+        first = {str(r.meta["branch"]): r.sent_s - start + (r.ttft_s or 0.0) for r in ok}
+        per_round.append({
+            "round": rnd, "branches": len(rs), "errors": len(rs) - len(ok),
+            "ttft_by_branch_s": first, "ttft_sorted_s": sorted(first.values()),
+            "last_ttft_s": max(first.values(), default=None),
+            "total_s": max(r.sent_s - start + (r.e2e_s or 0.0) for r in rs),
+            "prompt_n": _sum([r.prompt_n for r in ok]), "cache_n": _sum([r.cache_n for r in ok]),
+        })
+    ranks = max(len(p["ttft_sorted_s"]) for p in per_round)
+    sorted_med = [percentile([p["ttft_sorted_s"][k] for p in per_round if len(p["ttft_sorted_s"]) > k], 50)
+                  for k in range(ranks)]
+    lasts = [p["last_ttft_s"] for p in per_round if p["last_ttft_s"] is not None]
+    return {"rounds": per_round, "ttft_sorted_s": sorted_med, "first_ttft_s": sorted_med[0] if sorted_med else None,
+            "last_ttft_s": percentile(lasts, 50), "total_s": percentile([p["total_s"] for p in per_round], 50),
+            "errors": sum(p["errors"] for p in per_round)}
+
+
 def build_report(workload: dict[str, Any], arms: dict[str, dict[str, Any]],
                  settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """``arms``: name -> {"results": [RequestResult], "stats": {...}} in run order."""
@@ -113,11 +148,21 @@ def build_report(workload: dict[str, Any], arms: dict[str, dict[str, Any]],
         overhead = paired_overhead(results)
         if overhead:
             entry["overhead"] = overhead
+        fan = fanout_figures(results)
+        if fan:
+            entry["fanout"] = fan
         out["arms"][name] = entry
     legacy = out["arms"].get("legacy")
     for entry in out["arms"].values():
         for key in ("ttft_p50_s", "ttft_p90_s", "e2e_p50_s", "e2e_p90_s"):
             entry[f"{key[:-2]}_vs_legacy"] = _ratio(entry[key], legacy[key]) if legacy else None
+        fan, base = entry.get("fanout"), (legacy or {}).get("fanout")
+        if fan:
+            for key in ("first_ttft_s", "last_ttft_s", "total_s"):
+                fan[f"{key[:-2]}_vs_legacy"] = _ratio(fan[key], base[key]) if base else None
+            fan["ttft_sorted_vs_legacy"] = [
+                _ratio(v, base["ttft_sorted_s"][k]) if base and k < len(base["ttft_sorted_s"]) else None
+                for k, v in enumerate(fan["ttft_sorted_s"])]
     return out
 
 
@@ -175,6 +220,17 @@ def render_markdown(report: dict[str, Any], chart_note: str = "") -> str:
                           _n(o.get("residual_ms_p90"), "{:.2f}"), _n(o["ttft_ms_p50"], "{:.2f}"),
                           _n(o["ttft_ms_p90"], "{:.2f}"), _n(o["e2e_ms_p50"], "{:.2f}"), _n(o["e2e_ms_p90"], "{:.2f}")]
                          for n, o in over.items()])
+    fans = {n: a["fanout"] for n, a in arms.items() if a.get("fanout")}
+    if fans:
+        lines += ["", "Fan-out: TTFT of each branch (s, sorted: first answered first), the last branch's first token "
+                  "and the total (first send to last answer) from the start of the round; ratios to Legacy "
+                  "(below 1 is faster). Several rounds: medians.", ""]
+        lines += _table(["arm", "TTFT of the branches", "last TTFT", "total", "errors", "each vs legacy",
+                         "last TTFT vs legacy", "total vs legacy"],
+                        [[n, " / ".join(_n(v, "{:.2f}") for v in f["ttft_sorted_s"]), _s(f["last_ttft_s"]),
+                          _s(f["total_s"]), str(f["errors"]),
+                          " / ".join(_x(v) for v in f.get("ttft_sorted_vs_legacy") or []),
+                          _x(f.get("last_ttft_vs_legacy")), _x(f.get("total_vs_legacy"))] for n, f in fans.items()])
     routes = {n: a["routes"] for n, a in arms.items() if a.get("routes")}
     for name, r in routes.items():
         lines += ["", f"{name} routes: " + ", ".join(f"{k} {v}" for k, v in sorted(r.items()))]
@@ -196,6 +252,40 @@ def render_kvctl_markdown(report: dict[str, Any]) -> str:
                          _n(o.get("probe_ms"), "{:.1f}"), _n(report.get("probe_idle_ms"), "{:.1f}")])
     lines += _table(["tokens", "op", "payload", "total ms p50", "server ms p50", "MB/s", "memcpy MB/s",
                      "probe ms during", "probe ms idle"], rows)
+    return "\n".join(lines) + "\n"
+
+
+def render_capacity_markdown(report: dict[str, Any]) -> str:
+    wl, search, arms = report["workload"], report["search"], report["capacity"]
+    ideal = search.get("ideal") or {}
+    lines = [f"# Benchmark: {wl.get('name')}", "", str(wl.get("description", "")), "",
+             "Workload: " + ", ".join(f"{k}={v}" for k, v in (wl.get("params") or {}).items()), ""]
+    if report.get("settings"):
+        lines += ["Arms share: " + ", ".join(f"{k}={v}" for k, v in report["settings"].items()), ""]
+    lines += [f"Host caches {search.get('host_cache', 'off')}. Prompts of {search.get('prompt_tokens')} tokens, "
+              f"common prefix {search.get('shared_tokens')} tokens. Lower bound (one prompt plus its generation) "
+              f"{search.get('lower')} cells; `-c` searched from {search['grid'][0]} to {search['grid'][1]} in steps "
+              f"of {search.get('step')}, a fresh arm per probe. llama.cpp rounds the pool up to a multiple of 256 "
+              "cells: figures are the cells allocated.", "",
+              f"In theory: {ideal.get('unshared_cells')} cells with every prompt held whole, "
+              f"{ideal.get('shared_cells')} with the common prefix held once: a saving of "
+              f"{_n(ideal.get('saving_pct'), '{:.1f}')} %.", ""]
+    rows = [[name, _n(a.get("min_cells")), _n(a.get("min_ctx")), _n(a.get("max_failed_cells")),
+             _n(a.get("saving_vs_legacy_pct"), "{:.1f} %"), str(len(a.get("probes", []))), str(a.get("started", "-"))]
+            for name, a in arms.items()]
+    lines += _table(["arm", "smallest pool (cells)", "at -c", "largest failed (cells)", "saving vs legacy",
+                     "probes", "arms started"], rows)
+    lines += ["", "Probes in order (reused: same pool as an earlier probe, not run again):", ""]
+    prow = []
+    for name, a in arms.items():
+        for p in a.get("probes", []):
+            prow.append([name, str(p["ctx"]), _n(p.get("cells")), "pass" if p["ok"] else "fail",
+                         "yes" if p.get("reused") else "", _n(p.get("ttft_max_s"), "{:.2f}"),
+                         _n(p.get("prompt_n")), _n(p.get("cache_n")), _n(p.get("kv_cells_used")),
+                         ", ".join(f"{k} {v}" for k, v in sorted((p.get("routes") or {}).items())),
+                         str(p.get("reason", "")).replace("|", "/")])
+    lines += _table(["arm", "-c", "cells", "verdict", "reused", "max TTFT", "prompt_n", "cache_n", "KV used after",
+                     "routes", "reason"], prow)
     return "\n".join(lines) + "\n"
 
 
@@ -250,6 +340,11 @@ def write_report(report: dict[str, Any], out_dir: Path, charts: bool = True) -> 
         written += pngs
         report = {**report, "charts": [p.name for p in pngs], "charts_note": note or None}
     (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
-    md = render_kvctl_markdown(report) if "sizes" in report else render_markdown(report, note)
+    if "sizes" in report:
+        md = render_kvctl_markdown(report)
+    elif "capacity" in report:
+        md = render_capacity_markdown(report)
+    else:
+        md = render_markdown(report, note)
     (out_dir / "report.md").write_text(md)
     return [out_dir / "report.json", out_dir / "report.md", *written]

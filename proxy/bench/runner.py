@@ -51,6 +51,7 @@ class RequestResult:
     prompt_ms: float | None = None  # the server's own prefill time (timings.prompt_ms)
     route: str | None = None  # X-Radix-Route, when the answer came through the proxy
     meta: dict[str, Any] = field(default_factory=dict)
+    finish_reason: str | None = None  # of the last choice that gave one ("stop", "length", ...)
 
     @property
     def ok(self) -> bool:
@@ -153,6 +154,11 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any], r
                 return
             async for raw in resp.content:
                 line = raw.strip()
+                if line.startswith(b"error:"):
+                    # llama-server reports a failure after the stream started (e.g. the KV pool
+                    # ran out: "Context size has been exceeded.") as an `error:` event.
+                    result.error = _event_error(line[6:].strip())
+                    continue
                 if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
@@ -162,6 +168,9 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any], r
                     chunk = orjson.loads(data)
                 except orjson.JSONDecodeError:
                     continue
+                for choice in chunk.get("choices") or []:
+                    if isinstance(choice, dict) and choice.get("finish_reason"):
+                        result.finish_reason = str(choice["finish_reason"])
                 if result.ttft_s is None and _has_content(chunk):
                     result.ttft_s = time.perf_counter() - started
                 if isinstance(chunk.get("timings"), dict):
@@ -180,6 +189,17 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any], r
         result.predicted_n = _int(timings.get("predicted_n"))
         prompt_ms = timings.get("prompt_ms")
         result.prompt_ms = float(prompt_ms) if isinstance(prompt_ms, int | float) else None
+
+
+def _event_error(data: bytes) -> str:
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return data.decode(errors="replace")[:300] or "error event"
+    err = obj.get("error", obj) if isinstance(obj, dict) else obj
+    if isinstance(err, dict):
+        return str(err.get("message", err))[:300]
+    return str(err)[:300]
 
 
 def _int(value: Any) -> int | None:

@@ -193,6 +193,64 @@ def overhead(pairs: int = 40, prompt_tokens: int = 32, max_tokens: int = 1, dela
                      "seed": seed})
 
 
+# ---- capacity -----------------------------------------------------------------------------
+
+
+def capacity(prompt_tokens: int = 400, prompts: int = 4, shared_pct: int = 50, max_tokens: int = 16,
+             seed: int = 0) -> Workload:
+    """``prompts`` concurrent requests whose first ``shared_pct`` % is common (one wave).
+
+    The capacity search (``proxy.bench.capacity``) sends this wave to a fresh arm for every KV
+    pool size it tries. Requests carry ``ignore_eos`` so a complete answer is exactly
+    ``max_tokens`` tokens: fewer means the server cut it short.
+    """
+    if not 0 <= shared_pct <= 100:
+        raise ValueError("shared_pct must be between 0 and 100")
+    total = words_for(prompt_tokens)
+    shared_n = round(shared_pct / 100 * total)
+    shared = prose(seeded(seed, "capacity", "shared"), shared_n) if shared_n else ""
+    reqs: list[BenchRequest] = []
+    for i in range(prompts):
+        unique_n = max(1, total - shared_n - QUESTION_WORDS - 2)
+        unique = f"[doc-{i}] " + prose(seeded(seed, "capacity", i), unique_n - 1)
+        system = f"{shared} {unique}" if shared else unique
+        body = {**chat(system, question(seed, "capacity", i), max_tokens), "ignore_eos": True}
+        reqs.append(BenchRequest(f"p{i}", f"p{i}", "wave", body, meta={"prompt": i, "shared_words": shared_n}))
+    return Workload("capacity", f"{prompts} concurrent requests with a {shared_pct}% common prefix: the smallest "
+                    "KV pool that serves them", tuple(reqs), max(1, prompts),
+                    {"prompt_tokens": prompt_tokens, "prompts": prompts, "shared_pct": shared_pct,
+                     "max_tokens": max_tokens, "seed": seed})
+
+
+# ---- fan-out ------------------------------------------------------------------------------
+
+
+def fanout(trunk_tokens: int = 1000, branches: int = 4, rounds: int = 1, max_tokens: int = 16,
+           seed: int = 0) -> Workload:
+    """``branches`` concurrent requests off one long trunk (a document), each with its own question.
+
+    Every round has a new trunk nothing has seen, so each round starts cold for its prefix;
+    a round starts when the previous one finished. What it shows: whether the trunk is
+    computed once (fan-out) or once per branch, in the TTFT of every branch and the total.
+    """
+    n = words_for(trunk_tokens)
+    reqs: list[BenchRequest] = []
+    previous: tuple[str, ...] = ()
+    for rnd in range(1, rounds + 1):
+        trunk = f"[trunk-{rnd}] " + prose(seeded(seed, "fanout", rnd), max(1, n - QUESTION_WORDS - 3))
+        wave = []
+        for b in range(branches):
+            rid = f"r{rnd}-b{b}"
+            reqs.append(BenchRequest(rid, f"b{b}", f"branch {b}", chat(trunk, question(seed, "fanout", rnd, b),
+                                                                       max_tokens), previous,
+                                     meta={"round": rnd, "branch": b}))
+            wave.append(rid)
+        previous = tuple(wave)
+    return Workload("fanout", f"{branches} concurrent branches off one long trunk on a cold server", tuple(reqs),
+                    max(1, branches), {"trunk_tokens": trunk_tokens, "branches": branches, "rounds": rounds,
+                                       "max_tokens": max_tokens, "seed": seed})
+
+
 # ---- registry -----------------------------------------------------------------------------
 
 
@@ -202,9 +260,11 @@ def _agents(**kw: Any) -> Workload:
     return agents(**kw)
 
 
-# Arms run when --arms is not given (all three otherwise). Overhead compares the proxy with its
-# own server; Legacy runs it too, where front and server are the same (the noise floor).
-DEFAULT_ARMS: dict[str, tuple[str, ...]] = {"overhead": ("legacy", "proxy")}
+# Arms run when --arms is not given (nocache, legacy, proxy otherwise). Overhead compares the proxy
+# with its own server; Legacy runs it too, where front and server are the same (the noise floor).
+# Capacity compares sharing with the baseline; fan-out the proxy with and without sharing.
+DEFAULT_ARMS: dict[str, tuple[str, ...]] = {"overhead": ("legacy", "proxy"), "capacity": ("legacy", "proxy-hs"),
+                                            "fanout": ("legacy", "proxy", "proxy-hs")}
 
 GENERATORS: dict[str, Callable[..., Workload]] = {
     "prefix-tiers": prefix_tiers,
@@ -212,6 +272,8 @@ GENERATORS: dict[str, Callable[..., Workload]] = {
     "restore": restore,
     "overhead": overhead,
     "agents": _agents,
+    "capacity": capacity,
+    "fanout": fanout,
 }
 
 

@@ -1,0 +1,280 @@
+"""``radixctl bench capacity``: the smallest KV pool that serves one concurrent wave.
+
+The wave is ``prompts`` requests (default 4) with a common prefix (default 50 %) sent at
+once to a cold arm, host caches off (stock ``--cache-ram 0``; the proxy with a 1 MiB tree
+budget, ``radixctl serve --cache-ram 1``), so only what the server's KV pool holds counts.
+Per arm, the pool size (``-c``) is binary-searched on a grid of ``step`` cells between a
+lower bound, one request's prompt plus generation (nothing smaller can serve even one),
+and ``upper_factor`` times that; every probe starts a fresh arm. A probe passes when every
+request ends with HTTP 200, no error, and exactly ``max_tokens`` generated tokens (requests
+carry ``ignore_eos``, so fewer means the server cut the answer short).
+
+llama.cpp rounds the pool up to a multiple of 256 cells, so several ``-c`` values of the grid
+make the same pool. The search records what each probe's server really allocated and, where
+two probes bracket a ``-c`` with the same pool, reuses their verdict instead of starting the
+arm again. Figures are reported in allocated cells; the saving of an arm is against Legacy.
+
+Without sharing, every request holds its own copy of the prefix: about ``n x (prefix +
+suffix + generation)`` cells. With sharing, requests sharing a prefix on a cold server
+compute it once and attach it (fan-out): about ``prefix + n x (suffix + generation)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from proxy.bench.runner import RequestResult
+from proxy.bench.workloads import Workload
+
+DEFAULT_STEP = 64
+DEFAULT_UPPER_FACTOR = 4.0
+DEFAULT_PROBE_TIMEOUT_S = 300.0
+
+
+# ---- pure logic ---------------------------------------------------------------------------
+
+
+def pool_grid(lower: int, upper_factor: float = DEFAULT_UPPER_FACTOR, step: int = DEFAULT_STEP) -> list[int]:
+    """Pool sizes to try: multiples of ``step`` from ``lower`` (rounded up) to ``upper_factor x lower``."""
+    if lower < 1 or step < 1 or upper_factor < 1:
+        raise ValueError("lower and step must be positive and upper_factor at least 1")
+    start = math.ceil(lower / step) * step
+    end = max(start, math.ceil(upper_factor * lower / step) * step)
+    return list(range(start, end + 1, step))
+
+
+def search_smallest(grid: Sequence[int], passes: Callable[[int], bool]) -> int | None:
+    """The smallest value of ``grid`` that passes, assuming passing is monotone in the value.
+
+    The largest value is tried first (None if even it fails); then a binary search between
+    the grid's start (assumed failing below) and the smallest value known to pass.
+    """
+    if not grid or not passes(grid[-1]):
+        return None
+    lo, hi = -1, len(grid) - 1  # grid[hi] passes; everything at or below grid[lo] failed
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if passes(grid[mid]):
+            hi = mid
+        else:
+            lo = mid
+    return grid[hi]
+
+
+def known_cells(ctx: int, seen: Sequence[tuple[int, int]]) -> int | None:
+    """The pool a server would allocate for ``-c ctx``, if probes already pin it down.
+
+    ``seen`` holds (requested ``-c``, allocated cells) pairs. The allocation only ever
+    rounds up and grows with ``-c``, so two probes on either side of ``ctx`` (or at it) that
+    got the same pool say what ``ctx`` gets.
+    """
+    below = [cells for c, cells in seen if c <= ctx]
+    above = [cells for c, cells in seen if c >= ctx]
+    if not below or not above:
+        return None
+    lo, hi = max(below), min(above)
+    return lo if lo == hi else None
+
+
+def probe_verdict(results: Sequence[RequestResult], max_tokens: int) -> tuple[bool, str]:
+    """Whether a probe served every request in full, and if not, why (the first failure)."""
+    if not results:
+        return False, "no requests"
+    for r in results:
+        error = r.error or ""
+        if "context" in error.lower():
+            return False, f"{r.id}: context: {error[:160]}"
+        if r.status != 200:
+            return False, f"{r.id}: HTTP {r.status}" + (f": {error[:160]}" if error else "")
+        if error:
+            return False, f"{r.id}: error: {error[:160]}"
+        if r.predicted_n != max_tokens:
+            return False, f"{r.id}: truncated: {r.predicted_n} of {max_tokens} tokens ({r.finish_reason})"
+    return True, "ok"
+
+
+def ideal_cells(prompt_tokens: Sequence[int], shared_tokens: int, max_tokens: int) -> dict[str, Any]:
+    """Cells the wave needs in theory: every prompt held whole, or the common prefix held once."""
+    unshared = sum(n + max_tokens for n in prompt_tokens)
+    shared = shared_tokens + sum(n - shared_tokens + max_tokens for n in prompt_tokens)
+    return {"unshared_cells": unshared, "shared_cells": shared,
+            "saving_pct": 100 * (1 - shared / unshared) if unshared else None}
+
+
+def common_prefix(token_lists: Sequence[Sequence[int]]) -> int:
+    if not token_lists:
+        return 0
+    n = min(len(t) for t in token_lists)
+    for i in range(n):
+        if any(t[i] != token_lists[0][i] for t in token_lists[1:]):
+            return i
+    return n
+
+
+@dataclass
+class Probe:
+    ctx: int  # the -c given
+    cells: int | None  # the pool the server allocated
+    ok: bool
+    reason: str
+    reused: bool = False  # verdict taken from an earlier probe of the same pool
+    wall_s: float | None = None
+    ttft_max_s: float | None = None
+    cache_n: int | None = None
+    prompt_n: int | None = None
+    predicted_n: int | None = None
+    kv_cells_used: int | None = None
+    routes: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class PoolSearch:
+    """One arm's search: ``run(ctx)`` starts a fresh arm at ``-c ctx`` and returns its Probe."""
+
+    def __init__(self, run: Callable[[int], Probe]) -> None:
+        self.run = run
+        self.probes: list[Probe] = []
+
+    def passes(self, ctx: int) -> bool:
+        cells = known_cells(ctx, [(p.ctx, p.cells) for p in self.probes if p.cells is not None])
+        earlier = next((p for p in self.probes if cells is not None and p.cells == cells and not p.reused), None)
+        if earlier is not None:
+            self.probes.append(dataclasses.replace(earlier, ctx=ctx, reused=True))
+        else:
+            self.probes.append(self.run(ctx))
+        return self.probes[-1].ok
+
+    def search(self, grid: Sequence[int]) -> dict[str, Any]:
+        smallest = search_smallest(grid, self.passes)
+        passed = next((p for p in self.probes if p.ctx == smallest and p.ok), None)
+        failed = [p.cells for p in self.probes if not p.ok and p.cells is not None]
+        return {"min_ctx": smallest, "min_cells": passed.cells if passed else None,
+                "max_failed_cells": max(failed) if failed else None,
+                "probes": [p.to_json() for p in self.probes],
+                "started": sum(1 for p in self.probes if not p.reused)}
+
+
+def capacity_report(workload: dict[str, Any], settings: dict[str, Any], search: dict[str, Any],
+                    arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The report: per arm the smallest pool that passed and its saving against Legacy."""
+    legacy = (arms.get("legacy") or {}).get("min_cells")
+    for entry in arms.values():
+        cells = entry.get("min_cells")
+        entry["saving_vs_legacy_pct"] = 100 * (1 - cells / legacy) if cells and legacy else None
+    return {"workload": workload, "settings": settings, "search": search, "capacity": arms}
+
+
+# ---- driving the arms ---------------------------------------------------------------------
+
+
+def _summarize_probe(ctx: int, cells: int | None, results: list[RequestResult], max_tokens: int,
+                     kv_used: int | None, wall_s: float) -> Probe:
+    ok, reason = probe_verdict(results, max_tokens)
+    ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
+    routes: dict[str, int] = {}
+    for r in results:
+        if r.route:
+            routes[r.route] = routes.get(r.route, 0) + 1
+
+    def total(key: str) -> int | None:
+        vals = [getattr(r, key) for r in results if getattr(r, key) is not None]
+        return sum(vals) if vals else None
+
+    return Probe(ctx, cells, ok, reason, wall_s=wall_s, ttft_max_s=max(ttfts) if ttfts else None,
+                 cache_n=total("cache_n"), prompt_n=total("prompt_n"), predicted_n=total("predicted_n"),
+                 kv_cells_used=kv_used, routes=routes)
+
+
+async def prompt_token_lists(server_url: str, workload: Workload) -> list[list[int]]:
+    """Each request's prompt as the server tokenizes it (its own chat template and vocabulary)."""
+    import aiohttp
+
+    async def post(session: aiohttp.ClientSession, path: str, body: dict[str, Any]) -> Any:
+        async with session.post(f"{server_url}{path}", json=body) as resp:
+            resp.raise_for_status()
+            return await resp.json()
+
+    out = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        for req in workload.requests:
+            rendered = await post(session, "/apply-template", {"messages": req.body["messages"]})
+            tokens = await post(session, "/tokenize", {"content": rendered["prompt"], "add_special": True,
+                                                       "parse_special": True})
+            out.append([int(t["id"]) if isinstance(t, dict) else int(t) for t in tokens["tokens"]])
+    return out
+
+
+def run_capacity(workload: Workload, arm_names: list[str], settings: Any, out_dir: Path, *,
+                 step: int = DEFAULT_STEP, upper_factor: float = DEFAULT_UPPER_FACTOR,
+                 probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
+                 say: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+    """Tokenize the wave on the first arm's server, then search each arm's smallest pool."""
+    from proxy.bench.arms import ARMS, _get_json, arm_binary, pool_cells, start_arm
+    from proxy.bench.runner import run_workload, write_results
+
+    max_tokens = int(workload.params["max_tokens"])
+    # Host caches off: stock --cache-ram 0; the proxy's tree gets 1 MiB.
+    settings = dataclasses.replace(settings, proxy_cache_mib=1, stock_cache_mib=0)
+    binaries = {name: arm_binary(ARMS[name], settings.build_backend) for name in arm_names}  # build first
+    first = arm_names[0]
+    calib = dataclasses.replace(settings, log_dir=out_dir / "logs" / "tokenize")
+    say(f"tokenizing the wave on a {first} server")
+    with start_arm(first, calib, binaries[first]) as arm:
+        token_lists = asyncio.run(prompt_token_lists(arm.server_url, workload))
+    prompt_tokens = [len(t) for t in token_lists]
+    shared = common_prefix(token_lists)
+    lower = max(prompt_tokens) + max_tokens
+    grid = pool_grid(lower, upper_factor, step)
+    search = {"step": step, "upper_factor": upper_factor, "lower": lower, "grid": [grid[0], grid[-1]],
+              "prompt_tokens": prompt_tokens, "shared_tokens": shared,
+              "ideal": ideal_cells(prompt_tokens, shared, max_tokens), "probe_timeout_s": probe_timeout_s,
+              "host_cache": "off (stock --cache-ram 0; proxy --cache-ram 1)"}
+    say(f"prompts {prompt_tokens} tokens, common prefix {shared}; lower bound {lower} cells; "
+        f"-c from {grid[0]} to {grid[-1]} in steps of {step}")
+    arms: dict[str, dict[str, Any]] = {}
+    for name in arm_names:
+        all_results: list[RequestResult] = []
+
+        def run(ctx: int, name: str = name, all_results: list[RequestResult] = all_results) -> Probe:
+            probe_settings = dataclasses.replace(settings, ctx_size=ctx, log_dir=out_dir / "logs" / f"{name}-c{ctx}")
+            started = time.perf_counter()
+            try:
+                with start_arm(name, probe_settings, binaries[name]) as arm:
+                    cells = pool_cells(arm)
+                    results = asyncio.run(run_workload(workload, arm.front_url, arm.server_url,
+                                                       overrides=arm.overrides,
+                                                       manifest=out_dir / f"manifest-{name}-c{ctx}.jsonl",
+                                                       label=f"{name} -c {ctx}", timeout_s=probe_timeout_s))
+                    kv = _get_json(f"{arm.server_url}/kvctl/cells") if arm.arm.proxy else None
+            except Exception as exc:  # a server or proxy that does not start at this size fails the probe
+                probe = Probe(ctx, None, False, f"start failed: {type(exc).__name__}: {str(exc)[:200]}",
+                              wall_s=time.perf_counter() - started)
+            else:
+                for r in results:
+                    r.meta.update({"ctx": ctx, "cells": cells})
+                all_results.extend(results)
+                kv_used = kv.get("used") if isinstance(kv, dict) else None
+                probe = _summarize_probe(ctx, cells, results, max_tokens, kv_used, time.perf_counter() - started)
+            say(f"{name} -c {ctx} ({probe.cells} cells): {'pass' if probe.ok else 'fail'} ({probe.reason})")
+            return probe
+
+        say(f"arm {name}: {ARMS[name].description}")
+        result = PoolSearch(run).search(grid)
+        write_results(out_dir / f"results-{name}.jsonl", all_results)
+        say(f"arm {name}: smallest pool {result['min_cells']} cells (-c {result['min_ctx']}), "
+            f"{result['started']} arms started")
+        arms[name] = result
+    shared_settings = {"model": settings.model.name, "n_parallel": settings.n_parallel, "threads": settings.threads,
+                       "batch_size": settings.batch_size, "ubatch_size": settings.ubatch_size}
+    wl = {"name": workload.name, "description": workload.description, "params": workload.params,
+          "requests": len(workload.requests), "concurrency": workload.concurrency}
+    return capacity_report(wl, shared_settings, search, arms)
