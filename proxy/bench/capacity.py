@@ -9,6 +9,17 @@ and ``upper_factor`` times that; every probe starts a fresh arm. A probe passes 
 request ends with HTTP 200, no error, and exactly ``max_tokens`` generated tokens (requests
 carry ``ignore_eos``, so fewer means the server cut the answer short).
 
+Serving the wave one request after the other fits in one request's pool: the proxy does
+that when a pool is too small to hold the fan-out (requests wait for the one holding their
+prefix and then reuse its slot). So each probe also measures how many requests the server
+worked on at once: a request is in the server from its first token minus its ``prompt_ms``
+to its last byte, and the peak overlap of these windows is the probe's ``together``. Two
+searches per arm: the smallest pool that served every request in full (any order), and
+the smallest that also served at least ``min_together`` at once (default ``prompts - 1``:
+with fan-out the first request computes the common prefix alone, then the others attach it
+together). The second is the capacity comparable across arms; Legacy (every slot computes
+at once or the pool runs out) gets the same figure from both.
+
 llama.cpp rounds the pool up to a multiple of 256 cells, so several ``-c`` values of the grid
 make the same pool. The search records what each probe's server really allocated and, where
 two probes bracket a ``-c`` with the same pool, reuses their verdict instead of starting the
@@ -100,6 +111,27 @@ def probe_verdict(results: Sequence[RequestResult], max_tokens: int) -> tuple[bo
     return True, "ok"
 
 
+def server_windows(results: Sequence[RequestResult]) -> list[tuple[float, float]]:
+    """When each request was in the server: from its first token minus the server's own prefill
+    time (``prompt_ms``) to its last byte, in seconds from the start of the run."""
+    out = []
+    for r in results:
+        if r.ttft_s is None or r.e2e_s is None or r.prompt_ms is None:
+            continue
+        out.append((r.sent_s + r.ttft_s - r.prompt_ms / 1000, r.sent_s + r.e2e_s))
+    return out
+
+
+def peak_overlap(windows: Sequence[tuple[float, float]]) -> int:
+    """The most windows open at one instant (a window ending as another starts does not overlap)."""
+    events = sorted([(start, 1) for start, _ in windows] + [(end, -1) for _, end in windows])
+    peak = cur = 0
+    for _, delta in events:  # at equal times ends (-1) sort before starts (+1)
+        cur += delta
+        peak = max(peak, cur)
+    return peak
+
+
 def ideal_cells(prompt_tokens: Sequence[int], shared_tokens: int, max_tokens: int) -> dict[str, Any]:
     """Cells the wave needs in theory: every prompt held whole, or the common prefix held once."""
     unshared = sum(n + max_tokens for n in prompt_tokens)
@@ -122,8 +154,9 @@ def common_prefix(token_lists: Sequence[Sequence[int]]) -> int:
 class Probe:
     ctx: int  # the -c given
     cells: int | None  # the pool the server allocated
-    ok: bool
+    ok: bool  # every request served in full
     reason: str
+    together: int | None = None  # most requests in the server at once (peak_overlap)
     reused: bool = False  # verdict taken from an earlier probe of the same pool
     wall_s: float | None = None
     ttft_max_s: float | None = None
@@ -138,38 +171,62 @@ class Probe:
 
 
 class PoolSearch:
-    """One arm's search: ``run(ctx)`` starts a fresh arm at ``-c ctx`` and returns its Probe."""
+    """One arm's searches: ``run(ctx)`` starts a fresh arm at ``-c ctx`` and returns its Probe.
 
-    def __init__(self, run: Callable[[int], Probe]) -> None:
+    A probe is only run once per pool: a later ``-c`` that earlier probes show gets the same
+    pool reuses its verdict.
+    """
+
+    def __init__(self, run: Callable[[int], Probe], min_together: int = 0) -> None:
         self.run = run
+        self.min_together = min_together
         self.probes: list[Probe] = []
 
-    def passes(self, ctx: int) -> bool:
+    def probe(self, ctx: int) -> Probe:
+        same = next((p for p in self.probes if p.ctx == ctx), None)
+        if same is not None:  # the other search was here already
+            return same
         cells = known_cells(ctx, [(p.ctx, p.cells) for p in self.probes if p.cells is not None])
         earlier = next((p for p in self.probes if cells is not None and p.cells == cells and not p.reused), None)
         if earlier is not None:
             self.probes.append(dataclasses.replace(earlier, ctx=ctx, reused=True))
         else:
             self.probes.append(self.run(ctx))
-        return self.probes[-1].ok
+        return self.probes[-1]
+
+    def served_together(self, probe: Probe) -> bool:
+        return probe.ok and (probe.together or 0) >= self.min_together
+
+    def _smallest(self, grid: Sequence[int], criterion: Callable[[Probe], bool]) -> dict[str, Any]:
+        smallest = search_smallest(grid, lambda ctx: criterion(self.probe(ctx)))
+        passed = next((p for p in self.probes if p.ctx == smallest and criterion(p)), None)
+        failed = [p.cells for p in self.probes if not criterion(p) and p.cells is not None]
+        min_cells = passed.cells if passed else None
+        # The search assumes a larger pool never does worse; a failure above the result says it did.
+        above = sorted({c for c in failed if min_cells is not None and c > min_cells})
+        return {"min_ctx": smallest, "min_cells": min_cells, "max_failed_cells": max(failed) if failed else None,
+                "failed_above_cells": above}
 
     def search(self, grid: Sequence[int]) -> dict[str, Any]:
-        smallest = search_smallest(grid, self.passes)
-        passed = next((p for p in self.probes if p.ctx == smallest and p.ok), None)
-        failed = [p.cells for p in self.probes if not p.ok and p.cells is not None]
-        return {"min_ctx": smallest, "min_cells": passed.cells if passed else None,
-                "max_failed_cells": max(failed) if failed else None,
+        together = self._smallest(grid, self.served_together)
+        any_order = self._smallest(grid, lambda p: p.ok)
+        return {**together, "any_order": any_order, "min_together": self.min_together,
                 "probes": [p.to_json() for p in self.probes],
                 "started": sum(1 for p in self.probes if not p.reused)}
 
 
 def capacity_report(workload: dict[str, Any], settings: dict[str, Any], search: dict[str, Any],
                     arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The report: per arm the smallest pool that passed and its saving against Legacy."""
+    """The report: per arm the smallest pools that passed and their saving against Legacy.
+
+    ``min_cells`` (served together) is the headline; ``any_order.min_cells`` also counts a
+    wave served one request after the other. Both savings are against Legacy's ``min_cells``.
+    """
     legacy = (arms.get("legacy") or {}).get("min_cells")
     for entry in arms.values():
-        cells = entry.get("min_cells")
-        entry["saving_vs_legacy_pct"] = 100 * (1 - cells / legacy) if cells and legacy else None
+        for part in (entry, entry.get("any_order") or {}):
+            cells = part.get("min_cells")
+            part["saving_vs_legacy_pct"] = 100 * (1 - cells / legacy) if cells and legacy else None
     return {"workload": workload, "settings": settings, "search": search, "capacity": arms}
 
 
@@ -189,7 +246,8 @@ def _summarize_probe(ctx: int, cells: int | None, results: list[RequestResult], 
         vals = [getattr(r, key) for r in results if getattr(r, key) is not None]
         return sum(vals) if vals else None
 
-    return Probe(ctx, cells, ok, reason, wall_s=wall_s, ttft_max_s=max(ttfts) if ttfts else None,
+    return Probe(ctx, cells, ok, reason, together=peak_overlap(server_windows(results)), wall_s=wall_s,
+                 ttft_max_s=max(ttfts) if ttfts else None,
                  cache_n=total("cache_n"), prompt_n=total("prompt_n"), predicted_n=total("predicted_n"),
                  kv_cells_used=kv_used, routes=routes)
 
@@ -215,13 +273,15 @@ async def prompt_token_lists(server_url: str, workload: Workload) -> list[list[i
 
 def run_capacity(workload: Workload, arm_names: list[str], settings: Any, out_dir: Path, *,
                  step: int = DEFAULT_STEP, upper_factor: float = DEFAULT_UPPER_FACTOR,
-                 probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
+                 probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S, min_together: int | None = None,
                  say: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     """Tokenize the wave on the first arm's server, then search each arm's smallest pool."""
     from proxy.bench.arms import ARMS, _get_json, arm_binary, pool_cells, start_arm
     from proxy.bench.runner import run_workload, write_results
 
     max_tokens = int(workload.params["max_tokens"])
+    if min_together is None:
+        min_together = max(1, len(workload.requests) - 1)
     # Host caches off: stock --cache-ram 0; the proxy's tree gets 1 MiB.
     settings = dataclasses.replace(settings, proxy_cache_mib=1, stock_cache_mib=0)
     binaries = {name: arm_binary(ARMS[name], settings.build_backend) for name in arm_names}  # build first
@@ -237,6 +297,7 @@ def run_capacity(workload: Workload, arm_names: list[str], settings: Any, out_di
     search = {"step": step, "upper_factor": upper_factor, "lower": lower, "grid": [grid[0], grid[-1]],
               "prompt_tokens": prompt_tokens, "shared_tokens": shared,
               "ideal": ideal_cells(prompt_tokens, shared, max_tokens), "probe_timeout_s": probe_timeout_s,
+              "min_together": min_together,
               "host_cache": "off (stock --cache-ram 0; proxy --cache-ram 1)"}
     say(f"prompts {prompt_tokens} tokens, common prefix {shared}; lower bound {lower} cells; "
         f"-c from {grid[0]} to {grid[-1]} in steps of {step}")
@@ -264,14 +325,15 @@ def run_capacity(workload: Workload, arm_names: list[str], settings: Any, out_di
                 all_results.extend(results)
                 kv_used = kv.get("used") if isinstance(kv, dict) else None
                 probe = _summarize_probe(ctx, cells, results, max_tokens, kv_used, time.perf_counter() - started)
-            say(f"{name} -c {ctx} ({probe.cells} cells): {'pass' if probe.ok else 'fail'} ({probe.reason})")
+            say(f"{name} -c {ctx} ({probe.cells} cells): {'served' if probe.ok else 'failed'} ({probe.reason}), "
+                f"{probe.together} at once")
             return probe
 
         say(f"arm {name}: {ARMS[name].description}")
-        result = PoolSearch(run).search(grid)
+        result = PoolSearch(run, min_together).search(grid)
         write_results(out_dir / f"results-{name}.jsonl", all_results)
-        say(f"arm {name}: smallest pool {result['min_cells']} cells (-c {result['min_ctx']}), "
-            f"{result['started']} arms started")
+        say(f"arm {name}: smallest pool {result['min_cells']} cells served together (-c {result['min_ctx']}), "
+            f"{result['any_order']['min_cells']} in any order; {result['started']} arms started")
         arms[name] = result
     shared_settings = {"model": settings.model.name, "n_parallel": settings.n_parallel, "threads": settings.threads,
                        "batch_size": settings.batch_size, "ubatch_size": settings.ubatch_size}

@@ -139,6 +139,10 @@ def run_capacity_arms(workload: Workload, arm_names: list[str], settings: Any, o
         raise ConfigError("--step must be positive", fix="pass e.g. --step 64")
     if search.get("upper_factor") is not None and search["upper_factor"] < 1:
         raise ConfigError("--upper-factor must be at least 1", fix="pass e.g. --upper-factor 4")
+    together = search.get("min_together")
+    if together is not None and not 0 <= together <= len(workload.requests):
+        raise ConfigError(f"--min-together must be between 0 and the {len(workload.requests)} prompts",
+                          fix="pass e.g. --min-together 3, or leave it out")
     report = run_capacity(workload, arm_names, settings, out_dir, say=_say,
                           **{k: v for k, v in search.items() if v is not None})
     for path in write_report(report, out_dir):
@@ -159,7 +163,7 @@ def _workload_command(name: str) -> click.Command:
         from proxy.bench.arms import parse_arms
         from proxy.bench.runner import ManifestEntry, write_manifest
 
-        search = {k: sizes.pop(k) for k in ("step", "upper_factor", "probe_timeout_s") if k in sizes}
+        search = {k: sizes.pop(k) for k in ("step", "upper_factor", "probe_timeout_s", "min_together") if k in sizes}
         workload = make_workload(name, **sizes)
         out = out_dir or _default_out(name)
         out.mkdir(parents=True, exist_ok=True)
@@ -192,6 +196,9 @@ def _workload_command(name: str) -> click.Command:
                          help="Largest pool tried, as a multiple of the lower bound (one prompt plus generation)."),
             click.option("--probe-timeout", "probe_timeout_s", type=float, default=DEFAULT_PROBE_TIMEOUT_S,
                          show_default=True, help="Seconds a request of a probe may take."),
+            click.option("--min-together", type=int, default=None,
+                         help="Requests that must be in the server at once for 'served together' "
+                              "[default: prompts - 1; 0: any order counts]."),
         ]
     return click.command(name, help=HELP[name])(fail_cleanly(_apply(command, options)))
 

@@ -258,6 +258,7 @@ def render_kvctl_markdown(report: dict[str, Any]) -> str:
 def render_capacity_markdown(report: dict[str, Any]) -> str:
     wl, search, arms = report["workload"], report["search"], report["capacity"]
     ideal = search.get("ideal") or {}
+    n = wl.get("requests")
     lines = [f"# Benchmark: {wl.get('name')}", "", str(wl.get("description", "")), "",
              "Workload: " + ", ".join(f"{k}={v}" for k, v in (wl.get("params") or {}).items()), ""]
     if report.get("settings"):
@@ -269,23 +270,39 @@ def render_capacity_markdown(report: dict[str, Any]) -> str:
               "cells: figures are the cells allocated.", "",
               f"In theory: {ideal.get('unshared_cells')} cells with every prompt held whole, "
               f"{ideal.get('shared_cells')} with the common prefix held once: a saving of "
-              f"{_n(ideal.get('saving_pct'), '{:.1f}')} %.", ""]
-    rows = [[name, _n(a.get("min_cells")), _n(a.get("min_ctx")), _n(a.get("max_failed_cells")),
-             _n(a.get("saving_vs_legacy_pct"), "{:.1f} %"), str(len(a.get("probes", []))), str(a.get("started", "-"))]
-            for name, a in arms.items()]
-    lines += _table(["arm", "smallest pool (cells)", "at -c", "largest failed (cells)", "saving vs legacy",
-                     "probes", "arms started"], rows)
-    lines += ["", "Probes in order (reused: same pool as an earlier probe, not run again):", ""]
+              f"{_n(ideal.get('saving_pct'), '{:.1f}')} %.", "",
+              f"*Served together*: every request answered in full and at least {search.get('min_together')} of the "
+              f"{n} in the server at once (the capacity comparable across arms). *Any order*: every request answered "
+              "in full, even one after the other (the proxy queues requests on a slot holding their prefix when "
+              "the pool cannot hold them together).", ""]
+    rows = []
+    for name, a in arms.items():
+        anyo = a.get("any_order") or {}
+        rows.append([name, _n(a.get("min_cells")), _n(a.get("min_ctx")), _n(a.get("max_failed_cells")),
+                     _n(a.get("saving_vs_legacy_pct"), "{:.1f} %"), _n(anyo.get("min_cells")),
+                     _n(anyo.get("saving_vs_legacy_pct"), "{:.1f} %"), str(len(a.get("probes", []))),
+                     str(a.get("started", "-"))])
+    lines += _table(["arm", "smallest pool, together (cells)", "at -c", "largest failed (cells)", "saving vs legacy",
+                     "smallest pool, any order", "saving vs legacy", "probes", "arms started"], rows)
+    for name, a in arms.items():
+        for label, part in (("together", a), ("any order", a.get("any_order") or {})):
+            if part.get("failed_above_cells"):
+                lines += ["", f"**{name}, {label}: not monotone.** Larger pools failed "
+                          f"({', '.join(str(c) for c in part['failed_above_cells'])} cells) than the smallest that "
+                          "passed: the binary search assumes they do not, so this figure is where the search "
+                          "ended, not necessarily the smallest pool that passes."]
+    lines += ["", "Probes in order (reused: same pool as an earlier probe, not run again; at once: most requests "
+              "in the server at one time):", ""]
     prow = []
     for name, a in arms.items():
         for p in a.get("probes", []):
-            prow.append([name, str(p["ctx"]), _n(p.get("cells")), "pass" if p["ok"] else "fail",
-                         "yes" if p.get("reused") else "", _n(p.get("ttft_max_s"), "{:.2f}"),
+            prow.append([name, str(p["ctx"]), _n(p.get("cells")), "served" if p["ok"] else "failed",
+                         _n(p.get("together")), "yes" if p.get("reused") else "", _n(p.get("ttft_max_s"), "{:.2f}"),
                          _n(p.get("prompt_n")), _n(p.get("cache_n")), _n(p.get("kv_cells_used")),
                          ", ".join(f"{k} {v}" for k, v in sorted((p.get("routes") or {}).items())),
                          str(p.get("reason", "")).replace("|", "/")])
-    lines += _table(["arm", "-c", "cells", "verdict", "reused", "max TTFT", "prompt_n", "cache_n", "KV used after",
-                     "routes", "reason"], prow)
+    lines += _table(["arm", "-c", "cells", "verdict", "at once", "reused", "max TTFT", "prompt_n", "cache_n",
+                     "KV used after", "routes", "reason"], prow)
     return "\n".join(lines) + "\n"
 
 

@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 from click.testing import CliRunner
 
+from proxy.bench import capacity as cap
 from proxy.bench import report as report_mod
 from proxy.bench.arms import legacy_cache_bytes, parse_arms
 from proxy.bench.runner import (
@@ -37,6 +38,8 @@ SMALL: dict[str, dict[str, Any]] = {
     "restore": {"prompt_tokens": 200, "rounds": 2, "fillers": 4},
     "overhead": {"pairs": 6},
     "agents": {"system_tokens": 400, "sessions": 2},
+    "capacity": {"prompt_tokens": 200},
+    "fanout": {"trunk_tokens": 200, "rounds": 2},
 }
 
 
@@ -174,6 +177,43 @@ def test_agents_sessions_share_system_prompts_and_extend_history() -> None:
                     assert result["executed"] is False and result["status"] == "pending_review"
 
 
+def test_capacity_wave_shares_half_and_asks_for_full_answers() -> None:
+    wl = make_workload("capacity", prompt_tokens=400, prompts=4, shared_pct=50, max_tokens=16)
+    assert len(wl.requests) == 4 and wl.concurrency == 4
+    assert all(not r.after and r.delay_s == 0 for r in wl.requests)  # one concurrent wave
+    assert all(r.body["ignore_eos"] is True and r.body["max_tokens"] == 16 for r in wl.requests)
+    total = words_for(400)
+    shared = wl.requests[0].meta["shared_words"]
+    assert shared == round(total / 2)
+    for r in wl.requests:
+        assert len(prompt_words(r.body)) == total
+        assert 340 <= approx_tokens(text_of(r)) <= 460
+    for x, y in itertools.combinations(wl.requests, 2):
+        assert word_prefix(text_of(x), text_of(y)) == shared
+    none = make_workload("capacity", prompt_tokens=400, shared_pct=0)
+    for x, y in itertools.combinations(none.requests, 2):
+        assert word_prefix(text_of(x), text_of(y)) == 0
+    with pytest.raises(ValueError):
+        make_workload("capacity", shared_pct=120)
+
+
+def test_fanout_branches_share_one_trunk_per_round() -> None:
+    wl = make_workload("fanout", trunk_tokens=1000, branches=4, rounds=2)
+    assert len(wl.requests) == 8 and wl.concurrency == 4
+    rounds: dict[int, list[BenchRequest]] = {}
+    for r in wl.requests:
+        rounds.setdefault(r.meta["round"], []).append(r)
+    for rnd, reqs in rounds.items():
+        assert [r.meta["branch"] for r in reqs] == [0, 1, 2, 3]
+        assert len({r.body["messages"][0]["content"] for r in reqs}) == 1  # one trunk
+        assert len({r.body["messages"][1]["content"] for r in reqs}) == 4  # a question per branch
+        assert 850 <= approx_tokens(reqs[0].body["messages"][0]["content"]) <= 1150
+        expected_after = () if rnd == 1 else tuple(r.id for r in rounds[rnd - 1])
+        assert all(r.after == expected_after for r in reqs)
+    # Every round starts cold for its trunk: nothing in common with the previous round's.
+    assert word_prefix(text_of(rounds[1][0]), text_of(rounds[2][0])) == 0
+
+
 def test_workload_validates_dependencies() -> None:
     body = {"messages": [{"role": "user", "content": "x"}]}
     with pytest.raises(ValueError):
@@ -230,6 +270,9 @@ async def _fake_server(seen: list[dict[str, Any]]) -> tuple[web.AppRunner, str]:
         await resp.prepare(request)
         await resp.write(_sse({"choices": [{"delta": {"role": "assistant", "content": None}}]}))
         await resp.write(_sse({"choices": [{"delta": {"content": "hi"}}]}))
+        if body["messages"][-1]["content"] == "midfail":  # a failure after the stream started
+            await resp.write(b'error: {"error": {"message": "Context size has been exceeded."}}\n\n')
+            return resp
         await resp.write(_sse({"choices": [{"delta": {}, "finish_reason": "stop"}],
                                "timings": {"cache_n": 7, "prompt_n": 3, "predicted_n": 2}}))
         await resp.write(b"data: [DONE]\n\n")
@@ -253,18 +296,21 @@ async def test_runner_streams_records_and_replays(tmp_path: Path) -> None:
             return BenchRequest(rid, "s", "g", {"messages": [{"role": "user", "content": content}]}, after, via=via,
                                 meta={"pair": 0})
 
-        wl = Workload("t", "", (req("a", "x"), req("b", "y", ("a",), "server"), req("c", "fail", ("a",))), 2, {})
+        wl = Workload("t", "", (req("a", "x"), req("b", "y", ("a",), "server"), req("c", "fail", ("a",)),
+                                req("d", "midfail", ("a",))), 2, {})
         manifest = tmp_path / "manifest.jsonl"
         results = await run_workload(wl, url + "/v1", url, overrides={"cache_prompt": False}, manifest=manifest)
-        assert [r.id for r in results] == ["a", "b", "c"]
-        a, b, c = results
+        assert [r.id for r in results] == ["a", "b", "c", "d"]
+        a, b, c, d = results
         assert a.ok and a.cache_n == 7 and a.prompt_n == 3 and a.predicted_n == 2 and a.route == "A"
+        assert a.finish_reason == "stop"
+        assert d.status == 200 and not d.ok and d.error == "Context size has been exceeded."
         assert a.ttft_s is not None and a.e2e_s is not None and a.ttft_s <= a.e2e_s
         assert b.via == "server" and b.sent_s >= a.sent_s
         assert not c.ok and c.status == 400 and "nope" in (c.error or "")
-        assert len(seen) == 3 and all(body["stream"] is True and body["cache_prompt"] is False for body in seen)
+        assert len(seen) == 4 and all(body["stream"] is True and body["cache_prompt"] is False for body in seen)
         entries = read_manifest(manifest)
-        assert [e.id for e in entries][0] == "a" and len(entries) == 3
+        assert [e.id for e in entries][0] == "a" and len(entries) == 4
         assert entries[0].body["cache_prompt"] is False
         replayed = await replay_manifest(entries, url, speed=100.0)
         assert [r.id for r in replayed] == [e.id for e in entries] and replayed[0].ok
@@ -353,3 +399,196 @@ def test_legacy_cache_bytes_from_log(tmp_path: Path) -> None:
     log.write_text("nothing here\n")
     assert legacy_cache_bytes(log) is None
     assert legacy_cache_bytes(tmp_path / "missing.log") is None
+
+
+# ---- capacity search ----------------------------------------------------------------------
+
+
+def test_pool_grid() -> None:
+    assert cap.pool_grid(435, 4, 64) == list(range(448, 1792 + 1, 64))
+    assert cap.pool_grid(512, 4, 64)[0] == 512 and cap.pool_grid(512, 4, 64)[-1] == 2048
+    assert cap.pool_grid(100, 1, 64) == [128]
+    with pytest.raises(ValueError):
+        cap.pool_grid(0)
+
+
+@pytest.mark.parametrize("threshold", [448, 450, 1000, 1728, 1792])
+def test_search_smallest_finds_the_threshold_in_log_steps(threshold: int) -> None:
+    grid = cap.pool_grid(435, 4, 64)
+    calls: list[int] = []
+
+    def passes(c: int) -> bool:
+        calls.append(c)
+        return c >= threshold
+
+    expected = min(g for g in grid if g >= threshold)
+    assert cap.search_smallest(grid, passes) == expected
+    assert calls[0] == grid[-1] and len(calls) <= 2 + len(grid).bit_length()
+    assert len(set(calls)) == len(calls)
+
+
+def test_search_smallest_none_when_the_top_fails() -> None:
+    calls: list[int] = []
+    assert cap.search_smallest([64, 128, 192], lambda c: calls.append(c) is not None) is None
+    assert calls == [192]
+    assert cap.search_smallest([], lambda c: True) is None
+
+
+def test_known_cells_needs_a_bracket_with_one_pool() -> None:
+    seen = [(1088, 1280), (1408, 1536), (1792, 1792)]
+    assert cap.known_cells(1408, seen) == 1536
+    assert cap.known_cells(1472, seen) is None  # 1536 or 1792: not pinned down
+    assert cap.known_cells(1472, [*seen, (1536, 1536)]) == 1536
+    assert cap.known_cells(2000, seen) is None and cap.known_cells(64, seen) is None
+
+
+def _padded_run(need_cells: int, serial_below: int = 0) -> tuple[list[int], Any]:
+    """A fake arm: the pool is -c rounded up to 256; it serves the wave when the pool has
+    ``need_cells``, one request at a time below ``serial_below`` cells."""
+    started: list[int] = []
+
+    def run(ctx: int) -> cap.Probe:
+        cells = -(-ctx // 256) * 256
+        started.append(cells)
+        ok = cells >= need_cells
+        return cap.Probe(ctx, cells, ok, "ok" if ok else "p0: context", together=1 if cells < serial_below else 4)
+
+    return started, run
+
+
+def test_pool_search_reuses_probes_of_the_same_pool() -> None:
+    started, run = _padded_run(1700)
+    search = cap.PoolSearch(run, min_together=3)
+    out = search.search(cap.pool_grid(435, 4, 64))
+    assert out["min_cells"] == 1792 and out["any_order"]["min_cells"] == 1792
+    assert out["max_failed_cells"] == 1536 and out["failed_above_cells"] == []
+    # The second search (any order) revisits the same -c values without starting anything.
+    assert len(started) == out["started"] == len(out["probes"]) == len({p["ctx"] for p in out["probes"]})
+    # A -c between two probes that got the same pool is not started again.
+    started, run = _padded_run(1000)
+    search = cap.PoolSearch(run)
+    search.probe(1088)
+    search.probe(1280)
+    again = search.probe(1152)
+    assert again.reused and again.cells == 1280 and again.ctx == 1152 and started == [1280, 1280]
+    assert search.probe(1024).cells == 1024 and not search.probes[-1].reused
+
+
+def test_pool_search_separates_served_together_from_any_order() -> None:
+    # Serves at any pool of one request, but all at once only from 1280 cells on.
+    _, run = _padded_run(435, serial_below=1280)
+    out = cap.PoolSearch(run, min_together=3).search(cap.pool_grid(435, 4, 64))
+    assert out["min_cells"] == 1280 and out["any_order"]["min_cells"] == 512
+    assert out["any_order"]["failed_above_cells"] == []
+    assert cap.PoolSearch(run, min_together=0).search(cap.pool_grid(435, 4, 64))["min_cells"] == 512
+
+
+def _res(rid: str, status: int = 200, error: str | None = None, predicted: int | None = 16, sent: float = 0.0,
+         ttft: float | None = 1.0, e2e: float | None = 2.0, prompt_ms: float | None = 900.0) -> RequestResult:
+    return RequestResult(rid, "s", "wave", "front", sent, status, ttft, e2e, error, 0, 400, predicted, prompt_ms)
+
+
+def test_pool_search_flags_a_failure_above_the_result() -> None:
+    # Like the proxy with sharing on a small pool: fails at 1024 cells (tries all at once and runs
+    # out), serves at 512 and 768 (one after the other) and from 1280 on (together).
+    def run(ctx: int) -> cap.Probe:
+        cells = -(-ctx // 256) * 256
+        ok = cells != 1024
+        return cap.Probe(ctx, cells, ok, "ok" if ok else "context", together=3 if cells >= 1024 else 1)
+
+    out = cap.PoolSearch(run, min_together=3).search([512, 768, 1024, 1280, 1792])
+    assert out["min_cells"] == 1280 and out["failed_above_cells"] == []
+    assert out["any_order"]["min_cells"] == 512 and out["any_order"]["failed_above_cells"] == [1024]
+    rep = cap.capacity_report({"name": "capacity"}, {}, {"grid": [512, 1792], "ideal": {}}, {"proxy-hs": out})
+    assert "proxy-hs, any order: not monotone" in report_mod.render_capacity_markdown(rep)
+
+
+def test_probe_verdict() -> None:
+    assert cap.probe_verdict([_res("a"), _res("b")], 16) == (True, "ok")
+    ok, why = cap.probe_verdict([_res("a"), _res("b", error="Context size has been exceeded.")], 16)
+    assert not ok and why.startswith("b: context")
+    ok, why = cap.probe_verdict([_res("a", 500, "HTTP 500: the request exceeds the available context size")], 16)
+    assert not ok and "context" in why
+    assert cap.probe_verdict([_res("a", 503, "HTTP 503: busy")], 16)[1].startswith("a: HTTP 503")
+    assert cap.probe_verdict([_res("a", 0, "ClientError: reset")], 16)[1].startswith("a: HTTP 0")
+    assert cap.probe_verdict([_res("a", predicted=9)], 16)[1].startswith("a: truncated: 9 of 16")
+    assert cap.probe_verdict([_res("a", predicted=None)], 16)[0] is False
+    assert cap.probe_verdict([], 16)[0] is False
+
+
+def test_server_windows_and_peak_overlap() -> None:
+    # Together: all four in the server from about 0.1 s to their ends.
+    together = [_res(f"p{i}", sent=0.0, ttft=1.0 + i * 0.1, e2e=3.0 + i * 0.1, prompt_ms=900.0 + i * 100)
+                for i in range(4)]
+    assert cap.peak_overlap(cap.server_windows(together)) == 4
+    # One after the other: each starts (first token minus its prefill) after the previous ended.
+    serial = [_res(f"p{i}", sent=0.0, ttft=2.0 * i + 1.5, e2e=2.0 * i + 2.0, prompt_ms=1500.0) for i in range(4)]
+    assert cap.peak_overlap(cap.server_windows(serial)) == 1
+    assert cap.peak_overlap([(0.0, 1.0), (1.0, 2.0)]) == 1  # touching is not overlapping
+    assert cap.peak_overlap([]) == 0
+    assert cap.server_windows([_res("x", prompt_ms=None)]) == []
+
+
+def test_ideal_cells_and_common_prefix() -> None:
+    ideal = cap.ideal_cells([400] * 4, 200, 0)
+    assert ideal["unshared_cells"] == 1600 and ideal["shared_cells"] == 1000
+    assert ideal["saving_pct"] == pytest.approx(37.5)
+    assert cap.ideal_cells([419, 416], 203, 16)["shared_cells"] == 203 + 216 + 213 + 32
+    assert cap.common_prefix([[1, 2, 3], [1, 2, 4], [1, 2]]) == 2
+    assert cap.common_prefix([[5, 6]]) == 2 and cap.common_prefix([]) == 0
+
+
+def test_capacity_report_renders(tmp_path: Path) -> None:
+    def arm(cells: int, any_cells: int) -> dict[str, Any]:
+        probe = cap.Probe(cells - 64, cells, True, "ok", together=3, routes={"S": 2, "prefill": 1}).to_json()
+        return {"min_ctx": cells - 64, "min_cells": cells, "max_failed_cells": cells - 256,
+                "any_order": {"min_ctx": any_cells, "min_cells": any_cells, "max_failed_cells": None},
+                "probes": [probe], "started": 1}
+
+    rep = cap.capacity_report({"name": "capacity", "params": {"prompts": 4}, "requests": 4}, {"threads": 1},
+                              {"step": 64, "lower": 435, "grid": [448, 1792], "prompt_tokens": [419, 416],
+                               "shared_tokens": 203, "ideal": cap.ideal_cells([419, 416], 203, 16),
+                               "min_together": 3, "host_cache": "off"},
+                              {"legacy": arm(2048, 2048), "proxy-hs": arm(1280, 512)})
+    arms = rep["capacity"]
+    assert arms["legacy"]["saving_vs_legacy_pct"] == pytest.approx(0.0)
+    assert arms["proxy-hs"]["saving_vs_legacy_pct"] == pytest.approx(37.5)
+    assert arms["proxy-hs"]["any_order"]["saving_vs_legacy_pct"] == pytest.approx(75.0)
+    paths = report_mod.write_report(rep, tmp_path)
+    assert [p.name for p in paths] == ["report.json", "report.md"]  # no charts for a capacity report
+    assert json.loads((tmp_path / "report.json").read_text())["capacity"]["proxy-hs"]["min_cells"] == 1280
+    md = (tmp_path / "report.md").read_text()
+    assert "| proxy-hs | 1280 | 1216 | 1024 | 37.5 % | 512 | 75.0 % | 1 | 1 |" in md
+    assert "S 2, prefill 1" in md
+
+
+# ---- fan-out report -----------------------------------------------------------------------
+
+
+def _branches(ttfts: list[float], rnd: int = 1, total: float = 10.0) -> list[RequestResult]:
+    return [RequestResult(f"r{rnd}-b{b}", f"b{b}", f"branch {b}", "front", 0.0, 200, t, total - b * 0.1, None,
+                          0, 1000, 16, None, None, {"round": rnd, "branch": b}) for b, t in enumerate(ttfts)]
+
+
+def test_fanout_figures_and_ratio_to_legacy() -> None:
+    legacy = _branches([9.5, 46.5, 21.3, 32.2], total=48.0)
+    hs = _branches([10.0, 11.0, 10.5, 11.5], total=13.0)
+    hs.append(RequestResult("r1-b4", "b4", "branch 4", "front", 0.0, 500, None, 0.1, "HTTP 500", meta={"round": 1,
+                                                                                                       "branch": 4}))
+    rep = report_mod.build_report({"name": "fanout"}, {"legacy": {"results": legacy, "stats": {}},
+                                                       "proxy-hs": {"results": hs, "stats": {}}})
+    lf, hf = rep["arms"]["legacy"]["fanout"], rep["arms"]["proxy-hs"]["fanout"]
+    assert lf["ttft_sorted_s"] == [9.5, 21.3, 32.2, 46.5] and lf["last_ttft_s"] == 46.5
+    assert lf["total_s"] == pytest.approx(48.0) and lf["last_ttft_vs_legacy"] == pytest.approx(1.0)
+    assert hf["errors"] == 1 and hf["ttft_sorted_s"] == [10.0, 10.5, 11.0, 11.5]
+    assert hf["last_ttft_vs_legacy"] == pytest.approx(11.5 / 46.5)
+    assert hf["total_vs_legacy"] == pytest.approx(13.0 / 48.0)
+    assert hf["ttft_sorted_vs_legacy"][0] == pytest.approx(10.0 / 9.5)
+    assert hf["rounds"][0]["ttft_by_branch_s"]["1"] == 11.0
+    md = report_mod.render_markdown(rep)
+    assert "Fan-out" in md and "| proxy-hs | 10.00 / 10.50 / 11.00 / 11.50 | 11.500 | 13.000 | 1 |" in md
+    # Several rounds: medians per rank.
+    two = _branches([1.0, 2.0], 1, 3.0) + _branches([3.0, 6.0], 2, 7.0)
+    fan = report_mod.fanout_figures(two)
+    assert fan is not None and fan["ttft_sorted_s"] == [2.0, 4.0] and fan["total_s"] == pytest.approx(5.0)
+    assert report_mod.fanout_figures(_results([1.0])) is None
