@@ -193,6 +193,17 @@ def test_bad_input_leaves_everything_intact(proxy: ProxyThread, backend: ServerP
     ask(proxy, convo(document(8, 60), "Say yes."), n=2)
 
 
+def test_unknown_model_is_answered_like_the_server_does(proxy: ProxyThread, stock_server: ServerProcess) -> None:
+    body = chat_body(convo(document(12, 40), "Say yes."), 2, model="no-such-model")
+    direct = post(f"{stock_server.url}/v1/chat/completions", body)
+    via = post(f"{proxy.url}/v1/chat/completions", body)
+    # llama-server serves its one model whatever the name; the proxy changes nothing about that.
+    assert via.status == direct.status
+    if via.status >= 400:
+        assert set(via.body["error"]) == {"code", "message", "type"}
+    assert get(f"{proxy.url}/health").status == 200
+
+
 def test_client_disconnect_mid_stream(proxy: ProxyThread) -> None:
     body = chat_body(convo(document(9, 100), "Write a long story."), 400, stream=True)
     conn = http.client.HTTPConnection("127.0.0.1", proxy.config.port, timeout=120)
