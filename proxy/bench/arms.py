@@ -138,6 +138,11 @@ class RunningArm:
             if stats:
                 out["host_cache_bytes"] = stats.get("tree", {}).get("bytes")
                 out["proxy"] = {k: stats.get(k) for k in ("requests", "by_route", "hit_ratio", "tree", "tokenizer")}
+            caps = _get_json(f"{self.server_url}/kvctl/caps")
+            if stats and caps:
+                # The optimum host store: every distinct token position's KV once.
+                per_token = int(caps["payload"]["cell_bytes"]) - int(caps["compat"].get("cell_meta_bytes", 0))
+                out["host_optimum_bytes"] = int(stats.get("tree", {}).get("unique_tokens", 0)) * per_token
             cells = _get_json(f"{self.server_url}/kvctl/cells")
             if cells:
                 out["kv_cells_used"] = cells.get("used")

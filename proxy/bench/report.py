@@ -204,6 +204,10 @@ def render_markdown(report: dict[str, Any], chart_note: str = "") -> str:
              _x(a["e2e_p50_vs_legacy"])] for name, a in arms.items()]
     lines += _table(["arm", "n", "err", "TTFT p50", "TTFT p90", "e2e p50", "e2e p90", "req/s", "gen tok/s",
                      "cache_n", "prompt_n", "host cache", "KV cells", "TTFT vs legacy", "e2e vs legacy"], rows)
+    optimum = {n: a["details"].get("host_optimum_bytes") for n, a in arms.items()
+               if a.get("details", {}).get("host_optimum_bytes")}
+    for name, best in optimum.items():
+        lines += ["", f"Host cache optimum seen by `{name}` (its distinct tokens x KV bytes per token): {_mib(best)}."]
     groups = list(dict.fromkeys(g for a in arms.values() for g in a["groups"]))
     if len(groups) > 1:
         lines += ["", "TTFT p50 (s) by group, and cache_n / prompt_n:", ""]

@@ -592,3 +592,11 @@ def test_fanout_figures_and_ratio_to_legacy() -> None:
     fan = report_mod.fanout_figures(two)
     assert fan is not None and fan["ttft_sorted_s"] == [2.0, 4.0] and fan["total_s"] == pytest.approx(5.0)
     assert report_mod.fanout_figures(_results([1.0])) is None
+
+
+def test_report_prints_the_host_cache_optimum() -> None:
+    arms = {"legacy": {"results": _results([1.0]), "stats": {"host_cache_bytes": 3 << 20}},
+            "proxy": {"results": _results([0.5]), "stats": {"host_cache_bytes": 2 << 20,
+                                                            "host_optimum_bytes": 2 << 20}}}
+    text = report_mod.render_markdown(report_mod.build_report({"name": "host-dedup"}, arms))
+    assert "Host cache optimum seen by `proxy`" in text and "2.0 MiB" in text
