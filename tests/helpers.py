@@ -34,10 +34,12 @@ class Reply:
     body: Any
 
 
-def post(url: str, body: Any, timeout: float = 180, raw: bytes | None = None,
-         headers: dict[str, str] | None = None) -> Reply:
-    data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+def request(url: str, method: str = "GET", body: Any = None, raw: bytes | None = None,
+            headers: dict[str, str] | None = None, timeout: float = 180) -> Reply:
+    """One HTTP call; an error status is returned as a Reply, not raised."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return Reply(resp.status, dict(resp.headers), _decode(resp.read()))
@@ -45,12 +47,13 @@ def post(url: str, body: Any, timeout: float = 180, raw: bytes | None = None,
         return Reply(err.code, dict(err.headers), _decode(err.read()))
 
 
+def post(url: str, body: Any, timeout: float = 180, raw: bytes | None = None,
+         headers: dict[str, str] | None = None) -> Reply:
+    return request(url, "POST", body if raw is None else None, raw, headers, timeout)
+
+
 def get(url: str, timeout: float = 60) -> Reply:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return Reply(resp.status, dict(resp.headers), _decode(resp.read()))
-    except urllib.error.HTTPError as err:
-        return Reply(err.code, dict(err.headers), _decode(err.read()))
+    return request(url, "GET", timeout=timeout)
 
 
 def _decode(raw: bytes) -> Any:

@@ -18,8 +18,6 @@ import json
 import struct
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +27,7 @@ import pytest
 
 from proxy.native.launch import PROXY_SERVER_ARGS, ServerProcess, free_port
 from tests.conftest import ServerFactory
-from tests.helpers import NEAR_TIE_NATS, Reply, chat_body
+from tests.helpers import NEAR_TIE_NATS, Reply, chat_body, request
 
 # Story text: greedy continuations of N_PREDICT tokens without an early end of text, and no
 # near-tie at the first tokens (measured), so that comparisons see every generated token.
@@ -51,21 +49,7 @@ MAGIC = 0xAF143CD8
 
 def call(url: str, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
          timeout: float = 180) -> Reply:
-    data = json.dumps(body).encode() if body is not None else None
-    hdrs = {"Content-Type": "application/json", **(headers or {})}
-    req = urllib.request.Request(url + path, data=data, method=method, headers=hdrs)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return Reply(resp.status, dict(resp.headers), _decode(resp.read()))
-    except urllib.error.HTTPError as err:
-        return Reply(err.code, dict(err.headers), _decode(err.read()))
-
-
-def _decode(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return raw.decode(errors="replace")
+    return request(url + path, method, body, headers=headers, timeout=timeout)
 
 
 def ok(url: str, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None) -> Any:
