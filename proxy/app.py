@@ -74,6 +74,9 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
+    recorder = request.app[RUNTIME].recorder
+    if recorder is not None:
+        recorder.record(request.path, orjson.loads(raw), request.headers.get("X-Session-Id", ""))
     return body
 
 

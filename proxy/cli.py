@@ -109,6 +109,9 @@ def _proxy_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      default="longest", show_default=True, envvar="RADIX_CACHE_KV_SHARE_ROUTE",
                      help="longest: longest executable prefix (ties A > S > H); share: A or S first."),
         click.option("--admin-key", envvar="RADIX_ADMIN_KEY", help="Key for the proxy's /radix admin API."),
+        click.option("--record", "record_path", type=click.Path(dir_okay=False, path_type=Path),
+                     envvar="RADIX_RECORD",
+                     help="Append every completion request to this manifest (replay: radixctl bench replay)."),
         click.option("--log-level", default="info", show_default=True, envvar="RADIX_LOG_LEVEL",
                      type=click.Choice(["debug", "info", "warning", "error"])),
     ]

@@ -31,6 +31,8 @@ class Config:
     kv_share_headroom: int = 0  # free cells R kept for requests; 0: min(n_ubatch, max(1, pool/8))
     kv_share_route: Literal["longest", "share"] = "longest"
     mixed_restore: bool = True
+    # Append every completion request, as received, to this manifest (radixctl bench replay).
+    record_path: Path | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
     @property

@@ -27,6 +27,7 @@ from proxy.core.resident import ResidentIndex
 from proxy.errors import ConfigError, KvMoveError, RadixError
 from proxy.metrics import Metrics
 from proxy.mover import KvMover
+from proxy.recorder import Recorder
 from proxy.sharing import Sharing
 from proxy.tokenizer import CORPUS, PromptTokenizer, UnsupportedTokenizerError, check_parity, load_tokenizer
 
@@ -44,6 +45,7 @@ class Runtime:
         self.local_tokenizer: PromptTokenizer | None = None
         self.tokenizer_note = "server"
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.recorder = Recorder(config.record_path) if config.record_path else None
 
     async def tokenize(self, prompt: str) -> np.ndarray:
         """The prompt's tokens exactly as the server's chat path makes them."""
@@ -69,6 +71,8 @@ class Runtime:
     async def close(self) -> None:
         await self.drain()
         await self.session.close()
+        if self.recorder is not None:
+            self.recorder.close()
 
 
 async def create_runtime(config: Config, registry: CollectorRegistry | None = None) -> Runtime:

@@ -46,7 +46,8 @@ def backend(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
 def proxy(backend: ServerProcess) -> Iterator[ProxyThread]:
     assert backend.spec.kvctl_dir is not None
     config = Config(backends=(backend.url,), port=free_port(), shm_dir=backend.spec.kvctl_dir,
-                    min_restore_tokens=32, cache_ram_mib=512)
+                    min_restore_tokens=32, cache_ram_mib=512,
+                    record_path=backend.spec.kvctl_dir.parent / f"recorded-{backend.spec.port}.jsonl")
     thread = ProxyThread(config).start()
     yield thread
     thread.stop()
@@ -244,3 +245,17 @@ def test_next_turn_sent_at_once_reuses_its_own_prefix(proxy: ProxyThread) -> Non
     assert second.status == 200
     assert second.headers["X-Radix-Route"] in ("A", "A+H", "H"), second.headers
     assert second.body["timings"]["cache_n"] >= int(first.headers["X-Radix-Prompt-Tokens"]) - 1
+
+
+def test_received_requests_are_recorded_as_a_replayable_manifest(proxy: ProxyThread) -> None:
+    from proxy.bench.runner import read_manifest
+
+    body = chat_body(convo(document(13, 30), "Say maybe."), 2)
+    reply = post(f"{proxy.url}/v1/chat/completions", body, headers={"X-Session-Id": "sess-7"})
+    assert reply.status == 200
+    assert proxy.config.record_path is not None
+    entries = read_manifest(proxy.config.record_path)
+    last = entries[-1]
+    # Recorded as the client sent it: the proxy's id_slot / cache_prompt are not in it.
+    assert last.body == body and last.session == "sess-7" and last.path == "/v1/chat/completions"
+    assert [e.t for e in entries] == sorted(e.t for e in entries)
