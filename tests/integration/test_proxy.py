@@ -236,7 +236,7 @@ def test_metrics_and_admin(proxy: ProxyThread) -> None:
 def test_next_turn_sent_at_once_reuses_its_own_prefix(proxy: ProxyThread) -> None:
     # No settle between the turns: the first turn's slot is still being saved when the
     # second arrives, and the second must wait for it rather than prefill elsewhere.
-    messages = convo(document(10, 200), "Give one word.")
+    messages = convo(document(60, 200), "Give one word.")  # a seed no other test uses
     first = post(f"{proxy.url}/v1/chat/completions", chat_body(messages, 4))
     assert first.status == 200
     messages += [{"role": "assistant", "content": first.body["choices"][0]["message"]["content"]},
