@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -21,7 +21,6 @@ class Config:
     kvctl_key: str | None = None
     admin_key: str | None = None
     tokenizer_cache: Path | None = None
-    request_timeout_s: float = 600.0
     log_level: str = "info"
     # Resident sharing (route S); off by default like the reference design.
     kv_share: bool = False
@@ -33,7 +32,6 @@ class Config:
     mixed_restore: bool = True
     # Append every completion request, as received, to this manifest (radixctl bench replay).
     record_path: Path | None = None
-    extra: dict[str, str] = field(default_factory=dict)
 
     @property
     def cache_bytes(self) -> int:

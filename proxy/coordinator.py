@@ -260,7 +260,6 @@ class Coordinator:
             log.warning("saving %s slot %d failed: %s", lease.server.name, lease.slot.slot_id, exc)
         finally:
             self.release(lease)
-            self._update_tree_gauges()
 
     async def _refresh_slot(self, lease: Lease) -> None:
         slot = lease.slot
@@ -307,9 +306,6 @@ class Coordinator:
             return
         async with lease.server.move_lock:
             await sharing.record(lease.slot.slot_id, tokens, lengths)
-
-    def _update_tree_gauges(self) -> None:
-        self.metrics.sync_tree(self.tree.stats())
 
     # ---- bookkeeping -----------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from proxy.coordinator import Coordinator, ServerState, SlotState
 from proxy.core.payload import KvLayout
 from proxy.core.radix import RadixTree
 from proxy.core.resident import ResidentIndex
-from proxy.errors import ConfigError, KvMoveError, RadixError
+from proxy.errors import ConfigError, RadixError
 from proxy.metrics import Metrics
 from proxy.mover import KvMover
 from proxy.recorder import Recorder
@@ -64,9 +64,6 @@ class Runtime:
     async def drain(self) -> None:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
-
-    def refresh_gauges(self) -> None:
-        self.coordinator._update_tree_gauges()
 
     async def close(self) -> None:
         await self.drain()
@@ -261,4 +258,4 @@ def _default_shm_dir(port: int) -> Path:
     return base / f"radix-{os.getuid()}-{port}"
 
 
-__all__ = ["Runtime", "create_runtime", "serve_forever", "start_site", "up_forever", "KvMoveError"]
+__all__ = ["Runtime", "create_runtime", "serve_forever", "start_site", "up_forever"]
