@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry
 
 from proxy.config import Config
-from proxy.runtime import Runtime, create_runtime, start_site
+from proxy.server.runtime import Runtime, create_runtime, start_site
 
 T = TypeVar("T")
 

@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from proxy.bench.workloads import DEFAULT_ARMS, GENERATORS, Workload, make_workload
-from proxy.cli_common import fail_cleanly
+from proxy.cli.common import fail_cleanly
 from proxy.errors import ConfigError
 
 ALL_ARMS = ("nocache", "legacy", "proxy")

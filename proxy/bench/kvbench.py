@@ -23,11 +23,11 @@ import aiohttp
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from proxy.backend import Backend
 from proxy.bench.text import prose, seeded
 from proxy.core.payload import KvLayout, blob_size
-from proxy.metrics import Metrics
-from proxy.mover import KvMover
+from proxy.server.backend import Backend
+from proxy.server.metrics import Metrics
+from proxy.server.mover import KvMover
 
 DEFAULT_SIZES = (512, 2048, 8192)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from proxy.cli import main
+from proxy.cli.main import main
 from proxy.errors import BuildError
 from proxy.native import build as build_mod
 from proxy.native.build import BuildSpec, build_server

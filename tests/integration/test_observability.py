@@ -26,13 +26,13 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy import cli_admin
-from proxy.admin import cache_summary, refresh_metrics
-from proxy.cli import main as radixctl
+from proxy.cli import inspect as cli_admin
+from proxy.cli.main import main as radixctl
 from proxy.config import Config
 from proxy.core.payload import blob_size
-from proxy.metrics import FALLBACK_CAUSES, ROUTES
 from proxy.native.launch import ServerProcess, free_port
+from proxy.server.admin import cache_summary, refresh_metrics
+from proxy.server.metrics import FALLBACK_CAUSES, ROUTES
 from tests.conftest import ServerFactory
 from tests.helpers import ProxyThread, Reply, get, post
 

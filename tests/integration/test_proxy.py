@@ -109,7 +109,7 @@ def test_restored_kv_is_byte_identical_to_saved(proxy: ProxyThread) -> None:
     slot, cached = int(got.headers["X-Radix-Slot"]), int(got.headers["X-Radix-Cached-Tokens"])
 
     async def compare(rt: object) -> bool:
-        from proxy.runtime import Runtime
+        from proxy.server.runtime import Runtime
 
         assert isinstance(rt, Runtime)
         server = rt.coordinator.servers[0]
@@ -121,7 +121,7 @@ def test_restored_kv_is_byte_identical_to_saved(proxy: ProxyThread) -> None:
             live = await server.mover.export({"slot": slot}, 0, cached)
         return bool(np.array_equal(saved, live.data))
 
-    assert proxy.run(compare(proxy.runtime))
+    assert proxy.run(compare(proxy.server.runtime))
 
 
 def test_multi_turn_chat_reuses_the_slot(proxy: ProxyThread, stock_server: ServerProcess) -> None:

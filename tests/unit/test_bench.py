@@ -225,7 +225,7 @@ def test_workload_validates_dependencies() -> None:
 
 
 def test_cli_dry_run_writes_the_request_list(tmp_path: Path) -> None:
-    from proxy.cli import main
+    from proxy.cli.main import main
 
     out = tmp_path / "out"
     res = CliRunner().invoke(main, ["bench", "prefix-tiers", "--dry-run", "--out", str(out), "--prompt-tokens", "100",

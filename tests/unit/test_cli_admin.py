@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy import cli_admin
-from proxy.admin import cache_summary, describe_decision
-from proxy.cli_admin import (
+from proxy.cli import inspect as cli_admin
+from proxy.cli.inspect import (
     Check,
     format_doctor,
     format_slots,
@@ -26,7 +25,8 @@ from proxy.cli_admin import (
 from proxy.core.payload import KvLayout, KvSegment
 from proxy.core.radix import RadixTree
 from proxy.errors import BackendError
-from proxy.metrics import FALLBACK_CAUSES, ROUTES, Metrics
+from proxy.server.admin import cache_summary, describe_decision
+from proxy.server.metrics import FALLBACK_CAUSES, ROUTES, Metrics
 
 LAYOUT = KvLayout(2, (1, 1), (8, 8), (1, 1), False, (8, 8), (0, 0), (0, 0))
 COMPAT = {"n_layer": 2, "v_trans": False, "k_types": [1, 1], "v_types": [1, 1], "k_row_bytes": [8, 8],

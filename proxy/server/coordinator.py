@@ -17,16 +17,16 @@ from typing import Any
 
 import numpy as np
 
-from proxy.backend import Backend
 from proxy.config import Config
 from proxy.core.planner import Plan, PlanInput, Route, SlotView
 from proxy.core.planner import plan as choose_plan
 from proxy.core.radix import HostMatch, RadixTree
 from proxy.core.resident import common_prefix
 from proxy.errors import BadRequest, KvMoveError
-from proxy.metrics import SHARE_PATHS, Metrics
-from proxy.mover import KvMover
-from proxy.sharing import Sharing
+from proxy.server.backend import Backend
+from proxy.server.metrics import SHARE_PATHS, Metrics
+from proxy.server.mover import KvMover
+from proxy.server.sharing import Sharing
 
 log = logging.getLogger("radix")
 

@@ -16,10 +16,10 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from proxy.admin import refresh_metrics
-from proxy.coordinator import Lease
 from proxy.errors import BackendError, BadRequest, RadixError
-from proxy.runtime import Runtime
+from proxy.server.admin import refresh_metrics
+from proxy.server.coordinator import Lease
+from proxy.server.runtime import Runtime
 
 log = logging.getLogger("radix")
 
@@ -59,7 +59,7 @@ def build_app(runtime: Runtime) -> web.Application:
         app.router.add_post(path, _completion)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
-    from proxy.admin import add_admin_routes
+    from proxy.server.admin import add_admin_routes
 
     add_admin_routes(app, runtime)
     app.router.add_route("*", "/{tail:.*}", _forward_plain)
@@ -236,12 +236,12 @@ async def _forward_plain(request: web.Request) -> web.StreamResponse:
 
 
 def run_proxy(config: Any) -> None:
-    from proxy.runtime import serve_forever
+    from proxy.server.runtime import serve_forever
 
     asyncio.run(serve_forever(config))
 
 
 def run_up(**kw: Any) -> None:
-    from proxy.runtime import up_forever
+    from proxy.server.runtime import up_forever
 
     up_forever(**kw)

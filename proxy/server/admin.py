@@ -28,11 +28,11 @@ import aiohttp
 from aiohttp import web
 
 from proxy.errors import BadRequest, RadixError, Unauthorized
-from proxy.metrics import DIRECTIONS, FALLBACK_CAUSES, ROUTES
+from proxy.server.metrics import DIRECTIONS, FALLBACK_CAUSES, ROUTES
 
 if TYPE_CHECKING:
-    from proxy.coordinator import ServerState
-    from proxy.runtime import Runtime
+    from proxy.server.coordinator import ServerState
+    from proxy.server.runtime import Runtime
 
 log = logging.getLogger("radix")
 

@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from proxy.backend import Backend
 from proxy.core.payload import KvLayout, KvSegment, blob_size, parse_blob, write_blob
 from proxy.errors import KvMoveError, PayloadError
-from proxy.metrics import Metrics
+from proxy.server.backend import Backend
+from proxy.server.metrics import Metrics
 
 _names = itertools.count()
 

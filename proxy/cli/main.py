@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from proxy.cli_common import fail_cleanly
+from proxy.cli.common import fail_cleanly
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "RADIX"})
@@ -134,7 +134,7 @@ def _config(backends: tuple[str, ...], **kw: Any) -> Any:
 @fail_cleanly
 def serve(backends: tuple[str, ...], **kw: Any) -> None:
     """Run the proxy in front of already running patched llama-servers."""
-    from proxy.app import run_proxy
+    from proxy.server.app import run_proxy
 
     run_proxy(_config(backends, **kw))
 
@@ -156,14 +156,14 @@ def serve(backends: tuple[str, ...], **kw: Any) -> None:
 def up(model_arg: str | None, server_port: int, n_parallel: int, ctx_size: int, threads: int | None,
        build_backend: str, server_args: tuple[str, ...], **kw: Any) -> None:
     """Build and fetch what is missing, start llama-server and the proxy, serve until Ctrl-C."""
-    from proxy.app import run_up
+    from proxy.server.app import run_up
 
     run_up(model_arg=model_arg, server_port=server_port, n_parallel=n_parallel, ctx_size=ctx_size,
            threads=threads, build_backend=build_backend, server_args=server_args, proxy_kw=kw)
 
 
 def _register_subcommands() -> None:
-    from proxy import cli_admin
+    from proxy.cli import inspect as cli_admin
 
     cli_admin.register(main)
     from proxy.bench import cli as bench_cli

@@ -7,7 +7,7 @@ Names follow the Prometheus conventions: base units (seconds, bytes), counters e
 
 Two families are not ``radix_``-prefixed because they describe the llama-server's KV pool,
 not the proxy: ``kv_cache_*_cells{server}``, read from each server's ``GET /kvctl/cells``
-when /metrics is scraped (see ``proxy.admin.refresh_metrics``).
+when /metrics is scraped (see ``proxy.server.admin.refresh_metrics``).
 
 The metric list, with what each means and how to read it, is in docs/observability.md.
 """

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from proxy.backend import Backend
 from proxy.core.resident import ResidentIndex
 from proxy.errors import KvMoveError
+from proxy.server.backend import Backend
 
 log = logging.getLogger("radix")
 

@@ -221,7 +221,7 @@ async def doctor(url: str, kvctl_key: str | None, shm_dir: Path | None, tokenize
     """Check one llama-server for use behind the proxy; every problem comes with its fix."""
     import aiohttp
 
-    from proxy.backend import Backend
+    from proxy.server.backend import Backend
 
     timeout = aiohttp.ClientTimeout(total=60, sock_connect=5)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -410,7 +410,7 @@ def format_doctor(url: str, checks: list[Check]) -> str:
 
 
 def register(main: click.Group) -> None:
-    from proxy.cli_common import fail_cleanly
+    from proxy.cli.common import fail_cleanly
 
     common = [
         click.option("--url", default="http://127.0.0.1:8080", show_default=True, envvar="RADIX_URL",

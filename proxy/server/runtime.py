@@ -17,18 +17,18 @@ import numpy as np
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from proxy.admin import summary_loop
-from proxy.backend import Backend
 from proxy.config import Config
-from proxy.coordinator import Coordinator, ServerState, SlotState
 from proxy.core.payload import KvLayout
 from proxy.core.radix import RadixTree
 from proxy.core.resident import ResidentIndex
 from proxy.errors import ConfigError, RadixError
-from proxy.metrics import Metrics
-from proxy.mover import KvMover
-from proxy.recorder import Recorder
-from proxy.sharing import Sharing
+from proxy.server.admin import summary_loop
+from proxy.server.backend import Backend
+from proxy.server.coordinator import Coordinator, ServerState, SlotState
+from proxy.server.metrics import Metrics
+from proxy.server.mover import KvMover
+from proxy.server.recorder import Recorder
+from proxy.server.sharing import Sharing
 from proxy.tokenizer import CORPUS, PromptTokenizer, UnsupportedTokenizerError, check_parity, load_tokenizer
 
 log = logging.getLogger("radix")
@@ -179,7 +179,7 @@ async def _setup_tokenizer(runtime: Runtime) -> None:
 
 
 async def start_site(runtime: Runtime) -> web.AppRunner:
-    from proxy.app import build_app
+    from proxy.server.app import build_app
 
     runner = web.AppRunner(build_app(runtime), handler_cancellation=True, access_log=None)
     await runner.setup()

@@ -1,0 +1,1 @@
+"""``radixctl``: the command line (build, model, patch, serve, up, inspect, doctor, bench)."""

@@ -1,0 +1,5 @@
+"""``python -m proxy.cli``: the same as ``radixctl``."""
+
+from proxy.cli.main import main
+
+main()
