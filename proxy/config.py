@@ -32,6 +32,8 @@ class Config:
     mixed_restore: bool = True
     # Append every completion request, as received, to this manifest (radixctl bench replay).
     record_path: Path | None = None
+    # The periodic cache summary log line (logged only when it changed).
+    summary_interval_s: float = 60.0
 
     @property
     def cache_bytes(self) -> int:

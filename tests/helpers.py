@@ -14,7 +14,8 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry
 
 from proxy.config import Config
-from proxy.server.runtime import Runtime, create_runtime, start_site
+from proxy.server.app import RUNTIME, build_app, start_site
+from proxy.server.runtime import Runtime
 
 T = TypeVar("T")
 
@@ -105,8 +106,9 @@ class ProxyThread:
 
     def start(self) -> ProxyThread:
         self._thread.start()
-        self.runtime = self.run(create_runtime(self.config, CollectorRegistry()))
-        self._runner = self.run(start_site(self.runtime))
+        app = build_app(self.config, CollectorRegistry())
+        self._runner = self.run(start_site(app, self.config.host, self.config.port))
+        self.runtime = app[RUNTIME]
         return self
 
     def run(self, coro: Any, timeout: float = 300) -> Any:
@@ -128,7 +130,5 @@ class ProxyThread:
     def stop(self) -> None:
         if self._runner is not None:
             self.run(self._runner.cleanup())
-        if self.runtime is not None:
-            self.run(self.runtime.close())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)

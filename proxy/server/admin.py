@@ -17,35 +17,32 @@ event loop) and ask the servers read-only /kvctl questions.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from proxy.errors import BadRequest, RadixError, Unauthorized
 from proxy.server.metrics import DIRECTIONS, FALLBACK_CAUSES, ROUTES
-
-if TYPE_CHECKING:
-    from proxy.server.coordinator import ServerState
-    from proxy.server.runtime import Runtime
+from proxy.server.observe import refresh_pool_gauges, server_json, set_resident
+from proxy.server.runtime import RUNTIME, Runtime
 
 log = logging.getLogger("radix")
 
 # Tokens of text shown on each side of a divergence, and at each end of a preview.
 PREVIEW_TOKENS = 16
-POOL_TIMEOUT_S = 2.0
 
-Handler = Callable[[web.Request, "Runtime"], Awaitable[dict[str, Any]]]
+Handler = Callable[[web.Request, Runtime], Awaitable[dict[str, Any]]]
 
 
-def add_admin_routes(app: web.Application, runtime: Runtime) -> None:
+def add_admin_routes(app: web.Application) -> None:
     def guarded(fn: Handler) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handler(request: web.Request) -> web.Response:
+            runtime = request.app[RUNTIME]
             key = runtime.config.admin_key
             if key and request.headers.get("Authorization") != f"Bearer {key}":
                 # Answered here, not raised: an admin poll is not a failed completion request.
@@ -159,20 +156,12 @@ async def _tree(request: web.Request, runtime: Runtime) -> dict[str, Any]:
 # ---- /radix/slots ------------------------------------------------------------------------
 
 
-async def _server_json(server: ServerState, what: str, call: Awaitable[Any],
-                       timeout_s: float = POOL_TIMEOUT_S) -> tuple[Any, str | None]:
-    try:
-        return await asyncio.wait_for(call, timeout_s), None
-    except (RadixError, aiohttp.ClientError, TimeoutError) as exc:
-        return None, f"{server.name} {what}: {exc or type(exc).__name__}"
-
-
 async def _slots(request: web.Request, runtime: Runtime) -> dict[str, Any]:
     now = time.monotonic()
     out = []
     for server in runtime.coordinator.servers:
-        info, err1 = await _server_json(server, "/kvctl/slots", server.backend.slots(tokens=True))
-        cells, err2 = await _server_json(server, "/kvctl/cells", server.backend.cells())
+        info, err1 = await server_json(server, "/kvctl/slots", server.backend.slots(tokens=True))
+        cells, err2 = await server_json(server, "/kvctl/cells", server.backend.cells())
         theirs = {int(s["id"]): s for s in (info or {}).get("slots", [])}
         slots = []
         for s in server.slots:
@@ -182,7 +171,7 @@ async def _slots(request: web.Request, runtime: Runtime) -> dict[str, Any]:
                           "idle_s": round(now - s.last_used, 3) if s.last_used else None,
                           "preview": await preview(runtime, s.tokens.tolist())})
         runtime.metrics.set_pool(server.name, cells)
-        _set_resident(runtime, server, cells)
+        set_resident(runtime, server, cells)
         index = server.sharing.index.entries if server.sharing is not None else {}
         residents = []
         for o in (info or {}).get("owners", []):
@@ -196,51 +185,6 @@ async def _slots(request: web.Request, runtime: Runtime) -> dict[str, Any]:
                     "slots": slots, "residents": residents, "pool": cells,
                     "errors": [e for e in (err1, err2) if e]})
     return {"servers": out}
-
-
-# ---- /radix/stats and the metric refresh ----------------------------------------------------
-
-
-async def refresh_pool_gauges(runtime: Runtime, timeout_s: float = POOL_TIMEOUT_S) -> dict[str, dict[str, Any] | None]:
-    """Read every server's GET /kvctl/cells (concurrently) into the kv_cache_*_cells gauges.
-
-    A server that does not answer within ``timeout_s`` keeps its last counts and gets
-    ``radix_backend_up 0``. Returns ``{server: cells or None}``.
-    """
-    servers = runtime.coordinator.servers
-
-    async def one(server: ServerState) -> dict[str, Any] | None:
-        cells, err = await _server_json(server, "/kvctl/cells", server.backend.cells(), timeout_s)
-        if err:
-            log.debug("pool gauges: %s", err)
-        runtime.metrics.set_pool(server.name, cells)
-        _set_resident(runtime, server, cells)
-        return dict(cells) if cells is not None else None
-
-    results = await asyncio.gather(*(one(s) for s in servers))
-    return {s.name: r for s, r in zip(servers, results, strict=True)}
-
-
-def _set_resident(runtime: Runtime, server: ServerState, cells: dict[str, Any] | None) -> None:
-    """Resident entries from the proxy's index; their cells are the pool's owner cells."""
-    m = runtime.metrics
-    if server.sharing is None:
-        m.resident_entries.labels(server.name).set(0)
-        m.resident_cells.labels(server.name).set(0)
-        return
-    stats = server.sharing.index.stats()
-    m.resident_entries.labels(server.name).set(stats.entries)
-    m.resident_pinned.labels(server.name).set(stats.pinned)
-    m.resident_evictions[server.name].set(stats.evicted)
-    m.resident_admitted[server.name].set(stats.admitted)
-    if cells is not None:
-        m.resident_cells.labels(server.name).set(float(cells.get("owner", 0)))
-
-
-async def refresh_metrics(runtime: Runtime) -> None:
-    """Everything /metrics shows that is not counted as it happens: tree mirror and pool gauges."""
-    runtime.metrics.sync_tree(runtime.coordinator.tree.stats())
-    await refresh_pool_gauges(runtime)
 
 
 async def _stats(request: web.Request, runtime: Runtime) -> dict[str, Any]:
@@ -283,30 +227,3 @@ async def stats(runtime: Runtime) -> dict[str, Any]:
     }
 
 
-# ---- the periodic log line ----------------------------------------------------------------------
-
-
-def cache_summary(runtime: Runtime) -> str:
-    """One structured log line on the host cache (key=value, like the per-request line)."""
-    s = runtime.coordinator.tree.stats()
-    m = runtime.metrics
-    fallbacks = ",".join(f"{c}:{int(m.value('radix_fallbacks_total', cause=c))}" for c in FALLBACK_CAUSES)
-    dedup = s.logical_tokens / s.unique_tokens if s.unique_tokens else 0.0
-    return (f"cache terminal_nodes={s.leaves} nodes={s.nodes} host_bytes={s.bytes} budget_bytes={s.budget_bytes} "
-            f"unique_tokens={s.unique_tokens} logical_tokens={s.logical_tokens} dedup={dedup:.2f} "
-            f"saves={s.saves} loads={s.loads} evictions={s.evictions} evicted_tokens={s.evicted_tokens} "
-            f"fallbacks={fallbacks}")
-
-
-async def summary_loop(runtime: Runtime, interval_s: float = 60.0) -> None:
-    """Log ``cache_summary`` every ``interval_s`` seconds when it changed since the last line.
-
-    Run it as its own task and cancel it on shutdown (not with ``runtime.spawn``: drain()
-    waits for spawned tasks to end, and this one never does)."""
-    last = ""
-    while True:
-        await asyncio.sleep(interval_s)
-        line = cache_summary(runtime)
-        if line != last:
-            log.info("%s", line)
-            last = line

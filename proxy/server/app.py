@@ -1,30 +1,37 @@
-"""The HTTP front: OpenAI-compatible routes, steering, streaming pass-through."""
+"""The composition root: one function builds the whole proxy app from a config.
+
+``build_app`` is what ``radixctl serve``, ``radixctl up`` and the tests run. The
+application's ``cleanup_ctx`` owns every long-lived resource, in order: the HTTP client
+session, the request recorder, the runtime (servers connected and checked, coordinator,
+tokenizer) and the periodic summary line. aiohttp opens them on startup and closes them
+in reverse order on cleanup, on every path.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import logging
-import time
-from dataclasses import dataclass
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-import numpy as np
 import orjson
 from aiohttp import web
-from prometheus_client import generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client import CollectorRegistry
 
-from proxy.errors import BackendError, BadRequest, RadixError
-from proxy.server.admin import refresh_metrics
-from proxy.server.coordinator import Lease
-from proxy.server.runtime import Runtime
+from proxy.config import Config
+from proxy.errors import BackendError, ConfigError, RadixError
+from proxy.server.admin import add_admin_routes
+from proxy.server.observe import summary_loop
+from proxy.server.recorder import Recorder
+from proxy.server.routes import add_catch_all, add_routes
+from proxy.server.runtime import RUNTIME, Runtime
+from proxy.server.startup import create_runtime
 
-log = logging.getLogger("radix")
-
-_HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding"}
-_ids = itertools.count(1)
+CONFIG: web.AppKey[Config] = web.AppKey("config", Config)
+REGISTRY: web.AppKey[CollectorRegistry] = web.AppKey("registry", CollectorRegistry)
+SESSION: web.AppKey[aiohttp.ClientSession] = web.AppKey("session", aiohttp.ClientSession)
+RECORDER: web.AppKey[Recorder | None] = web.AppKey("recorder")
 
 
 def error_response(exc: RadixError) -> web.Response:
@@ -47,201 +54,71 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
         return error_response(BackendError(f"llama-server unreachable: {exc}"))
 
 
-RUNTIME: web.AppKey[Runtime] = web.AppKey("runtime", Runtime)
-
-
-def build_app(runtime: Runtime) -> web.Application:
+def build_app(config: Config, registry: CollectorRegistry | None = None) -> web.Application:
+    """The proxy as an aiohttp application; its resources open when a runner sets it up."""
     app = web.Application(middlewares=[errors_middleware], client_max_size=256 * 1024 * 1024)
-    app[RUNTIME] = runtime
-    for path in ("/v1/chat/completions", "/chat/completions"):
-        app.router.add_post(path, _chat)
-    for path in ("/v1/completions", "/completions"):
-        app.router.add_post(path, _completion)
-    app.router.add_get("/health", _health)
-    app.router.add_get("/metrics", _metrics)
-    from proxy.server.admin import add_admin_routes
-
-    add_admin_routes(app, runtime)
-    app.router.add_route("*", "/{tail:.*}", _forward_plain)
+    app[CONFIG] = config
+    app[REGISTRY] = registry if registry is not None else CollectorRegistry()
+    app.cleanup_ctx.extend([_session_ctx, _recorder_ctx, _runtime_ctx, _summary_ctx])
+    add_routes(app)
+    add_admin_routes(app)
+    add_catch_all(app)
     return app
 
 
-async def _read_json(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
+async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+                                    connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0))
+    app[SESSION] = session
     try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    recorder = request.app[RUNTIME].recorder
-    if recorder is not None:
-        recorder.record(request.path, orjson.loads(raw), request.headers.get("X-Session-Id", ""))
-    return body
-
-
-def _forward_headers(request: web.Request) -> dict[str, str]:
-    return {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
-
-
-async def _chat(request: web.Request) -> web.StreamResponse:
-    runtime = request.app[RUNTIME]
-    body = await _read_json(request)
-    if not isinstance(body.get("messages"), list) or not body["messages"]:
-        raise BadRequest("'messages' must be a non-empty array")
-    prompt = await runtime.primary.apply_template(body, _forward_headers(request))
-    tokens = await runtime.tokenize(prompt)
-    return await _steered(request, body, tokens)
-
-
-async def _completion(request: web.Request) -> web.StreamResponse:
-    runtime = request.app[RUNTIME]
-    body = await _read_json(request)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        tokens = await runtime.tokenize(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        tokens = np.asarray(prompt, dtype=np.int32)
-    else:
-        # Several prompts or mixed content: no steering, but still on a leased slot so two
-        # requests never share one; the server does its own reuse.
-        tokens = np.zeros(0, dtype=np.int32)
-    return await _steered(request, body, tokens)
-
-
-@dataclass
-class _Outcome:
-    """What the answer said, filled in as it streams so that a disconnect keeps what was seen."""
-
-    status: int = 0
-    ttft_s: float | None = None
-    timings: dict[str, Any] | None = None
-    _partial: bytes = b""
-
-    def feed_sse(self, chunk: bytes) -> None:
-        lines = (self._partial + chunk).split(b"\n")
-        self._partial = lines.pop()
-        for line in lines:
-            if line.startswith(b"data: ") and b'"timings"' in line:
-                self.timings = _timings_of(line[6:]) or self.timings
-
-
-async def _steered(request: web.Request, body: dict[str, Any], tokens: np.ndarray) -> web.StreamResponse:
-    runtime = request.app[RUNTIME]
-    coord = runtime.coordinator
-    request_id = f"r{next(_ids)}"
-    arrived = time.monotonic()
-    lease = await coord.acquire(request_id, tokens)
-    outcome = _Outcome()
-    try:
-        await coord.restore(lease, _n_predict(body))
-        if body.get("cache_prompt") is not False:
-            body["cache_prompt"] = True
-        body["id_slot"] = lease.slot.slot_id
-        return await _forward_completion(request, body, lease, arrived, outcome)
+        yield
     finally:
-        coord.record(lease, outcome.timings, outcome.ttft_s, outcome.status)
-        runtime.spawn(coord.finish(lease))
+        await session.close()
 
 
-def _n_predict(body: dict[str, Any]) -> int:
-    """Tokens the answer may add to the slot (for the free-cell headroom)."""
-    for key in ("max_completion_tokens", "max_tokens", "n_predict"):
-        value = body.get(key)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 256
-
-
-def _radix_headers(lease: Lease) -> dict[str, str]:
-    return {
-        "X-Radix-Route": lease.route,
-        "X-Radix-Server": lease.server.name,
-        "X-Radix-Slot": str(lease.slot.slot_id),
-        "X-Radix-Prompt-Tokens": str(len(lease.tokens)),
-        "X-Radix-Predicted-Cached-Tokens": str(0 if lease.fallback else lease.plan.predicted_cached),
-        "X-Request-Id": lease.request_id,
-    }
-
-
-async def _forward_completion(request: web.Request, body: dict[str, Any], lease: Lease, arrived: float,
-                              outcome: _Outcome) -> web.StreamResponse:
-    backend = lease.server.backend
-    headers = {**_forward_headers(request), "Content-Type": "application/json"}
-    async with backend.post_stream(request.path, orjson.dumps(body), headers) as up:
-        outcome.status = up.status
-        extra = _radix_headers(lease)
-        if "text/event-stream" not in up.headers.get("Content-Type", ""):
-            raw = await up.read()
-            outcome.ttft_s = time.monotonic() - arrived
-            outcome.timings = _timings_of(raw)
-            if outcome.timings is not None:
-                extra["X-Radix-Cached-Tokens"] = str(outcome.timings.get("cache_n", 0))
-            return web.Response(body=raw, status=up.status, headers=extra,
-                                content_type=up.content_type or "application/json")
-        stream = web.StreamResponse(status=up.status, headers={**extra, "Content-Type": "text/event-stream",
-                                                                "Cache-Control": "no-cache"})
-        await stream.prepare(request)
-        async for chunk in up.content.iter_any():
-            if outcome.ttft_s is None:
-                outcome.ttft_s = time.monotonic() - arrived
-            outcome.feed_sse(chunk)
-            # A client that went away raises here; leaving the block closes the upstream
-            # connection, and llama-server cancels the task when it sees that.
-            await stream.write(chunk)
-        await stream.write_eof()
-        return stream
-
-
-def _timings_of(raw: bytes) -> dict[str, Any] | None:
+async def _recorder_ctx(app: web.Application) -> AsyncIterator[None]:
+    path = app[CONFIG].record_path
+    recorder = Recorder(path) if path is not None else None
+    app[RECORDER] = recorder
     try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-    timings = data.get("timings") if isinstance(data, dict) else None
-    return timings if isinstance(timings, dict) else None
+        yield
+    finally:
+        if recorder is not None:
+            recorder.close()
 
 
-async def _health(request: web.Request) -> web.Response:
-    runtime = request.app[RUNTIME]
-    bad = []
-    for server in runtime.coordinator.servers:
-        try:
-            await server.backend.get_json("/health")
-        except (RadixError, aiohttp.ClientError) as exc:
-            bad.append(f"{server.name}: {exc}")
-    if bad:
-        return web.json_response({"status": "error", "servers": bad}, status=503)
-    return web.json_response({"status": "ok"})
+async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
+    runtime = await create_runtime(app[CONFIG], app[SESSION], app[REGISTRY], app[RECORDER])
+    app[RUNTIME] = runtime
+    try:
+        yield
+    finally:
+        await runtime.drain()
 
 
-async def _metrics(request: web.Request) -> web.Response:
-    runtime = request.app[RUNTIME]
-    await refresh_metrics(runtime)
-    return web.Response(body=generate_latest(runtime.metrics.registry),
-                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+async def _summary_ctx(app: web.Application) -> AsyncIterator[None]:
+    # Its own task, cancelled on cleanup: drain() waits for spawned tasks, and this never ends.
+    task = asyncio.get_running_loop().create_task(summary_loop(app[RUNTIME], app[CONFIG].summary_interval_s))
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
-async def _forward_plain(request: web.Request) -> web.StreamResponse:
-    """Everything else goes to the first server unchanged."""
-    runtime = request.app[RUNTIME]
-    backend = runtime.primary
-    async with backend.session.request(request.method, backend.url + request.path_qs, data=await request.read(),
-                                       headers=_forward_headers(request)) as up:
-        raw = await up.read()
-        headers = {k: v for k, v in up.headers.items() if k.lower() not in _HOP_HEADERS | {"content-encoding"}}
-        return web.Response(body=raw, status=up.status, headers=headers)
+async def start_site(app: web.Application, host: str, port: int) -> web.AppRunner:
+    """Open the app's resources and listen; the caller owns ``runner.cleanup()``."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}",
+                          fix="choose another --port, or stop what listens there") from exc
+    return runner
 
 
-def run_proxy(config: Any) -> None:
-    from proxy.server.runtime import serve_forever
-
-    asyncio.run(serve_forever(config))
-
-
-def run_up(**kw: Any) -> None:
-    from proxy.server.runtime import up_forever
-
-    up_forever(**kw)
+__all__ = ["CONFIG", "RUNTIME", "build_app", "error_response", "start_site"]

@@ -31,8 +31,8 @@ from proxy.cli.main import main as radixctl
 from proxy.config import Config
 from proxy.core.payload import blob_size
 from proxy.native.launch import ServerProcess, free_port
-from proxy.server.admin import cache_summary, refresh_metrics
 from proxy.server.metrics import FALLBACK_CAUSES, ROUTES
+from proxy.server.observe import cache_summary, refresh_metrics
 from tests.conftest import ServerFactory
 from tests.helpers import ProxyThread, Reply, get, post
 

@@ -25,8 +25,9 @@ from proxy.cli.inspect import (
 from proxy.core.payload import KvLayout, KvSegment
 from proxy.core.radix import RadixTree
 from proxy.errors import BackendError
-from proxy.server.admin import cache_summary, describe_decision
+from proxy.server.admin import describe_decision
 from proxy.server.metrics import FALLBACK_CAUSES, ROUTES, Metrics
+from proxy.server.observe import cache_summary
 
 LAYOUT = KvLayout(2, (1, 1), (8, 8), (1, 1), False, (8, 8), (0, 0), (0, 0))
 COMPAT = {"n_layer": 2, "v_trans": False, "k_types": [1, 1], "v_types": [1, 1], "k_row_bytes": [8, 8],

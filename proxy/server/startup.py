@@ -1,0 +1,132 @@
+"""Startup: connect to the servers, check them, build the coordinator, pick the tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+from prometheus_client import CollectorRegistry
+
+from proxy.config import Config
+from proxy.core.payload import KvLayout
+from proxy.core.radix import RadixTree
+from proxy.core.resident import ResidentIndex
+from proxy.errors import ConfigError, RadixError
+from proxy.server.backend import Backend
+from proxy.server.coordinator import Coordinator, ServerState, SlotState
+from proxy.server.metrics import Metrics
+from proxy.server.mover import KvMover
+from proxy.server.recorder import Recorder
+from proxy.server.runtime import Runtime
+from proxy.server.sharing import Sharing
+from proxy.tokenizer import CORPUS, PromptTokenizer, UnsupportedTokenizerError, check_parity, load_tokenizer
+
+log = logging.getLogger("radix")
+
+
+async def create_runtime(config: Config, session: aiohttp.ClientSession, registry: CollectorRegistry,
+                         recorder: Recorder | None = None) -> Runtime:
+    """Connect to every server, check them, and build the coordinator and tokenizer."""
+    names = tuple(f"s{i}" for i in range(len(config.backends)))
+    metrics = Metrics(registry, names)
+    servers = [await _connect(config, name, url, session, metrics)
+               for name, url in zip(names, config.backends, strict=True)]
+    prints = {s.mover.compat.get("fingerprint") for s in servers}
+    if len(prints) != 1:
+        raise ConfigError("the servers run different models or KV layouts",
+                          fix="put one model (and one KV type) behind one proxy")
+    tree = RadixTree(config.cache_bytes)
+    runtime = Runtime(config, session, Coordinator(config, servers, tree, metrics), metrics, recorder)
+    await _setup_tokenizer(runtime)
+    return runtime
+
+
+async def _connect(config: Config, name: str, url: str, session: aiohttp.ClientSession,
+                   metrics: Metrics) -> ServerState:
+    backend = Backend(url, session, config.kvctl_key)
+    try:
+        caps = await backend.caps()
+    except aiohttp.ClientError as exc:
+        raise ConfigError(f"cannot reach llama-server at {url}: {exc}", fix="start it, or fix --backend-url") from exc
+    except RadixError as exc:
+        raise ConfigError(f"{url} has no usable /kvctl API ({exc.message})",
+                          fix="run the patched llama-server (`radixctl build`) with --kvctl -kvu --cache-ram 0 "
+                          "-sps 0, and pass --kvctl-key if it has one") from exc
+    compat = dict(caps["compat"])
+    layout = KvLayout.from_caps(compat)
+    shm = _usable_shm(config.shm_dir, caps.get("dir"))
+    slots_info = await backend.slots(tokens=True)
+    slots = [SlotState(int(s["id"]), np.asarray(s.get("tokens", []), dtype=np.int32)
+                       if int(s.get("pos_max", -1)) + 1 == len(s.get("tokens", [])) else np.zeros(0, np.int32))
+             for s in slots_info["slots"]]
+    n_ctx_slot = int(caps.get("n_ctx_slot") or caps.get("n_ctx") or 0)
+    mover = KvMover(backend, layout, compat, shm, metrics)
+    sharing = await _sharing(config, name, backend, caps) if config.kv_share else None
+    log.info("%s: %s, %d slots, %d cells, payloads %s%s", name, url, len(slots), int(caps.get("n_cells", 0)),
+             f"via {shm}" if shm else "inline", ", resident sharing on" if sharing else "")
+    return ServerState(name, backend, mover, slots, n_ctx_slot, sharing)
+
+
+async def _sharing(config: Config, name: str, backend: Backend, caps: dict[str, Any]) -> Sharing:
+    if not caps.get("sharing"):
+        reasons = "; ".join(caps.get("reasons") or ["the server does not offer owner sequences"])
+        raise ConfigError(f"{name} cannot share resident KV: {reasons}",
+                          fix="start llama-server with --kvctl-owners N (N > 0), or use --cache-kv-share off")
+    n_cells = int(caps["n_cells"])
+    props = await backend.get_json("/props")
+    n_ubatch = int(props.get("n_ubatch") or (props.get("default_generation_settings") or {}).get("n_ubatch") or 512)
+    first, end = caps["owner_ids"]
+    index = ResidentIndex(range(int(first), int(end)), config.kv_share_max_entries)
+    budget = config.kv_share_cells or n_cells // 2
+    headroom = config.kv_share_headroom or min(n_ubatch, max(1, n_cells // 8))
+    # Owners left by an earlier proxy would hold cells nobody accounts for.
+    for owner in range(int(first), int(end)):
+        await backend.kv_post("release", {"owner": owner}, cause="release")
+    log.info("%s: resident sharing: %d entries, budget %d cells, headroom %d cells", name, index.max_entries,
+             budget, headroom)
+    return Sharing(backend, index, budget_cells=budget, headroom=headroom, min_tokens=config.kv_share_min_tokens)
+
+
+def _usable_shm(mine: Path | None, theirs: str | None) -> Path | None:
+    """Files only when proxy and server name the same directory and the proxy can write it."""
+    if not mine or not theirs:
+        return None
+    if Path(theirs).resolve() != mine.resolve():
+        log.warning("server payload dir %s differs from --shm-dir %s: using inline payloads", theirs, mine)
+        return None
+    return mine if os.access(mine, os.W_OK) else None
+
+
+async def _setup_tokenizer(runtime: Runtime) -> None:
+    """Use the local tokenizer only if it matches the server's on the built-in corpus."""
+    props = await runtime.primary.get_json("/props")
+    model_path = Path(str(props.get("model_path", "")))
+    cache = runtime.config.tokenizer_cache or Path(tempfile.gettempdir()) / "radix-tokenizers"
+    try:
+        tokenizer = PromptTokenizer(await asyncio.to_thread(load_tokenizer, model_path, cache))
+    except (OSError, ValueError, UnsupportedTokenizerError, RadixError) as exc:
+        runtime.tokenizer_note = f"server (local tokenizer unavailable: {exc})"
+        runtime.metrics.tokenizer_fallback.set(1)
+        log.warning("tokenizer: using the server's /tokenize: %s", exc)
+        return
+
+    async def remote(text: str) -> list[int]:
+        return await runtime.primary.tokenize(text, add_special=True, parse_special=True)
+
+    result = await check_parity(tokenizer, remote, CORPUS)
+    if result.ok:
+        runtime.local_tokenizer = tokenizer
+        runtime.tokenizer_note = "local"
+        runtime.metrics.tokenizer_fallback.set(0)
+        log.info("tokenizer: local tokenizer matches the server on %d corpus texts", len(CORPUS))
+    else:
+        runtime.tokenizer_note = f"server ({len(result.mismatches)} corpus mismatches)"
+        runtime.metrics.tokenizer_fallback.set(1)
+        log.warning("tokenizer: local tokenizer differs from the server on %d texts; using the server's",
+                    len(result.mismatches))
