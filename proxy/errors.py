@@ -7,6 +7,8 @@ shape (`to_body()`) without knowing which component failed.
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 
 class RadixError(Exception):
     """Base of every deliberate proxy error: an HTTP status plus a llama-server error type."""
@@ -82,8 +84,22 @@ class PayloadError(RadixError):
     err_type = "server_error"
 
 
+class FallbackCause(StrEnum):
+    """Why a KV move failed: the step that failed; the label of ``radix_fallbacks_total``."""
+
+    EXPORT = "export"
+    IMPORT = "import"
+    VERIFY = "verify"
+    COMPAT = "compat"
+    PAYLOAD = "payload"
+    TRANSPORT = "transport"
+    ATTACH = "attach"  # route S: attaching a resident prefix to a slot
+    PUBLISH = "publish"  # recording a finished prompt as a resident prefix
+    RELEASE = "release"  # freeing a resident prefix's owner sequence
+
+
 class KvMoveError(RadixError):
-    """A KV move failed; `cause` names the step ("export", "import", "verify", "compat", ...).
+    """A KV move failed; `cause` names the step.
 
     Callers clear the slot and fall back to a full prefill, so this rarely reaches a client.
     """
@@ -91,7 +107,7 @@ class KvMoveError(RadixError):
     status = 500
     err_type = "server_error"
 
-    def __init__(self, cause: str, message: str) -> None:
+    def __init__(self, cause: FallbackCause, message: str) -> None:
         super().__init__(f"kv move failed at {cause}: {message}")
         self.cause = cause
 

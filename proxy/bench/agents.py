@@ -15,8 +15,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.bench.spec import BenchRequest, Workload
 from proxy.bench.text import fill_to, prose, seeded
-from proxy.bench.workloads import BenchRequest, Workload
 
 SCENARIOS = ("finance", "maintenance", "incident")
 

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.bench.text import prose, seeded
 from proxy.core.payload import KvLayout, blob_size
+from proxy.errors import FallbackCause
 from proxy.server.backend import Backend
 from proxy.server.metrics import Metrics
 from proxy.server.mover import KvMover
@@ -39,7 +40,7 @@ class TimedBackend(Backend):
         super().__init__(*args, **kw)
         self.last_call_s = 0.0
 
-    async def kv_post(self, route: str, body: Mapping[str, Any], cause: str) -> Any:
+    async def kv_post(self, route: str, body: Mapping[str, Any], cause: FallbackCause) -> Any:
         started = time.perf_counter()
         try:
             return await super().kv_post(route, body, cause)

@@ -12,47 +12,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.bench.agents import agents
+from proxy.bench.spec import BenchRequest, Workload
 from proxy.bench.text import prose, seeded, words_for
 
 QUESTION_WORDS = 12
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    id: str
-    session: str
-    group: str  # what the report breaks figures down by
-    body: dict[str, Any]  # an OpenAI /v1/chat/completions body (the runner adds "stream")
-    after: tuple[str, ...] = ()
-    delay_s: float = 0.0
-    via: str = "front"  # "front": the arm's OpenAI URL; "server": its llama-server directly
-    meta: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    description: str
-    requests: tuple[BenchRequest, ...]
-    concurrency: int
-    params: dict[str, Any]
-
-    def __post_init__(self) -> None:
-        seen: set[str] = set()
-        for req in self.requests:
-            if req.id in seen:
-                raise ValueError(f"{self.name}: duplicate request id {req.id}")
-            missing = [d for d in req.after if d not in seen]
-            if missing:
-                raise ValueError(f"{self.name}: {req.id} waits for {missing}, which do not come before it")
-            if req.via not in ("front", "server"):
-                raise ValueError(f"{self.name}: {req.id}: via must be 'front' or 'server'")
-            seen.add(req.id)
-        if self.concurrency < 1:
-            raise ValueError("concurrency must be at least 1")
 
 
 def chat(system: str, user: str, max_tokens: int, history: list[dict[str, str]] | None = None) -> dict[str, Any]:
@@ -251,13 +217,7 @@ def fanout(trunk_tokens: int = 1000, branches: int = 4, rounds: int = 1, max_tok
                                        "max_tokens": max_tokens, "seed": seed})
 
 
-# ---- registry -----------------------------------------------------------------------------
-
-
-def _agents(**kw: Any) -> Workload:
-    from proxy.bench.agents import agents
-
-    return agents(**kw)
+# ---- registry (BenchRequest and Workload live in spec.py; imported here for callers) -----------------------------------------------------------------------------
 
 
 # Arms run when --arms is not given (nocache, legacy, proxy otherwise). Overhead compares the proxy
@@ -271,7 +231,7 @@ GENERATORS: dict[str, Callable[..., Workload]] = {
     "host-dedup": host_dedup,
     "restore": restore,
     "overhead": overhead,
-    "agents": _agents,
+    "agents": agents,
     "capacity": capacity,
     "fanout": fanout,
 }
@@ -280,10 +240,6 @@ GENERATORS: dict[str, Callable[..., Workload]] = {
 def generator_params(name: str) -> dict[str, Any]:
     """The size options a workload takes, with their defaults."""
     fn: Callable[..., Workload] = GENERATORS[name]
-    if name == "agents":
-        from proxy.bench.agents import agents
-
-        fn = agents
     return {k: p.default for k, p in inspect.signature(fn).parameters.items()}
 
 

@@ -33,12 +33,14 @@ Policy = Literal["longest", "share"]
 
 
 class Route(StrEnum):
+    """The route label of a request (metrics, headers, logs), in the order reports list them."""
+
     A = "A"
     S = "S"
     H = "H"
-    PREFILL = "prefill"
     AH = "A+H"
     SH = "S+H"
+    PREFILL = "prefill"
 
 
 @dataclass(frozen=True)

@@ -172,6 +172,15 @@ class RadixTree:
                 node.hits += 1
         return HostMatch(length, _Handle(self, path[-1] if path else self._root))
 
+    def touch(self, match: HostMatch) -> None:
+        """Count an estimate from ``match(tokens, touch=False)`` as used after all (LRU, hits)."""
+        if match.length == 0:
+            return
+        path = self._path_to(self._node_of(match))
+        self._touch(path)
+        for node in path:
+            node.hits += 1
+
     def segments(self, match: HostMatch, start: int = 0, end: int | None = None) -> list[KvSegment]:
         """Views of the KV for positions [start, end) of a match (end defaults to its length).
 

@@ -27,6 +27,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.errors import BadRequest, RadixError, Unauthorized
+from proxy.server.coordinator import Decision
 from proxy.server.metrics import DIRECTIONS, FALLBACK_CAUSES, ROUTES
 from proxy.server.observe import refresh_pool_gauges, server_json, set_resident
 from proxy.server.runtime import RUNTIME, Runtime
@@ -106,35 +107,27 @@ async def _routes(request: web.Request, runtime: Runtime) -> dict[str, Any]:
     limit = int(_query_number(request, "limit", 50, 1, 1000))
     since = _query_number(request, "since", 0, 0, float("inf"))
     after = _query_number(request, "after", -1, -1, float("inf"))
-    items = [d for d in runtime.coordinator.decisions if d["time"] >= since and d["time"] > after]
+    items = runtime.coordinator.log.since(since, after)
     return {"decisions": [await describe_decision(runtime, d) for d in items[-limit:]]}
 
 
-async def describe_decision(runtime: Runtime, decision: dict[str, Any]) -> dict[str, Any]:
-    """A decision for the API: the raw token windows replaced by the divergence as text.
+async def describe_decision(runtime: Runtime, decision: Decision) -> dict[str, Any]:
+    """A decision for the API: its flat fields, and the divergence as text.
 
-    ``diverge``: where the longest prefix any slot or the host tree held stopped matching
-    this prompt (``at``, a token position), the text just ``before`` it, how the
-    ``request`` goes on and how the best cached sequence went on (``cached``; None when
-    the host tree was longer or nothing was cached). It needs ``diverge_at``,
-    ``ctx_from``, ``request_ctx`` and ``cached_ctx`` in the decision (see
-    ``Coordinator._divergence``); without them only ``at`` is given.
+    ``diverge``: where the longest prefix any slot, resident owner or the host tree held
+    stopped matching this prompt (``at``, a token position), the text just ``before`` it,
+    how the ``request`` goes on and how the best cached sequence went on (``cached``; None
+    when the host tree was longer or nothing was cached).
     """
-    out = {k: v for k, v in decision.items() if k not in ("request_ctx", "cached_ctx", "ctx_from")}
-    at = decision.get("diverge_at")
-    if at is None:
-        at = max(int(decision.get("host_match") or 0), int(decision.get("best_slot_match") or 0))
-    diverge: dict[str, Any] = {"at": int(at), "source": decision.get("diverge_source"),
-                               "complete": int(at) >= int(decision.get("prompt_tokens", 0))}
-    req_ctx = decision.get("request_ctx")
-    if req_ctx is not None:
-        cut = int(at) - int(decision.get("ctx_from", 0))
-        diverge["before"] = await detokenize(runtime, req_ctx[:cut])
-        diverge["request"] = await detokenize(runtime, req_ctx[cut:])
-        cached_ctx = decision.get("cached_ctx")
-        diverge["cached"] = await detokenize(runtime, cached_ctx[cut:]) if cached_ctx is not None else None
-    out["diverge"] = diverge
-    return out
+    why = decision.why
+    cut = why.at - why.ctx_from
+    diverge: dict[str, Any] = {
+        "at": why.at, "source": why.source, "complete": why.at >= decision.prompt_tokens,
+        "before": await detokenize(runtime, why.request_ctx[:cut]),
+        "request": await detokenize(runtime, why.request_ctx[cut:]),
+        "cached": await detokenize(runtime, why.cached_ctx[cut:]) if why.cached_ctx is not None else None,
+    }
+    return {**decision.summary(), "diverge": diverge}
 
 
 # ---- /radix/tree -------------------------------------------------------------------------

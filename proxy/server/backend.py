@@ -11,7 +11,7 @@ import aiohttp
 import msgpack
 import orjson
 
-from proxy.errors import BackendError, KvMoveError
+from proxy.errors import BackendError, FallbackCause, KvMoveError
 
 # llama-server's HTTP library closes a kept-alive connection after a few idle seconds or
 # 100 requests; a request sent on such a connection fails before the server read it, so
@@ -85,9 +85,9 @@ class Backend:
             async with self.request("GET", f"/kvctl/{route}", params=params, headers=self._auth) as resp:
                 return await self._json(resp, f"/kvctl/{route}")
         except aiohttp.ClientError as exc:
-            raise KvMoveError("transport", f"/kvctl/{route}: {exc}") from exc
+            raise KvMoveError(FallbackCause.TRANSPORT, f"/kvctl/{route}: {exc}") from exc
 
-    async def kv_post(self, route: str, body: Mapping[str, Any], cause: str) -> Any:
+    async def kv_post(self, route: str, body: Mapping[str, Any], cause: FallbackCause) -> Any:
         """POST a /kvctl operation; a refusal becomes a KvMoveError naming ``cause``."""
         has_bytes = any(isinstance(v, bytes | bytearray | memoryview) for v in _walk(body))
         if has_bytes:
@@ -101,7 +101,7 @@ class Backend:
                 raw = await resp.read()
                 status, content_type = resp.status, resp.content_type
         except aiohttp.ClientError as exc:
-            raise KvMoveError("transport", f"/kvctl/{route}: {exc}") from exc
+            raise KvMoveError(FallbackCause.TRANSPORT, f"/kvctl/{route}: {exc}") from exc
         try:
             reply = msgpack.unpackb(raw, raw=False) if content_type == "application/msgpack" else (
                 orjson.loads(raw) if raw else {})
@@ -125,7 +125,7 @@ class Backend:
         body: dict[str, Any] = {**seq, "p0": p0, "p1": p1}
         if file:
             body["file"] = file
-        reply = dict(await self.kv_post("export", body, cause="export"))
+        reply = dict(await self.kv_post("export", body, cause=FallbackCause.EXPORT))
         if isinstance(reply.get("data"), str):
             reply["data"] = base64.b64decode(reply["data"])
         return reply

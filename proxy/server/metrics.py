@@ -7,7 +7,7 @@ Names follow the Prometheus conventions: base units (seconds, bytes), counters e
 
 Two families are not ``radix_``-prefixed because they describe the llama-server's KV pool,
 not the proxy: ``kv_cache_*_cells{server}``, read from each server's ``GET /kvctl/cells``
-when /metrics is scraped (see ``proxy.server.admin.refresh_metrics``).
+when /metrics is scraped (see ``proxy.server.observe.refresh_metrics``).
 
 The metric list, with what each means and how to read it, is in docs/observability.md.
 """
@@ -20,13 +20,15 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from proxy.core.planner import Route
 from proxy.core.radix import TreeStats
+from proxy.errors import FallbackCause
 
-ROUTES = ("A", "S", "H", "A+H", "S+H", "prefill")
+ROUTES = tuple(r.value for r in Route)
 # The reference implementation's per-path families; a mixed route (A+H, S+H) counts under
 # h, the host restore being the part that reached furthest.
-SHARE_PATHS = {"A": "a", "S": "s", "H": "h", "A+H": "h", "S+H": "h", "prefill": "prefill"}
-FALLBACK_CAUSES = ("export", "import", "verify", "compat", "payload", "transport")
+SHARE_PATHS = {Route.A: "a", Route.S: "s", Route.H: "h", Route.AH: "h", Route.SH: "h", Route.PREFILL: "prefill"}
+FALLBACK_CAUSES = tuple(c.value for c in FallbackCause)
 DIRECTIONS = ("export", "import")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.core.payload import KvLayout, KvSegment, blob_size, parse_blob, write_blob
-from proxy.errors import KvMoveError, PayloadError
+from proxy.errors import FallbackCause, KvMoveError, PayloadError
 from proxy.server.backend import Backend
 from proxy.server.metrics import Metrics
 
@@ -44,20 +44,20 @@ class KvMover:
         try:
             reply = await self.backend.export(seq, p0, p1, name)
             if reply.get("compat") not in (None, self.compat):
-                raise KvMoveError("compat", "exported payload has another compatibility key")
+                raise KvMoveError(FallbackCause.COMPAT, "exported payload has another compatibility key")
             if name is not None:
                 segment = await asyncio.to_thread(self._read_file, self._path(name))
             else:
                 segment = await asyncio.to_thread(parse_blob, reply["data"], self.layout)
         except PayloadError as exc:
-            raise KvMoveError("payload", str(exc)) from exc
+            raise KvMoveError(FallbackCause.PAYLOAD, str(exc)) from exc
         except (OSError, KeyError) as exc:
-            raise KvMoveError("transport", f"export payload unreadable: {exc}") from exc
+            raise KvMoveError(FallbackCause.TRANSPORT, f"export payload unreadable: {exc}") from exc
         finally:
             if name is not None:
                 _unlink(self._path(name))
         if (segment.p0, segment.p1) != (p0, p1):
-            raise KvMoveError("verify", f"asked for [{p0},{p1}), got [{segment.p0},{segment.p1})")
+            raise KvMoveError(FallbackCause.VERIFY, f"asked for [{p0},{p1}), got [{segment.p0},{segment.p1})")
         self.metrics.kv_move_bytes.labels("export").inc(segment.nbytes)
         self.metrics.kv_move_seconds.labels("export").inc(time.perf_counter() - started)
         return segment
@@ -68,7 +68,7 @@ class KvMover:
         p1 = len(tokens)
         n = sum(s.n for s in segments)
         if n != p1 - p0 or (segments and segments[0].p0 != p0):
-            raise KvMoveError("verify", f"segments cover {n} tokens from {segments[0].p0 if segments else p0}, "
+            raise KvMoveError(FallbackCause.VERIFY, f"segments cover {n} tokens from {segments[0].p0 if segments else p0}, "
                               f"need [{p0},{p1})")
         body: dict[str, Any] = {"slot": slot, "p0": p0, "p1": p1, "tokens": [int(t) for t in tokens],
                                 "compat": self.compat}
@@ -82,9 +82,9 @@ class KvMover:
                 buf = bytearray(size)
                 await asyncio.to_thread(write_blob, segments, buf)
                 body["segments"] = [{"data": bytes(buf)}]
-            await self.backend.kv_post("import", body, cause="import")
+            await self.backend.kv_post("import", body, cause=FallbackCause.IMPORT)
         except OSError as exc:
-            raise KvMoveError("transport", f"could not write import payload: {exc}") from exc
+            raise KvMoveError(FallbackCause.TRANSPORT, f"could not write import payload: {exc}") from exc
         finally:
             if name is not None:
                 _unlink(self._path(name))

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from proxy.core.resident import ResidentIndex
-from proxy.errors import KvMoveError
+from proxy.errors import FallbackCause, KvMoveError
 from proxy.server.backend import Backend
 
 log = logging.getLogger("radix")
@@ -37,7 +37,7 @@ class Sharing:
         return self.last_cells
 
     async def attach(self, owner_id: int, slot_id: int, m: int) -> None:
-        await self.backend.kv_post("attach", {"owner": owner_id, "slot": slot_id, "m": m}, cause="attach")
+        await self.backend.kv_post("attach", {"owner": owner_id, "slot": slot_id, "m": m}, cause=FallbackCause.ATTACH)
         self.index.attached(owner_id, slot_id, m, time.monotonic())
 
     async def record(self, slot_id: int, slot_tokens: np.ndarray, lengths: Iterable[int]) -> int:
@@ -56,7 +56,7 @@ class Sharing:
             if owner is None:
                 return added
             before = int((await self.cells())["owner"])
-            await self.backend.kv_post("publish", {"slot": slot_id, "owner": owner, "n": n}, cause="publish")
+            await self.backend.kv_post("publish", {"slot": slot_id, "owner": owner, "n": n}, cause=FallbackCause.PUBLISH)
             self.index.add(owner, slot_tokens[:n], slot_id, time.monotonic())
             added += 1
             if not await self._within_budget(owner, before):
@@ -93,7 +93,7 @@ class Sharing:
 
     async def _release(self, owner_id: int) -> None:
         try:
-            await self.backend.kv_post("release", {"owner": owner_id}, cause="release")
+            await self.backend.kv_post("release", {"owner": owner_id}, cause=FallbackCause.RELEASE)
         except KvMoveError as exc:
             log.warning("resident: release of owner %d failed: %s", owner_id, exc)
         self.index.remove(owner_id)

@@ -1,0 +1,155 @@
+"""Leases and the wait queue: which request gets which slot, and when.
+
+A request gets a slot at once when nobody is queued and a plan exists, else it waits in a
+FIFO queue that every release serves from the front. Planning and leasing are one
+synchronous step, so a slot is never given twice. A request that shares a much longer
+prefix with a request still in flight waits for it first (``_blocker``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from proxy.config import Config
+from proxy.core.planner import Plan, PlanInput, SlotView
+from proxy.core.planner import plan as choose_plan
+from proxy.core.radix import RadixTree
+from proxy.core.resident import common_prefix
+from proxy.errors import BadRequest
+from proxy.server.coordinator.decisions import divergence
+from proxy.server.coordinator.scan import PrefixScan, ServerScan, scan
+from proxy.server.coordinator.state import Lease, ServerState
+
+
+@dataclass
+class _Waiter:
+    request_id: str
+    tokens: np.ndarray
+    future: asyncio.Future[Lease]
+    since: float
+
+
+class Leases:
+    def __init__(self, config: Config, servers: list[ServerState], tree: RadixTree) -> None:
+        self.config = config
+        self.servers = servers
+        self.tree = tree
+        self._waiters: collections.deque[_Waiter] = collections.deque()
+        self.inflight: dict[str, Lease] = {}
+
+    def queued(self) -> int:
+        return sum(not w.future.done() for w in self._waiters)
+
+    async def acquire(self, request_id: str, tokens: np.ndarray) -> Lease:
+        """A leased slot and its plan; waits in a fair FIFO queue while every slot is busy."""
+        limit = min(s.n_ctx_slot for s in self.servers)
+        if len(tokens) >= limit:
+            raise BadRequest(f"the request exceeds the available context size: {len(tokens)} prompt tokens, "
+                             f"{limit} per slot")
+        found = await self._wait_for_shared_prefix(tokens)
+        if not self._waiters:
+            lease = self._plan_and_lease(request_id, found)
+            if lease is not None:
+                return lease
+        waiter = _Waiter(request_id, tokens, asyncio.get_running_loop().create_future(), time.monotonic())
+        self._waiters.append(waiter)
+        try:
+            lease = await waiter.future
+        except asyncio.CancelledError:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+            elif waiter.future.done() and not waiter.future.cancelled():
+                self.release(waiter.future.result())
+            raise
+        lease.queued_s = time.monotonic() - waiter.since
+        return lease
+
+    async def _wait_for_shared_prefix(self, tokens: np.ndarray) -> PrefixScan:
+        """Wait for a request in flight that holds a much longer prefix of this one than
+        anything available now, then reuse it instead of computing it again: a session's
+        next turn waits the few milliseconds its previous turn needs to save; and with
+        sharing on (fan-out), k requests sharing a prefix on a cold server compute it once.
+        Returns the scan of the state the wait ended in."""
+        while True:
+            found = scan(tokens, self.servers, self.tree)
+            blocker = self._blocker(found)
+            if blocker is None:
+                return found
+            await blocker.done.wait()
+
+    def _blocker(self, found: PrefixScan) -> Lease | None:
+        tokens = found.tokens
+        if len(tokens) == 0:
+            return None
+        gain = self.config.min_restore_tokens
+        best, blocker = 0, None
+        for lease in self.inflight.values():
+            if not (lease.finishing or self.config.kv_share):
+                continue
+            shared = min(common_prefix(lease.tokens, tokens), len(tokens) - 1)
+            if shared > best:
+                best, blocker = shared, lease
+        if blocker is None or best < gain:
+            return None
+        return blocker if best >= found.best_available() + gain else None
+
+    def _plan_and_lease(self, request_id: str, found: PrefixScan) -> Lease | None:
+        """Pick server, slot and route on pure data, and mark the slot busy (synchronous)."""
+        best: tuple[Plan, ServerState] | None = None
+        for sv in found.servers:
+            plan = choose_plan(self._plan_input(sv, found))
+            if plan is None:
+                continue
+            server = sv.server
+            if best is None or (plan.predicted_cached, -server.busy_count()) > (
+                    best[0].predicted_cached, -best[1].busy_count()):
+                best = (plan, server)
+        if best is None:
+            return None
+        plan, server = best
+        host = found.host
+        self.tree.touch(host)
+        slot = server.slots[plan.slot_id]
+        slot.busy = True
+        uses_host = plan.host_to > plan.host_from
+        if uses_host:
+            self.tree.pin(host)
+        lease = Lease(request_id, server, slot, plan, found.tokens, host if uses_host else None,
+                      why=divergence(found), route=plan.route)
+        if plan.owner_id is not None and server.sharing is not None:
+            server.sharing.index.pin(plan.owner_id)
+            lease.owner_pinned = True
+        self.inflight[request_id] = lease
+        return lease
+
+    def _plan_input(self, sv: ServerScan, found: PrefixScan) -> PlanInput:
+        server = sv.server
+        views = tuple(SlotView(s.slot_id, not s.busy, lcp, len(s.tokens), s.last_used)
+                      for s, lcp in zip(server.slots, sv.slot_lcp, strict=True))
+        return PlanInput(n_prompt=len(found.tokens), slots=views, host_len=found.host.length,
+                         residents=sv.residents, policy=self.config.kv_share_route,
+                         min_restore_tokens=self.config.min_restore_tokens,
+                         share_enabled=server.sharing is not None, mixed_enabled=self.config.mixed_restore)
+
+    def release(self, lease: Lease) -> None:
+        """Give the slot back and hand it to the first waiter that can use a slot now."""
+        lease.slot.busy = False
+        lease.slot.last_used = time.monotonic()
+        lease.unpin(self.tree)
+        self.inflight.pop(lease.request_id, None)
+        lease.done.set()
+        while self._waiters:
+            waiter = self._waiters[0]
+            if waiter.future.done():
+                self._waiters.popleft()
+                continue
+            granted = self._plan_and_lease(waiter.request_id, scan(waiter.tokens, self.servers, self.tree))
+            if granted is None:
+                break
+            self._waiters.popleft()
+            waiter.future.set_result(granted)

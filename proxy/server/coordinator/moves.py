@@ -1,0 +1,125 @@
+"""Executing a plan's KV moves: restore before the answer, save and share after it.
+
+Moves to one server are serialized by its ``move_lock``. State (a slot's tokens, the
+tree) is committed only after the server confirmed the move; a failed restore clears the
+slot's tokens (the server already dropped what it wrote) and the request is prefilled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+
+from proxy.config import Config
+from proxy.core.planner import Route
+from proxy.core.radix import RadixTree
+from proxy.core.resident import common_prefix
+from proxy.errors import FallbackCause, KvMoveError
+from proxy.server.coordinator.state import EMPTY, Lease
+from proxy.server.metrics import Metrics
+
+log = logging.getLogger("radix")
+
+BUSY_POLLS = 100  # a cancelled request may still be winding down: poll its slot this often
+BUSY_POLL_S = 0.02
+
+
+class KvMoves:
+    def __init__(self, config: Config, tree: RadixTree, metrics: Metrics) -> None:
+        self.config = config
+        self.tree = tree
+        self.metrics = metrics
+
+    async def restore(self, lease: Lease, n_predict: int) -> None:
+        """Do the plan's KV moves into the leased slot; on failure fall back to prefill."""
+        plan, slot, server = lease.plan, lease.slot, lease.server
+        try:
+            async with server.move_lock:
+                if server.sharing is not None:
+                    need = len(lease.tokens) - plan.predicted_cached + n_predict
+                    await server.sharing.ensure_free(need)
+                if plan.route in (Route.S, Route.SH) and server.sharing is not None and plan.owner_id is not None:
+                    await server.sharing.attach(plan.owner_id, slot.slot_id, plan.reuse_len)
+                    slot.tokens = lease.tokens[:plan.reuse_len].copy()
+                if lease.host is not None:
+                    await self._import_host(lease)
+        except KvMoveError as exc:
+            # The server removed what it wrote and cleared the slot's tokens.
+            slot.tokens = EMPTY
+            lease.fallback = exc.cause
+            lease.route = Route.PREFILL
+            self.metrics.fallbacks.labels(exc.cause).inc()
+            log.warning("restore into %s slot %d failed, prefilling: %s", server.name, slot.slot_id, exc)
+        finally:
+            lease.unpin(self.tree)
+
+    async def _import_host(self, lease: Lease) -> None:
+        assert lease.host is not None
+        # On top of the slot's verified [0,p0) (the server drops whatever it holds past p0).
+        p0, p1 = lease.plan.host_from, lease.plan.host_to
+        segments = self.tree.segments(lease.host, p0, p1)
+        await lease.server.mover.import_(lease.slot.slot_id, p0, lease.tokens[:p1].tolist(), segments)
+        lease.slot.tokens = lease.tokens[:p1].copy()
+        self.tree.record_load(p1 - p0)
+        self.metrics.tree_loads.inc()
+
+    async def save(self, lease: Lease) -> None:
+        """After the answer: learn what the slot holds, save what the tree lacks, share it.
+        A failed save loses a future hit, never an answer: it is counted, not raised."""
+        lease.finishing = True
+        try:
+            await self._refresh_slot(lease)
+            await self._save(lease)
+            await self._share(lease)
+        except Exception as exc:
+            cause = exc.cause if isinstance(exc, KvMoveError) else FallbackCause.TRANSPORT
+            self.metrics.fallbacks.labels(cause).inc()
+            log.warning("saving %s slot %d failed: %s", lease.server.name, lease.slot.slot_id, exc)
+
+    async def _refresh_slot(self, lease: Lease) -> None:
+        slot = lease.slot
+        for _ in range(BUSY_POLLS):
+            info = await lease.server.backend.slots(tokens=True)
+            entry = next(s for s in info["slots"] if int(s["id"]) == slot.slot_id)
+            if not entry.get("busy"):
+                break
+            await asyncio.sleep(BUSY_POLL_S)
+        else:
+            slot.tokens = EMPTY
+            return
+        tokens = np.asarray(entry.get("tokens", []), dtype=np.int32)
+        held = int(entry.get("pos_max", -1)) + 1
+        # Invariant 1: only tokens whose KV the sequence really holds count.
+        slot.tokens = tokens if held == len(tokens) and int(entry.get("pos_min", 0)) <= 0 else EMPTY
+
+    async def _save(self, lease: Lease) -> None:
+        tokens = lease.slot.tokens
+        match = self.tree.match(tokens)
+        if len(tokens) - match.length < max(1, self.config.min_restore_tokens // 4):
+            return
+        # Pinned so the prefix the export continues cannot be evicted while we wait.
+        self.tree.pin(match)
+        try:
+            async with lease.server.move_lock:
+                segment = await lease.server.mover.export({"slot": lease.slot.slot_id}, match.length, len(tokens))
+            stored = self.tree.insert(tokens, segment)
+        finally:
+            self.tree.unpin(match)
+        self.metrics.tree_saves.inc()
+        self.metrics.tree_saved_tokens.inc(stored)
+
+    async def _share(self, lease: Lease) -> None:
+        """Record the completed prompt, and a restored host prefix, as resident prefixes."""
+        sharing = lease.server.sharing
+        if sharing is None:
+            return
+        tokens = lease.slot.tokens
+        sharing.index.slot_changed(lease.slot.slot_id, tokens)
+        held = common_prefix(tokens, lease.tokens)
+        lengths = [n for n in (len(lease.tokens), lease.plan.host_to) if 0 < n <= held]
+        if not lengths or lease.fallback:
+            return
+        async with lease.server.move_lock:
+            await sharing.record(lease.slot.slot_id, tokens, lengths)

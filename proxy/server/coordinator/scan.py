@@ -1,0 +1,49 @@
+"""One look at everything cached that a request's tokens could reuse, computed once.
+
+The fan-out wait, the planner and the divergence report all need each slot's and each
+resident prefix's common prefix with the request, and the host tree's match. A scan is
+taken synchronously (no ``await``), so it describes one consistent state; it is taken
+again only after an ``await`` may have changed that state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from proxy.core.planner import ResidentView
+from proxy.core.radix import HostMatch, RadixTree
+from proxy.core.resident import common_prefix
+from proxy.server.coordinator.state import ServerState
+
+
+@dataclass(frozen=True)
+class ServerScan:
+    server: ServerState
+    slot_lcp: tuple[int, ...]  # per slot, in slot order: common prefix with the request
+    residents: tuple[ResidentView, ...]  # resident prefixes sharing at least one token
+
+    def best_idle(self) -> int:
+        """Longest prefix available now on this server (an idle slot or a resident prefix)."""
+        idle = [n for s, n in zip(self.server.slots, self.slot_lcp, strict=True) if not s.busy]
+        return max(idle + [r.lcp for r in self.residents], default=0)
+
+
+@dataclass(frozen=True)
+class PrefixScan:
+    tokens: np.ndarray
+    host: HostMatch  # an estimate (not yet counted as a hit): see RadixTree.touch
+    servers: tuple[ServerScan, ...]
+
+    def best_available(self) -> int:
+        return max([self.host.length] + [s.best_idle() for s in self.servers])
+
+
+def scan(tokens: np.ndarray, servers: list[ServerState], tree: RadixTree) -> PrefixScan:
+    out = []
+    for server in servers:
+        lcps = tuple(common_prefix(s.tokens, tokens) for s in server.slots)
+        residents = server.sharing.index.views(tokens) if server.sharing is not None else ()
+        out.append(ServerScan(server, lcps, residents))
+    return PrefixScan(tokens, tree.match(tokens, touch=False), tuple(out))

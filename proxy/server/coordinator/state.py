@@ -1,0 +1,71 @@
+"""What the coordinator knows: each server's slots, and each request's lease on one slot."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from proxy.core.planner import Plan, Route
+from proxy.core.radix import HostMatch, RadixTree
+from proxy.errors import FallbackCause
+from proxy.server.backend import Backend
+from proxy.server.coordinator.decisions import Divergence
+from proxy.server.mover import KvMover
+from proxy.server.sharing import Sharing
+
+EMPTY = np.zeros(0, dtype=np.int32)
+
+
+@dataclass
+class SlotState:
+    slot_id: int
+    tokens: np.ndarray = field(default_factory=lambda: EMPTY)  # exactly what its KV holds
+    busy: bool = False
+    last_used: float = 0.0
+
+
+@dataclass
+class ServerState:
+    name: str
+    backend: Backend
+    mover: KvMover
+    slots: list[SlotState]
+    n_ctx_slot: int
+    sharing: Sharing | None = None
+    move_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def busy_count(self) -> int:
+        return sum(s.busy for s in self.slots)
+
+
+@dataclass
+class Lease:
+    """One request's hold on one slot, from plan to release."""
+
+    request_id: str
+    server: ServerState
+    slot: SlotState
+    plan: Plan
+    tokens: np.ndarray
+    host: HostMatch | None  # pinned host path the plan imports from, until the restore ends
+    why: Divergence  # where cached prefixes stopped matching, at plan time
+    queued_s: float = 0.0
+    route: Route = Route.PREFILL
+    fallback: FallbackCause | None = None
+    owner_pinned: bool = False
+    finishing: bool = False  # the answer is complete; the slot is being saved
+    started: float = field(default_factory=time.monotonic)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def unpin(self, tree: RadixTree) -> None:
+        """Drop the plan's pins on the host path and the resident owner (idempotent)."""
+        if self.host is not None:
+            tree.unpin(self.host)
+            self.host = None
+        sharing = self.server.sharing
+        if self.owner_pinned and sharing is not None and self.plan.owner_id is not None:
+            sharing.index.unpin(self.plan.owner_id)
+            self.owner_pinned = False

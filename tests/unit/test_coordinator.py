@@ -1,0 +1,287 @@
+"""The coordinator on fake servers: queue fairness, cancellation, server choice, fan-out wait,
+saving after an answer, and each request's common prefixes computed once.
+
+The fakes stand in for llama-server only where these rules are decided on pure data; the
+real KV moves are covered by the integration suites against the patched server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from proxy.config import Config
+from proxy.core.payload import KvLayout, KvSegment
+from proxy.core.planner import Route
+from proxy.core.radix import RadixTree
+from proxy.errors import FallbackCause, KvMoveError
+from proxy.server.coordinator import Coordinator, Lease, ServerState, SlotState
+from proxy.server.coordinator import scan as scan_module
+from proxy.server.metrics import Metrics
+
+pytestmark = pytest.mark.unit
+
+LAYOUT = KvLayout(1, (1,), (4,), (1,), False, (4,), (0,), (0,))  # 8 bytes per token
+
+
+def rows(tokens: Sequence[int]) -> np.ndarray:
+    return np.asarray([[t % 256] * 8 for t in tokens], dtype=np.uint8).reshape(-1, 8)
+
+
+class FakeServer:
+    """What the coordinator asks a server for: slot contents, export and import of KV."""
+
+    def __init__(self, n_slots: int) -> None:
+        self.held: dict[int, list[int]] = {i: [] for i in range(n_slots)}
+        self.fail_export = False
+        self.imports: list[tuple[int, int, int]] = []
+
+    async def slots(self, tokens: bool = False) -> dict[str, Any]:
+        return {"slots": [{"id": i, "busy": False, "tokens": t, "pos_min": 0, "pos_max": len(t) - 1}
+                          for i, t in self.held.items()]}
+
+    async def export(self, seq: dict[str, int], p0: int, p1: int) -> KvSegment:
+        if self.fail_export:
+            raise KvMoveError(FallbackCause.EXPORT, "refused")
+        return KvSegment(p0, LAYOUT, rows(self.held[seq["slot"]][p0:p1]))
+
+    async def import_(self, slot: int, p0: int, tokens: Sequence[int], segments: Sequence[KvSegment]) -> None:
+        self.imports.append((slot, p0, len(tokens)))
+        self.held[slot] = list(tokens)
+
+
+def server(name: str, n_slots: int = 2, held: dict[int, list[int]] | None = None) -> ServerState:
+    fake = FakeServer(n_slots)
+    for slot_id, tokens in (held or {}).items():
+        fake.held[slot_id] = tokens
+    slots = [SlotState(i, np.asarray(fake.held[i], np.int32)) for i in range(n_slots)]
+    return ServerState(name, fake, fake, slots, n_ctx_slot=4096)  # type: ignore[arg-type]
+
+
+def coordinator(*servers: ServerState, **config: Any) -> Coordinator:
+    cfg = Config(backends=tuple(s.name for s in servers), **{"min_restore_tokens": 8, **config})
+    metrics = Metrics(CollectorRegistry(), tuple(s.name for s in servers))
+    return Coordinator(cfg, list(servers), RadixTree(1 << 24), metrics)
+
+
+def toks(start: int, n: int) -> np.ndarray:
+    return np.arange(start, start + n, dtype=np.int32)
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def check(coord: Coordinator) -> None:
+    """Invariants after every step: no slot leased twice, busy flags match the leases, tree sane."""
+    coord.tree.check_invariants()
+    leased = [(lease.server.name, lease.slot.slot_id) for lease in coord.leases.inflight.values()]
+    assert len(leased) == len(set(leased))
+    busy = [(s.name, slot.slot_id) for s in coord.servers for slot in s.slots if slot.busy]
+    assert sorted(busy) == sorted(leased)
+
+
+async def test_waiters_are_served_first_in_first_out() -> None:
+    coord = coordinator(server("s0", n_slots=2))
+    first = [await coord.acquire(f"r{i}", toks(100 * i, 20)) for i in range(2)]
+    tasks = [asyncio.create_task(coord.acquire(f"w{i}", toks(1000 + 100 * i, 20))) for i in range(3)]
+    await settle()
+    assert coord.leases.queued() == 3 and not any(t.done() for t in tasks)
+    coord.release(first[0])
+    await settle()
+    assert [t.done() for t in tasks] == [True, False, False]
+    check(coord)
+    coord.release(first[1])
+    await settle()
+    assert [t.done() for t in tasks] == [True, True, False]
+    coord.release(tasks[0].result())
+    await settle()
+    assert tasks[2].done() and tasks[2].result().request_id == "w2"
+    check(coord)
+
+
+async def test_a_newcomer_does_not_overtake_the_queue() -> None:
+    coord = coordinator(server("s0", n_slots=1))
+    held = await coord.acquire("r0", toks(0, 20))
+    queued = asyncio.create_task(coord.acquire("w0", toks(500, 20)))
+    await settle()
+    late = asyncio.create_task(coord.acquire("late", toks(900, 20)))
+    await settle()
+    coord.release(held)
+    await settle()
+    assert queued.done() and not late.done()
+    coord.release(queued.result())
+    await settle()
+    assert late.done()
+    coord.release(late.result())
+    check(coord)
+
+
+async def test_cancelled_while_queued_leaves_the_queue() -> None:
+    coord = coordinator(server("s0", n_slots=1))
+    held = await coord.acquire("r0", toks(0, 20))
+    gone = asyncio.create_task(coord.acquire("gone", toks(500, 20)))
+    stays = asyncio.create_task(coord.acquire("stays", toks(900, 20)))
+    await settle()
+    gone.cancel()
+    await settle()
+    assert coord.leases.queued() == 1
+    coord.release(held)
+    await settle()
+    assert stays.done() and stays.result().request_id == "stays"
+    check(coord)
+
+
+async def test_cancelled_after_the_grant_gives_the_slot_back() -> None:
+    coord = coordinator(server("s0", n_slots=1))
+    held = await coord.acquire("r0", toks(0, 20))
+    granted = asyncio.create_task(coord.acquire("granted", toks(500, 20)))
+    nxt = asyncio.create_task(coord.acquire("next", toks(900, 20)))
+    await settle()
+    coord.release(held)  # grants "granted" synchronously...
+    granted.cancel()  # ...which is cancelled before it runs again
+    await settle()
+    assert granted.cancelled()
+    assert nxt.done() and nxt.result().request_id == "next"
+    check(coord)
+    coord.release(nxt.result())
+    assert not any(slot.busy for slot in coord.servers[0].slots)
+
+
+async def test_the_server_holding_the_longer_prefix_wins() -> None:
+    prompt = toks(0, 120)
+    s0 = server("s0", held={0: toks(0, 40).tolist()})
+    s1 = server("s1", held={1: toks(0, 90).tolist()})
+    coord = coordinator(s0, s1)
+    lease = await coord.acquire("r", prompt)
+    assert (lease.server.name, lease.slot.slot_id, lease.route) == ("s1", 1, Route.A)
+    assert lease.plan.predicted_cached == 90
+    assert lease.why.best_slot_match == 90 and lease.why.source == "slot s1/1"
+    check(coord)
+
+
+async def test_on_a_tie_the_less_busy_server_wins() -> None:
+    coord = coordinator(server("s0"), server("s1"))
+    first = await coord.acquire("r0", toks(0, 30))
+    second = await coord.acquire("r1", toks(5000, 30))
+    assert {first.server.name, second.server.name} == {"s0", "s1"}
+    check(coord)
+
+
+async def test_a_next_turn_waits_for_the_turn_being_saved() -> None:
+    coord = coordinator(server("s0", n_slots=2))
+    turn = await coord.acquire("t1", toks(0, 200))
+    turn.finishing = True  # the answer is done; its KV is being saved
+    follow = asyncio.create_task(coord.acquire("t2", toks(0, 260)))
+    await settle()
+    assert not follow.done(), "the next turn should wait for the saving turn, not prefill elsewhere"
+    coord.release(turn)
+    await settle()
+    assert follow.done()
+    check(coord)
+
+
+async def test_an_unrelated_request_does_not_wait() -> None:
+    coord = coordinator(server("s0", n_slots=2))
+    turn = await coord.acquire("t1", toks(0, 200))
+    turn.finishing = True
+    other = await asyncio.wait_for(coord.acquire("o", toks(9000, 200)), 1)
+    assert other.slot is not turn.slot
+    check(coord)
+
+
+async def test_common_prefixes_are_computed_once_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = scan_module.common_prefix
+
+    def counting(a: np.ndarray, b: np.ndarray) -> int:
+        calls.append(1)
+        return real(a, b)
+
+    monkeypatch.setattr(scan_module, "common_prefix", counting)
+    coord = coordinator(server("s0", n_slots=4), server("s1", n_slots=4))
+    await coord.acquire("r", toks(0, 100))
+    assert len(calls) == 8  # one per slot: shared by the fan-out check, the plan and the divergence
+
+
+async def test_finish_saves_what_the_slot_holds_and_releases() -> None:
+    s0 = server("s0", n_slots=1)
+    coord = coordinator(s0)
+    lease = await coord.acquire("r", toks(0, 100))
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+    fake.held[0] = toks(0, 120).tolist()  # prompt plus answer
+    await coord.finish(lease)
+    assert coord.tree.match(toks(0, 120)).length == 120
+    assert not s0.slots[0].busy and len(s0.slots[0].tokens) == 120
+    assert lease.done.is_set()
+    check(coord)
+
+
+async def test_a_failed_save_is_counted_and_still_releases() -> None:
+    s0 = server("s0", n_slots=1)
+    coord = coordinator(s0)
+    lease = await coord.acquire("r", toks(0, 100))
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+    fake.held[0] = toks(0, 100).tolist()
+    fake.fail_export = True
+    await coord.finish(lease)
+    assert coord.tree.match(toks(0, 100)).length == 0
+    assert coord.metrics.value("radix_fallbacks_total", cause="export") == 1
+    assert not s0.slots[0].busy
+    check(coord)
+
+
+async def test_a_host_restore_imports_and_unpins() -> None:
+    s0 = server("s0", n_slots=1)
+    coord = coordinator(s0)
+    prompt = toks(0, 100)
+    coord.tree.insert(prompt, KvSegment(0, LAYOUT, rows(prompt.tolist())))
+    lease = await coord.acquire("r", np.concatenate([prompt, toks(7000, 10)]))
+    assert lease.route == Route.H and lease.host is not None
+    await coord.restore(lease, 16)
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+    assert fake.imports == [(0, 0, 100)]
+    assert lease.host is None and coord.tree.stats().pinned_nodes == 0
+    assert len(s0.slots[0].tokens) == 100
+    coord.release(lease)
+    check(coord)
+
+
+def test_decision_summary_has_the_admin_fields() -> None:
+    async def run() -> dict[str, Any]:
+        coord = coordinator(server("s0"))
+        lease: Lease = await coord.acquire("r", toks(0, 50))
+        return coord.record(lease, {"cache_n": 0, "prompt_n": 50}, 0.1, 200).summary()
+
+    summary = asyncio.run(run())
+    assert summary["route"] == "prefill" and summary["prefilled"] == 50 and summary["fallback"] is None
+    assert set(summary) >= {"time", "request_id", "server", "slot", "prompt_tokens", "predicted_cached",
+                            "cached", "ttft_s", "queued_s", "status", "host_match", "best_slot_match",
+                            "diverge_at", "diverge_source"}
+
+
+def test_describe_decision_shows_the_divergence_as_text() -> None:
+    from types import SimpleNamespace
+
+    from proxy.server.admin import describe_decision
+    from proxy.server.coordinator import Decision, Divergence
+
+    runtime: Any = SimpleNamespace(local_tokenizer=SimpleNamespace(decode=lambda ids: "".join(chr(96 + i) for i in ids)))
+    why = Divergence(host_match=4, best_slot_match=6, at=6, source="slot s0/1", ctx_from=2,
+                     request_ctx=(1, 2, 3, 4, 5, 6, 7), cached_ctx=(1, 2, 3, 4, 8, 9))
+    decision = Decision(time=0.0, request_id="r1", route=Route.A, server="s0", slot=1, prompt_tokens=15,
+                        predicted_cached=6, cached=6, prefilled=9, ttft_s=0.1, queued_s=0.0, fallback=None,
+                        status=200, why=why)
+    out = asyncio.run(describe_decision(runtime, decision))
+    assert "request_ctx" not in out and "cached_ctx" not in out
+    assert out["route"] == "A" and out["diverge_at"] == 6 and out["host_match"] == 4
+    assert out["diverge"] == {"at": 6, "source": "slot s0/1", "complete": False, "before": "abcd",
+                              "request": "efg", "cached": "hi"}
+    host = Decision(**{**decision.__dict__, "why": Divergence(4, 0, 4, "host", 0, (1, 2, 3, 4, 5), None)})
+    assert asyncio.run(describe_decision(runtime, host))["diverge"]["cached"] is None
