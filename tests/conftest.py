@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import pytest
 from proxy.native.build import BuildSpec, build_server
 from proxy.native.launch import ServerProcess, ServerSpec, free_port
 from proxy.native.model import default_model_path
+from tests.helpers import ServerFactory
 
 # Few threads per server: this suite runs on 2 cores and several servers may be up at once.
 THREADS = int(os.environ.get("RADIX_TEST_THREADS", "2"))
@@ -55,9 +56,6 @@ def shm_root() -> Iterator[Path]:
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.TemporaryDirectory(prefix="radix-test-", dir=base) as tmp:
         yield Path(tmp)
-
-
-ServerFactory = Callable[..., ServerProcess]
 
 
 @pytest.fixture(scope="session")

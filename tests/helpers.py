@@ -14,10 +14,14 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry
 
 from proxy.config import Config
+from proxy.native.launch import ServerProcess
 from proxy.server.app import RUNTIME, build_app, start_site
 from proxy.server.runtime import Runtime
 
 T = TypeVar("T")
+
+# ``start_server(binary, kvctl=True, **ServerSpec fields)`` (the fixture in conftest.py).
+ServerFactory = Callable[..., ServerProcess]
 
 # Invariant 5 of the architecture: llama.cpp's numerics depend on batch shape, so an
 # answer computed from reused KV may part from a full prefill only where the reference's

@@ -17,8 +17,7 @@ import pytest
 
 from proxy.config import Config
 from proxy.native.launch import ServerProcess, free_port
-from tests.conftest import ServerFactory
-from tests.helpers import ProxyThread, Reply, assert_same_answer, chat_body, get, post
+from tests.helpers import ProxyThread, Reply, ServerFactory, assert_same_answer, chat_body, get, post
 
 WORDS = ["river", "mountain", "signal", "ledger", "turbine", "invoice", "harbor", "sensor", "quarterly", "margin", "valve", "pressure", "audit", "forecast", "copper", "lattice", "beacon", "orchard", "glacier", "compass", "network", "battery", "inverter"]
 

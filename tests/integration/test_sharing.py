@@ -10,8 +10,7 @@ import pytest
 
 from proxy.config import Config
 from proxy.native.launch import ServerProcess, free_port
-from tests.conftest import ServerFactory
-from tests.helpers import ProxyThread, Reply, assert_same_answer, chat_body, get, post
+from tests.helpers import ProxyThread, Reply, ServerFactory, assert_same_answer, chat_body, get, post
 from tests.integration.test_proxy import convo, document
 
 

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from proxy.native.launch import ServerProcess
-from proxy.tokenizer import CHAT_TOKENIZE_FLAGS, PromptTokenizer, check_parity
+from proxy.tokenizer import CHAT_TOKENIZE_FLAGS, CORPUS, PromptTokenizer, check_parity, load_tokenizer
 
 pytestmark = pytest.mark.integration
 
@@ -173,3 +173,25 @@ async def test_chat_completion_prompt_count(llama_server: dict[str, Any], local_
             {"messages": conv, "max_tokens": 1, "temperature": 0, "cache_prompt": False},
         )
     assert out["usage"]["prompt_tokens"] == len(local_tok.encode(prompt))
+
+
+# --------------------------------------------------------------------------------------------------
+# The real default model: golden ids recorded from stock llama-server
+# (POST /tokenize, add_special=true, parse_special=true).
+# --------------------------------------------------------------------------------------------------
+GOLDEN = {
+    "<|im_start|>user\nHello 12345  world\n\n<|im_end|>": [
+        1, 4093, 198, 19556, 216, 33, 34, 35, 36, 37, 216, 905, 1116, 2,
+    ],
+}
+
+
+def test_smollm2_golden(model_path: Path, tmp_path: Path) -> None:
+    pt = PromptTokenizer(load_tokenizer(model_path, tmp_path))
+    assert pt.bos_id is None and pt.eos_id is None  # add_bos_token = false in this GGUF
+    assert len(pt.specials) == 17
+    for text, ids in GOLDEN.items():
+        assert pt.encode(text) == ids
+        assert pt.encode(text) == ids  # warm
+    for text in CORPUS:
+        assert pt.encode(text) == pt.encode_uncached(text)
