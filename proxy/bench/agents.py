@@ -12,6 +12,7 @@ review; nothing is ever executed (there is nothing to execute: it is all text).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,7 +75,7 @@ def _financials(seed: object) -> dict[str, dict[int, dict[str, float]]]:
     return out
 
 
-_RATIOS = {
+_RATIOS: dict[str, tuple[str, Callable[[dict[str, float]], float]]] = {
     "current_ratio": ("current assets / current liabilities", lambda f: f["current_assets"] / f["current_liabilities"]),
     "debt_to_equity": ("total liabilities / equity", lambda f: f["total_liabilities"] / f["equity"]),
     "gross_margin": ("(revenue - cost of goods sold) / revenue",

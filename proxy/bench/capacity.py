@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.bench.runner import RequestResult
-from proxy.bench.workloads import Workload
+from proxy.bench.spec import Workload
 
 DEFAULT_STEP = 64
 DEFAULT_UPPER_FACTOR = 4.0

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import orjson
@@ -32,6 +31,7 @@ CONFIG: web.AppKey[Config] = web.AppKey("config", Config)
 REGISTRY: web.AppKey[CollectorRegistry] = web.AppKey("registry", CollectorRegistry)
 SESSION: web.AppKey[aiohttp.ClientSession] = web.AppKey("session", aiohttp.ClientSession)
 RECORDER: web.AppKey[Recorder | None] = web.AppKey("recorder")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def error_response(exc: RadixError) -> web.Response:
@@ -40,7 +40,7 @@ def error_response(exc: RadixError) -> web.Response:
 
 
 @web.middleware
-async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except RadixError as exc:

@@ -395,7 +395,7 @@ def _gguf_metadata_end(buf: mmap.mmap | bytes) -> int:
 
     def skip_value(off: int, vtype: int) -> int:
         if vtype == _GGUF_STRING:
-            return off + 8 + u64.unpack_from(buf, off)[0]
+            return off + 8 + int(u64.unpack_from(buf, off)[0])
         if vtype == _GGUF_ARRAY:
             (itype,) = u32.unpack_from(buf, off)
             (count,) = u64.unpack_from(buf, off + 4)
@@ -405,7 +405,7 @@ def _gguf_metadata_end(buf: mmap.mmap | bytes) -> int:
                     off += 8 + u64.unpack_from(buf, off)[0]
                 return off
             if itype in _GGUF_SCALAR_SIZES:
-                return off + count * _GGUF_SCALAR_SIZES[itype]
+                return off + int(count) * _GGUF_SCALAR_SIZES[itype]
             for _ in range(count):
                 off = skip_value(off, itype)
             return off

@@ -24,7 +24,7 @@ WORDS = ["river", "mountain", "signal", "ledger", "turbine", "invoice", "harbor"
 
 def document(seed: int, n_words: int = 260) -> str:
     rng = random.Random(seed)
-    sentences = []
+    sentences: list[str] = []
     while sum(len(s.split()) for s in sentences) < n_words:
         sentences.append(" ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 14))).capitalize() + ".")
     return " ".join(sentences)
@@ -120,7 +120,7 @@ def test_restored_kv_is_byte_identical_to_saved(proxy: ProxyThread) -> None:
             live = await server.mover.export({"slot": slot}, 0, cached)
         return bool(np.array_equal(saved, live.data))
 
-    assert proxy.run(compare(proxy.server.runtime))
+    assert proxy.run(compare(proxy.runtime))
 
 
 def test_multi_turn_chat_reuses_the_slot(proxy: ProxyThread, stock_server: ServerProcess) -> None:

@@ -26,8 +26,9 @@ from proxy.bench.runner import (
     write_manifest,
     write_results,
 )
+from proxy.bench.spec import BenchRequest, Workload
 from proxy.bench.text import approx_tokens, prose, seeded, word_prefix, words_for
-from proxy.bench.workloads import BenchRequest, Workload, make_workload, prompt_words
+from proxy.bench.workloads import make_workload, prompt_words
 from proxy.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -429,7 +430,12 @@ def test_search_smallest_finds_the_threshold_in_log_steps(threshold: int) -> Non
 
 def test_search_smallest_none_when_the_top_fails() -> None:
     calls: list[int] = []
-    assert cap.search_smallest([64, 128, 192], lambda c: calls.append(c) is not None) is None
+
+    def fails(c: int) -> bool:
+        calls.append(c)
+        return False
+
+    assert cap.search_smallest([64, 128, 192], fails) is None
     assert calls == [192]
     assert cap.search_smallest([], lambda c: True) is None
 
