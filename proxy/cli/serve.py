@@ -15,6 +15,25 @@ from typing import Any
 import click
 
 from proxy.cli.common import fail_cleanly
+from proxy.cli.options import (
+    BUILD_BACKENDS,
+    admin_key_option,
+    cache_ram_option,
+    host_option,
+    kv_share_cells_option,
+    kv_share_headroom_option,
+    kv_share_max_entries_option,
+    kv_share_min_tokens_option,
+    kv_share_option,
+    kv_share_route_option,
+    kvctl_key_option,
+    log_level_option,
+    min_restore_tokens_option,
+    model_option,
+    port_option,
+    record_option,
+    shm_dir_option,
+)
 from proxy.config import Config
 from proxy.native.build import BuildSpec, build_server
 from proxy.native.fetch import cache_root, say
@@ -24,45 +43,6 @@ from proxy.server.app import RUNTIME, build_app, start_site
 from proxy.server.runtime import Runtime
 
 
-def _proxy_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    options = [
-        click.option("--host", default="127.0.0.1", show_default=True, envvar="RADIX_HOST",
-                     help="Address the proxy listens on."),
-        click.option("--port", default=8080, show_default=True, envvar="RADIX_PORT", help="Proxy port."),
-        click.option("--cache-ram", "cache_ram_mib", default=4096, show_default=True, envvar="RADIX_CACHE_RAM",
-                     help="Host radix tree budget in MiB (payload plus metadata)."),
-        click.option("--shm-dir", type=click.Path(file_okay=False, path_type=Path), envvar="RADIX_SHM_DIR",
-                     help="Shared-memory directory for KV payload files (same host as the server)."),
-        click.option("--min-restore-tokens", default=64, show_default=True, envvar="RADIX_MIN_RESTORE_TOKENS",
-                     help="A host restore shorter than this is prefilled instead."),
-        click.option("--kvctl-key", envvar="RADIX_KVCTL_KEY", help="Key for the servers' /kvctl API."),
-        click.option("--cache-kv-share", "kv_share", type=click.Choice(["on", "off"]), default="off",
-                     show_default=True, envvar="RADIX_CACHE_KV_SHARE", callback=lambda c, p, v: v == "on",
-                     help="Resident KV sharing (route S): prefixes held once in the server's pool."),
-        click.option("--cache-kv-share-min-tokens", "kv_share_min_tokens", default=32, show_default=True,
-                     envvar="RADIX_CACHE_KV_SHARE_MIN_TOKENS", help="Shortest prefix recorded or attached."),
-        click.option("--cache-kv-share-max-entries", "kv_share_max_entries", default=0, show_default=True,
-                     envvar="RADIX_CACHE_KV_SHARE_MAX_ENTRIES", help="Resident entries (0: min(64, owner ids))."),
-        click.option("--cache-kv-share-cells", "kv_share_cells", default=0, show_default=True,
-                     envvar="RADIX_CACHE_KV_SHARE_CELLS", help="Owner cell budget B (0: half the pool)."),
-        click.option("--cache-kv-share-headroom", "kv_share_headroom", default=0, show_default=True,
-                     envvar="RADIX_CACHE_KV_SHARE_HEADROOM",
-                     help="Free cells R kept for requests (0: min(n_ubatch, max(1, pool/8)))."),
-        click.option("--cache-kv-share-route", "kv_share_route", type=click.Choice(["longest", "share"]),
-                     default="longest", show_default=True, envvar="RADIX_CACHE_KV_SHARE_ROUTE",
-                     help="longest: longest executable prefix (ties A > S > H); share: A or S first."),
-        click.option("--admin-key", envvar="RADIX_ADMIN_KEY", help="Key for the proxy's /radix admin API."),
-        click.option("--record", "record_path", type=click.Path(dir_okay=False, path_type=Path),
-                     envvar="RADIX_RECORD",
-                     help="Append every completion request to this manifest (replay: radixctl bench replay)."),
-        click.option("--log-level", default="info", show_default=True, envvar="RADIX_LOG_LEVEL",
-                     type=click.Choice(["debug", "info", "warning", "error"])),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
-
-
 def _config(backends: tuple[str, ...], **kw: Any) -> Config:
     return Config(backends=backends, tokenizer_cache=cache_root() / "tokenizers", **kw)
 
@@ -70,7 +50,21 @@ def _config(backends: tuple[str, ...], **kw: Any) -> Config:
 @click.command()
 @click.option("--backend-url", "backends", multiple=True, required=True, envvar="RADIX_BACKENDS",
               help="Patched llama-server base URL (repeatable; env: space-separated).")
-@_proxy_options
+@host_option
+@port_option
+@cache_ram_option
+@shm_dir_option
+@min_restore_tokens_option
+@kvctl_key_option
+@kv_share_option
+@kv_share_min_tokens_option
+@kv_share_max_entries_option
+@kv_share_cells_option
+@kv_share_headroom_option
+@kv_share_route_option
+@admin_key_option
+@record_option
+@log_level_option
 @fail_cleanly
 def serve(backends: tuple[str, ...], **kw: Any) -> None:
     """Run the proxy in front of already running patched llama-servers."""
@@ -78,18 +72,31 @@ def serve(backends: tuple[str, ...], **kw: Any) -> None:
 
 
 @click.command()
-@click.option("--model", "-m", "model_arg", default=None, envvar="RADIX_MODEL",
-              help="GGUF path (default: SmolLM2-135M-Instruct from its wheel).")
+@model_option
 @click.option("--server-port", type=int, default=0, envvar="RADIX_SERVER_PORT",
               help="llama-server port (0: a free one).")
 @click.option("--parallel", "-np", "n_parallel", default=4, show_default=True, envvar="RADIX_PARALLEL")
 @click.option("--ctx-size", "-c", default=16384, show_default=True, envvar="RADIX_CTX_SIZE",
               help="Total KV pool in tokens (shared by all slots).")
 @click.option("--threads", "-t", type=int, default=None, envvar="RADIX_THREADS")
-@click.option("--build-backend", type=click.Choice(["cpu", "cuda", "cann", "metal", "vulkan"]), default="cpu",
-              show_default=True, envvar="RADIX_BUILD_BACKEND")
+@click.option("--build-backend", type=click.Choice(BUILD_BACKENDS), default="cpu", show_default=True,
+              envvar="RADIX_BUILD_BACKEND")
 @click.option("--server-arg", "server_args", multiple=True, help="Extra llama-server argument (repeatable).")
-@_proxy_options
+@host_option
+@port_option
+@cache_ram_option
+@shm_dir_option
+@min_restore_tokens_option
+@kvctl_key_option
+@kv_share_option
+@kv_share_min_tokens_option
+@kv_share_max_entries_option
+@kv_share_cells_option
+@kv_share_headroom_option
+@kv_share_route_option
+@admin_key_option
+@record_option
+@log_level_option
 @fail_cleanly
 def up(model_arg: str | None, server_port: int, n_parallel: int, ctx_size: int, threads: int | None,
        build_backend: str, server_args: tuple[str, ...], **kw: Any) -> None:
@@ -153,7 +160,3 @@ def _default_shm_dir(port: int) -> Path:
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     return base / f"radix-{os.getuid()}-{port}"
 
-
-def register(main: click.Group) -> None:
-    main.add_command(serve)
-    main.add_command(up)

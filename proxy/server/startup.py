@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import tempfile
@@ -25,7 +24,7 @@ from proxy.server.mover import KvMover
 from proxy.server.recorder import Recorder
 from proxy.server.runtime import Runtime
 from proxy.server.sharing import Sharing
-from proxy.tokenizer import CORPUS, PromptTokenizer, UnsupportedTokenizerError, check_parity, load_tokenizer
+from proxy.tokenizer import CORPUS, probe
 
 log = logging.getLogger("radix")
 
@@ -108,25 +107,18 @@ async def _setup_tokenizer(runtime: Runtime) -> None:
     props = await runtime.primary.get_json("/props")
     model_path = Path(str(props.get("model_path", "")))
     cache = runtime.config.tokenizer_cache or Path(tempfile.gettempdir()) / "radix-tokenizers"
-    try:
-        tokenizer = PromptTokenizer(await asyncio.to_thread(load_tokenizer, model_path, cache))
-    except (OSError, ValueError, UnsupportedTokenizerError, RadixError) as exc:
-        runtime.tokenizer_note = f"server (local tokenizer unavailable: {exc})"
-        runtime.metrics.tokenizer_fallback.set(1)
-        log.warning("tokenizer: using the server's /tokenize: %s", exc)
-        return
 
     async def remote(text: str) -> list[int]:
         return await runtime.primary.tokenize(text, add_special=True, parse_special=True)
 
-    result = await check_parity(tokenizer, remote, CORPUS)
-    if result.ok:
-        runtime.local_tokenizer = tokenizer
-        runtime.tokenizer_note = "local"
-        runtime.metrics.tokenizer_fallback.set(0)
+    result = await probe(model_path, cache, remote)
+    runtime.tokenizer_note = result.note
+    runtime.metrics.tokenizer_fallback.set(0 if result.tokenizer is not None else 1)
+    if result.tokenizer is not None:
+        runtime.local_tokenizer = result.tokenizer
         log.info("tokenizer: local tokenizer matches the server on %d corpus texts", len(CORPUS))
+    elif result.parity is None:
+        log.warning("tokenizer: using the server's /tokenize: %s", result.error)
     else:
-        runtime.tokenizer_note = f"server ({len(result.mismatches)} corpus mismatches)"
-        runtime.metrics.tokenizer_fallback.set(1)
         log.warning("tokenizer: local tokenizer differs from the server on %d texts; using the server's",
-                    len(result.mismatches))
+                    result.mismatches)

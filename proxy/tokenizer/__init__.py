@@ -50,7 +50,7 @@ from __future__ import annotations
 
 # Names other modules and tests import: the ``X as X`` form marks a re-export outside ``__all__``.
 from proxy.tokenizer.errors import UnsupportedTokenizerError
-from proxy.tokenizer.parity import CORPUS, ParityMismatch, ParityResult, check_parity
+from proxy.tokenizer.parity import CORPUS, ParityMismatch, ParityResult, ProbeResult, check_parity, probe
 from proxy.tokenizer.prompt import CHAT_TOKENIZE_FLAGS, PromptTokenizer, split_special
 from proxy.tokenizer.prompt import CacheStats as CacheStats
 from proxy.tokenizer.prompt import SpecialToken as SpecialToken
@@ -75,6 +75,7 @@ __all__ = [
     "CORPUS",
     "ParityMismatch",
     "ParityResult",
+    "ProbeResult",
     "PromptTokenizer",
     "UnsupportedTokenizerError",
     "build_hf_tokenizer",
@@ -82,6 +83,7 @@ __all__ = [
     "check_parity",
     "gguf_cache_key",
     "load_tokenizer",
+    "probe",
     "split_special",
     "supported_pre_types",
 ]

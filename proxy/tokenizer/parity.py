@@ -1,16 +1,23 @@
-"""Parity check of :class:`PromptTokenizer` against the server's ``/tokenize``."""
+"""Parity check of :class:`PromptTokenizer` against the server's ``/tokenize``, and :func:`probe`,
+which loads the local tokenizer and keeps it only when parity holds."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from proxy.tokenizer.errors import UnsupportedTokenizerError
 from proxy.tokenizer.prompt import PromptTokenizer
+from proxy.tokenizer.vocab import load_tokenizer
 
-__all__ = ["CORPUS", "ParityMismatch", "ParityResult", "check_parity"]
+__all__ = ["CORPUS", "ParityMismatch", "ParityResult", "ProbeResult", "check_parity", "probe"]
+
+#: The server's ``POST /tokenize`` with :data:`CHAT_TOKENIZE_FLAGS` (add_special, parse_special).
+RemoteTokenize = Callable[[str], Awaitable[list[int]]]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -139,7 +146,7 @@ def _mismatch(text: str, local: list[int], remote: list[int]) -> ParityMismatch:
 
 async def check_parity(
     local: PromptTokenizer,
-    remote_tokenize: Callable[[str], Awaitable[list[int]]],
+    remote_tokenize: RemoteTokenize,
     corpus: Iterable[str] = CORPUS,
     *,
     include_probes: bool = True,
@@ -178,3 +185,47 @@ async def check_parity(
             if len(res.mismatches) < max_mismatches:
                 res.mismatches.append(_mismatch(t, loc, rem))
     return res
+
+
+# --------------------------------------------------------------------------------------------------
+# The probe: the proxy at startup and `radixctl doctor` decide the same way
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What :func:`probe` found: the tokenizer to use locally (None: use the server's), and why."""
+
+    tokenizer: PromptTokenizer | None
+    error: str = ""  # why no local tokenizer could be built ("" when one was)
+    parity: ParityResult | None = None  # None when there was no local tokenizer to compare
+
+    @property
+    def mismatches(self) -> int:
+        """Corpus texts tokenized differently (at most ``check_parity``'s ``max_mismatches``)."""
+        return len(self.parity.mismatches) if self.parity else 0
+
+    @property
+    def note(self) -> str:
+        """One line for /radix/stats and `radixctl up`: ``local``, or ``server (why)``."""
+        if self.tokenizer is not None:
+            return "local"
+        if self.parity is None:
+            return f"server (local tokenizer unavailable: {self.error})"
+        return f"server ({self.mismatches} corpus mismatches)"
+
+
+async def probe(model_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str],
+                remote: RemoteTokenize) -> ProbeResult:
+    """Build the local tokenizer of the GGUF at ``model_path`` and keep it only if it tokenizes
+    :data:`CORPUS` (plus every special token text) exactly as ``remote`` does.
+
+    Never raises for a model it cannot read or reproduce: the caller then tokenizes through the
+    server, which is slower but always right.
+    """
+    try:
+        tokenizer = PromptTokenizer(await asyncio.to_thread(load_tokenizer, model_path, cache_dir))
+    except (OSError, ValueError, UnsupportedTokenizerError) as exc:
+        return ProbeResult(None, error=str(exc))
+    parity = await check_parity(tokenizer, remote, CORPUS)
+    return ProbeResult(tokenizer if parity.ok else None, parity=parity)

