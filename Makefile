@@ -45,3 +45,11 @@ test: lint native model
 
 clean-cache:
 	rm -rf $${RADIX_CACHE_DIR:-$$HOME/.cache/llama-radix-proxy}
+
+# Not part of `make test`: the install, build, model fetch and unit tests on Debian 12
+# (python3 3.11.2, the oldest supported) and Debian 13 (3.13) in containers made with
+# debootstrap. About 25 min on 2 cores; QUICK=1 skips the llama.cpp compile (a few min).
+# Prints a "skip:" line and succeeds where no container engine is reachable.
+.PHONY: portability
+portability:
+	QUICK=$(QUICK) deploy/portability/check.sh $(SUITES)

@@ -80,18 +80,36 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
+PATCH_SUBDIR = Path("native") / "llama-server-patch" / "patches"
+
+
 def patch_dir() -> Path:
+    """``$RADIX_PATCH_DIR``, else the series of the checkout this package runs from (editable
+    install) or, after ``pip install .`` from a checkout (deploy/Dockerfile), of the current
+    directory's checkout."""
     env = os.environ.get("RADIX_PATCH_DIR")
-    return Path(env) if env else repo_root() / "native" / "llama-server-patch" / "patches"
+    if env:
+        return Path(env)
+    candidates = [repo_root() / PATCH_SUBDIR, Path.cwd() / PATCH_SUBDIR]
+    return next((c for c in candidates if c.is_dir()), candidates[0])
 
 
 def patch_files() -> list[Path]:
     return sorted(patch_dir().glob("*.patch"))
 
 
+def _series() -> list[Path]:
+    """The series for a patched build; never empty, so it can not silently be a stock one."""
+    found = patch_files()
+    if not found:
+        raise BuildError(f"no llama-server patch series in {patch_dir()}",
+                         fix=f"run from the project checkout, or set RADIX_PATCH_DIR to its {PATCH_SUBDIR}")
+    return found
+
+
 def build_server(spec: BuildSpec) -> Path:
     """Return the path of a ``llama-server`` for ``spec``, building it if it is not cached."""
-    patches = patch_files() if spec.variant == "patched" else []
+    patches = _series() if spec.variant == "patched" else []
     out_dir = cache_root() / "bin" / f"{spec.variant}-{spec.backend}-{_key(spec, patches)[:16]}"
     binary = out_dir / "llama-server"
     if binary.exists():
