@@ -34,6 +34,15 @@ class Config:
     record_path: Path | None = None
     # The periodic cache summary log line (logged only when it changed).
     summary_interval_s: float = 60.0
+    # Largest request body accepted, MiB (aiohttp's client_max_size).
+    max_body_mib: int = 8
+    # Where a request's cache-isolation key comes from: "field" (body "cache_salt"),
+    # "header" (X-Cache-Salt), "api-key" (Authorization: Bearer). Empty: no isolation.
+    cache_isolation: tuple[str, ...] = ("field", "header", "api-key")
+    # Tell clients how much of their prompt was cached (X-Radix-* headers, timings).
+    cache_info: bool = True
+    # Prompt text (previews, divergence) in /radix admin answers; token counts only when off.
+    admin_show_text: bool = False
 
     @property
     def cache_bytes(self) -> int:

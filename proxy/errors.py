@@ -44,6 +44,20 @@ class Unauthorized(RadixError):
     err_type = "authentication_error"
 
 
+class TooLarge(RadixError):
+    """The request body is larger than the proxy accepts (--max-body)."""
+
+    status = 413
+    err_type = "invalid_request_error"
+
+
+class Forbidden(RadixError):
+    """The caller may not use this endpoint from where it is."""
+
+    status = 403
+    err_type = "permission_error"
+
+
 class NotFound(RadixError):
     """Unknown route, model, slot or owner."""
 
@@ -96,6 +110,7 @@ class FallbackCause(StrEnum):
     ATTACH = "attach"  # route S: attaching a resident prefix to a slot
     PUBLISH = "publish"  # recording a finished prompt as a resident prefix
     RELEASE = "release"  # freeing a resident prefix's owner sequence
+    ERASE = "erase"  # clearing a slot that holds another cache-isolation key's KV
 
 
 class KvMoveError(RadixError):

@@ -132,6 +132,9 @@ class ProxyThread:
         self.run(self.runtime.drain())
 
     def stop(self) -> None:
+        """Close the app and its loop (a second call does nothing)."""
+        if not self._thread.is_alive():
+            return
         if self._runner is not None:
             self.run(self._runner.cleanup())
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -77,6 +77,37 @@ record_option = click.option(
     "--record", "record_path", type=click.Path(dir_okay=False, path_type=Path), envvar="RADIX_RECORD",
     help="Append every completion request to this manifest (replay: radixctl bench replay).",
 )
+max_body_option = click.option(
+    "--max-body", "max_body_mib", default=8, show_default=True, envvar="RADIX_MAX_BODY",
+    type=click.IntRange(1, 1024), help="Largest request body in MiB (larger ones get 413).",
+)
+
+
+def _isolation_sources(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
+    sources = tuple(s.strip() for s in value.split(",") if s.strip() and s.strip() != "none")
+    unknown = [s for s in sources if s not in ("field", "header", "api-key")]
+    if unknown:
+        raise click.BadParameter(f"unknown source {unknown[0]!r}: use field, header, api-key or none")
+    return sources
+
+
+cache_isolation_option = click.option(
+    "--cache-isolation", "cache_isolation", default="field,header,api-key", show_default=True,
+    envvar="RADIX_CACHE_ISOLATION", callback=_isolation_sources,
+    help="Where a request's cache-isolation key comes from (comma list): field (body cache_salt), header "
+         "(X-Cache-Salt), api-key (Authorization: Bearer); none: one cache for all. Requests with different "
+         "keys never reuse each other's KV.",
+)
+cache_info_option = click.option(
+    "--cache-info", "cache_info", type=click.Choice(["on", "off"]), default="on", show_default=True,
+    envvar="RADIX_CACHE_INFO", callback=_on_off,
+    help="Tell clients how much of their prompt was cached (X-Radix-* headers, timings). Turn off when "
+         "clients do not trust each other: it is an exact oracle for other tenants' prompts.",
+)
+admin_show_text_option = click.option(
+    "--admin-show-text", is_flag=True, envvar="RADIX_ADMIN_SHOW_TEXT",
+    help="Show prompt text (previews, divergences) in the /radix admin API; token counts only otherwise.",
+)
 log_level_option = click.option(
     "--log-level", default="info", show_default=True, envvar="RADIX_LOG_LEVEL",
     type=click.Choice(["debug", "info", "warning", "error"]),

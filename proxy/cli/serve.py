@@ -18,6 +18,9 @@ from proxy.cli.common import fail_cleanly
 from proxy.cli.options import (
     BUILD_BACKENDS,
     admin_key_option,
+    admin_show_text_option,
+    cache_info_option,
+    cache_isolation_option,
     cache_ram_option,
     host_option,
     kv_share_cells_option,
@@ -28,6 +31,7 @@ from proxy.cli.options import (
     kv_share_route_option,
     kvctl_key_option,
     log_level_option,
+    max_body_option,
     min_restore_tokens_option,
     model_option,
     port_option,
@@ -63,6 +67,10 @@ def _config(backends: tuple[str, ...], **kw: Any) -> Config:
 @kv_share_headroom_option
 @kv_share_route_option
 @admin_key_option
+@admin_show_text_option
+@cache_isolation_option
+@cache_info_option
+@max_body_option
 @record_option
 @log_level_option
 @fail_cleanly
@@ -95,6 +103,10 @@ def serve(backends: tuple[str, ...], **kw: Any) -> None:
 @kv_share_headroom_option
 @kv_share_route_option
 @admin_key_option
+@admin_show_text_option
+@cache_isolation_option
+@cache_info_option
+@max_body_option
 @record_option
 @log_level_option
 @fail_cleanly

@@ -13,6 +13,10 @@ Eviction: unpinned leaves, least recently used first (a clock ticks on every mat
 insert and stamps the whole path, so a parent is never older than its children). A
 lazy heap holds candidate leaves; stale entries are skipped when popped.
 
+Namespaces: every prefix lives under a namespace (a cache-isolation key, "" by default),
+each with its own root. A match never crosses namespaces, so requests with different keys
+never reuse each other's KV; eviction and the byte budget are shared by all of them.
+
 Pure: numpy only. Not thread-safe: the proxy calls it from one event loop.
 """
 
@@ -72,7 +76,7 @@ class PrefixInfo:
 
 class _Node:
     __slots__ = ("uid", "parent", "tokens", "start", "segment", "children", "pins", "own_pins",
-                 "last_used", "hits", "alive")
+                 "last_used", "hits", "alive", "ns")
 
     def __init__(self, uid: int, parent: _Node | None, tokens: np.ndarray, start: int,
                  segment: KvSegment | None, clock: int) -> None:
@@ -87,6 +91,7 @@ class _Node:
         self.last_used = clock
         self.hits = 0
         self.alive = True
+        self.ns = ""  # the namespace, on roots (parent None)
 
     @property
     def end(self) -> int:
@@ -148,7 +153,7 @@ class RadixTree:
         self.layout = layout  # set by the first insert when None; one tree per compat key
         self._uid = 0
         self._clock = 0
-        self._root = self._new_node(None, np.empty(0, np.int32), 0, None)
+        self._roots: dict[str, _Node] = {"": self._new_root("")}
         self._heap: list[tuple[int, int, _Node]] = []  # (last_used, uid, leaf), lazily pruned
         # Counters kept next to the links they count; check_invariants() recomputes them.
         self._nodes = 0
@@ -162,15 +167,16 @@ class RadixTree:
 
     # ------------------------------------------------------------ lookups
 
-    def match(self, tokens: Tokens, touch: bool = True) -> HostMatch:
-        """Longest prefix of `tokens` with KV in the tree. `touch` marks the path used
-        (LRU) and counts a hit on each of its nodes; pass False for a mere estimate."""
-        path, length = self._walk(as_tokens(tokens))
+    def match(self, tokens: Tokens, touch: bool = True, ns: str = "") -> HostMatch:
+        """Longest prefix of `tokens` with KV in the tree, in namespace `ns`. `touch` marks
+        the path used (LRU) and counts a hit on each of its nodes; pass False for a mere
+        estimate."""
+        path, length = self._walk(as_tokens(tokens), ns)
         if touch and path:
             self._touch(path)
             for node in path:
                 node.hits += 1
-        return HostMatch(length, _Handle(self, path[-1] if path else self._root))
+        return HostMatch(length, _Handle(self, path[-1] if path else self._roots[""]))
 
     def touch(self, match: HostMatch) -> None:
         """Count an estimate from ``match(tokens, touch=False)`` as used after all (LRU, hits)."""
@@ -217,7 +223,7 @@ class RadixTree:
 
     # ------------------------------------------------------------ updates
 
-    def insert(self, tokens: Tokens, segment: KvSegment) -> int:
+    def insert(self, tokens: Tokens, segment: KvSegment, ns: str = "") -> int:
         """Store the KV of `tokens` that the tree lacks; return how many tokens were stored.
 
         `segment` covers [segment.p0, len(tokens)) with segment.p0 <= the current match
@@ -229,13 +235,13 @@ class RadixTree:
         self._check_layout(segment.layout)
         if segment.p1 != len(q):
             raise ValueError(f"segment ends at {segment.p1}, tokens at {len(q)}")
-        path, length = self._walk(q)
+        path, length = self._walk(q, ns)
         if segment.p0 > length:
             raise ValueError(f"segment starts at {segment.p0} but the tree holds only [0,{length})")
         self._touch(path)
         if length == len(q):
             return 0
-        deepest = path[-1] if path else self._root
+        deepest = path[-1] if path else self._roots.get(ns) or self._add_root(ns)
         # Pin the path while making room so eviction cannot take what we extend.
         self._add_pins(deepest, 1)
         try:
@@ -248,7 +254,7 @@ class RadixTree:
         return stored
 
     def _store(self, deepest: _Node, length: int, q: np.ndarray, segment: KvSegment) -> int:
-        split = deepest is not self._root and length < deepest.end
+        split = deepest.parent is not None and length < deepest.end
         extra = NODE_OVERHEAD_BYTES if split else 0
         per_token = segment.layout.bytes_per_token + TOKEN_OVERHEAD_BYTES
         n_new = len(q) - length
@@ -282,14 +288,12 @@ class RadixTree:
     def clear(self, layout: KvLayout | None = None) -> None:
         """Drop everything (e.g. the model changed). Outstanding handles become stale."""
         self.layout = layout
-        stack = list(self._root.children.values())
-        while stack:
-            node = stack.pop()
+        for node in self._iter_nodes():
             node.alive = False
             node.segment = None  # stale handles must not keep KV alive
-            stack.extend(node.children.values())
-        self._root.children.clear()
-        self._root.pins = self._root.own_pins = 0
+        for root in self._roots.values():
+            root.alive = False
+        self._roots = {"": self._new_root("")}
         self._heap.clear()
         self._nodes = self._leaves = self._unique = self._logical = self._bytes = 0
 
@@ -318,14 +322,26 @@ class RadixTree:
 
     # ------------------------------------------------------------ internals
 
+    def _new_root(self, ns: str) -> _Node:
+        root = self._new_node(None, np.empty(0, np.int32), 0, None)
+        root.ns = ns
+        return root
+
+    def _add_root(self, ns: str) -> _Node:
+        root = self._roots[ns] = self._new_root(ns)
+        return root
+
     def _new_node(self, parent: _Node | None, tokens: np.ndarray, start: int,
                   segment: KvSegment | None) -> _Node:
         self._uid += 1
         return _Node(self._uid, parent, tokens, start, segment, self._clock)
 
-    def _walk(self, q: np.ndarray) -> tuple[list[_Node], int]:
+    def _walk(self, q: np.ndarray, ns: str = "") -> tuple[list[_Node], int]:
         """Nodes with at least one matched token, and the match length."""
-        node, pos, path = self._root, 0, []
+        root = self._roots.get(ns)
+        if root is None:
+            return [], 0
+        node, pos, path = root, 0, []
         while pos < len(q):
             child = node.children.get(int(q[pos]))
             if child is None:
@@ -365,7 +381,7 @@ class RadixTree:
         """Non-root nodes from the top down to `node`."""
         path = []
         cur: _Node | None = node
-        while cur is not None and cur is not self._root:
+        while cur is not None and cur.parent is not None:
             path.append(cur)
             cur = cur.parent
         path.reverse()
@@ -407,7 +423,7 @@ class RadixTree:
     def _add_leaf(self, parent: _Node, tokens: np.ndarray, segment: KvSegment) -> None:
         leaf = self._new_node(parent, tokens, parent.end, segment)
         leaf.last_used = self._clock
-        if parent is not self._root and not parent.children:
+        if parent.parent is not None and not parent.children:
             self._logical += leaf.end - parent.end  # parent stops being a leaf
         else:
             self._leaves += 1
@@ -425,7 +441,7 @@ class RadixTree:
                 self._rebuild_heap()
 
     def _evictable(self, node: _Node) -> bool:
-        return node.alive and node is not self._root and not node.children and node.pins == 0
+        return node.alive and node.parent is not None and not node.children and node.pins == 0
 
     def _rebuild_heap(self) -> None:
         self._heap = [(n.last_used, n.uid, n) for n in self._iter_nodes() if self._evictable(n)]
@@ -447,7 +463,7 @@ class RadixTree:
         self._bytes -= leaf.cost()
         self._evictions += 1
         self._evicted_tokens += len(leaf.tokens)
-        if parent is not self._root and not parent.children:
+        if parent.parent is not None and not parent.children:
             self._logical -= leaf.end - parent.end  # parent becomes a leaf
         else:
             self._leaves -= 1
@@ -455,6 +471,9 @@ class RadixTree:
         self._release_buffer(leaf)
         leaf.segment = None  # a stale HostMatch still points here: let the KV go anyway
         self._push_if_evictable(parent)
+        if parent.parent is None and not parent.children and parent.pins == 0 and parent.ns:
+            del self._roots[parent.ns]  # an emptied namespace leaves nothing behind
+            parent.alive = False
 
     def _release_buffer(self, leaf: _Node) -> None:
         """Ancestors that view the evicted leaf's buffer (one split edge) get their own
@@ -468,7 +487,7 @@ class RadixTree:
 
     def _iter_nodes(self) -> list[_Node]:
         """All non-root nodes."""
-        out, stack = [], list(self._root.children.values())
+        out, stack = [], [c for root in self._roots.values() for c in root.children.values()]
         while stack:
             node = stack.pop()
             out.append(node)
@@ -479,15 +498,16 @@ class RadixTree:
 
     def check_invariants(self) -> None:
         """Recompute everything from the links; raise AssertionError naming what broke."""
-        root = self._root
-        assert root.alive and root.parent is None and len(root.tokens) == 0, "root malformed"
+        assert "" in self._roots, "the default namespace has no root"
+        for ns, root in self._roots.items():
+            assert root.alive and root.parent is None and len(root.tokens) == 0 and root.ns == ns, "root malformed"
         heap_keys = {(lu, uid) for lu, uid, _ in self._heap}
         nodes = leaves = unique = logical = nbytes = 0
-        stack = [root]
+        stack = list(self._roots.values())
         while stack:
             node = stack.pop()
             self._check_node(node, heap_keys)
-            if node is not root:
+            if node.parent is not None:
                 nodes += 1
                 unique += len(node.tokens)
                 nbytes += node.cost()
@@ -513,8 +533,8 @@ class RadixTree:
             assert child.parent is node, f"{cname}: parent link broken"
             assert len(child.tokens) > 0 and int(child.tokens[0]) == key, f"{cname}: key != first token"
             assert child.start == node.end, f"{cname}: starts at {child.start}, parent ends at {node.end}"
-            assert node is self._root or child.last_used <= node.last_used, f"{cname}: newer than its parent"
-        if node is self._root:
+            assert node.parent is None or child.last_used <= node.last_used, f"{cname}: newer than its parent"
+        if node.parent is None:
             assert node.segment is None, "root holds a segment"
             return
         seg = node.segment

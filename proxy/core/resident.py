@@ -32,6 +32,7 @@ class ResidentEntry:
     hits: int = 0
     # slot id -> how many leading cells that slot still shares with this owner
     sharers: dict[int, int] = field(default_factory=dict)
+    ns: str = ""  # cache-isolation namespace: only requests of the same one may attach it
 
     @property
     def n(self) -> int:
@@ -63,17 +64,21 @@ class ResidentIndex:
 
     # ---- lookups ---------------------------------------------------------------------
 
-    def views(self, tokens: np.ndarray) -> tuple[ResidentView, ...]:
-        """Each entry's usable prefix of ``tokens`` (entries that share nothing are left out)."""
+    def views(self, tokens: np.ndarray, ns: str = "") -> tuple[ResidentView, ...]:
+        """Each entry's usable prefix of ``tokens`` in namespace ``ns`` (entries that share
+        nothing are left out)."""
         out = []
         for entry in self.entries.values():
+            if entry.ns != ns:
+                continue
             lcp = common_prefix(entry.tokens, tokens)
             if lcp > 0:
                 out.append(ResidentView(entry.owner_id, lcp))
         return tuple(out)
 
-    def has(self, tokens: np.ndarray) -> bool:
-        return any(e.n == len(tokens) and common_prefix(e.tokens, tokens) == e.n for e in self.entries.values())
+    def has(self, tokens: np.ndarray, ns: str = "") -> bool:
+        return any(e.ns == ns and e.n == len(tokens) and common_prefix(e.tokens, tokens) == e.n
+                   for e in self.entries.values())
 
     def free_owner(self) -> int | None:
         if len(self.entries) >= self.max_entries:
@@ -93,10 +98,11 @@ class ResidentIndex:
 
     # ---- mutations (one synchronous step each) ---------------------------------------
 
-    def add(self, owner_id: int, tokens: np.ndarray, source_slot: int, now: float) -> None:
+    def add(self, owner_id: int, tokens: np.ndarray, source_slot: int, now: float, ns: str = "") -> None:
         if owner_id in self.entries or owner_id not in self.owner_ids:
             raise ValueError(f"owner {owner_id} is taken or out of range")
-        self.entries[owner_id] = ResidentEntry(owner_id, tokens.copy(), now, sharers={source_slot: len(tokens)})
+        self.entries[owner_id] = ResidentEntry(owner_id, tokens.copy(), now, sharers={source_slot: len(tokens)},
+                                               ns=ns)
         self.admitted += 1
 
     def remove(self, owner_id: int) -> None:

@@ -17,6 +17,8 @@ event loop) and ask the servers read-only /kvctl questions.
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -26,7 +28,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from proxy.errors import BadRequest, RadixError, Unauthorized
+from proxy.errors import BadRequest, Forbidden, RadixError, Unauthorized
 from proxy.server.coordinator import Decision
 from proxy.server.metrics import DIRECTIONS, FALLBACK_CAUSES, ROUTES
 from proxy.server.observe import refresh_pool_gauges, server_json, set_resident
@@ -44,11 +46,10 @@ def add_admin_routes(app: web.Application) -> None:
     def guarded(fn: Handler) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handler(request: web.Request) -> web.Response:
             runtime = request.app[RUNTIME]
-            key = runtime.config.admin_key
-            if key and request.headers.get("Authorization") != f"Bearer {key}":
-                # Answered here, not raised: an admin poll is not a failed completion request.
-                exc = Unauthorized("missing or wrong admin key (send Authorization: Bearer KEY)")
-                return web.json_response(exc.to_body(), status=exc.status)
+            # Answered here, not raised: an admin poll is not a failed completion request.
+            refused = _refuse(request, runtime.config.admin_key)
+            if refused is not None:
+                return web.json_response(refused.to_body(), status=refused.status)
             try:
                 return web.json_response(await fn(request, runtime))
             except RadixError as exc:  # also answered here: admin errors are not request errors
@@ -60,6 +61,23 @@ def add_admin_routes(app: web.Application) -> None:
     app.router.add_get("/radix/tree", guarded(_tree))
     app.router.add_get("/radix/slots", guarded(_slots))
     app.router.add_get("/radix/stats", guarded(_stats))
+
+
+def _refuse(request: web.Request, key: str | None) -> RadixError | None:
+    """With --admin-key, the key; without, only clients on this host (loopback)."""
+    if key:
+        sent = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(sent.encode(), f"Bearer {key}".encode()):
+            return Unauthorized("missing or wrong admin key (send Authorization: Bearer KEY)")
+        return None
+    try:
+        local = ipaddress.ip_address(request.remote or "").is_loopback
+    except ValueError:
+        local = False
+    if not local:
+        return Forbidden("the admin API answers only clients on this host; start the proxy with --admin-key "
+                         "to reach it from elsewhere")
+    return None
 
 
 def _query_number(request: web.Request, name: str, default: float, lo: float, hi: float) -> float:
@@ -93,8 +111,11 @@ async def detokenize(runtime: Runtime, ids: Sequence[int]) -> str:
     return str(data.get("content", ""))
 
 
-async def preview(runtime: Runtime, ids: Sequence[int], n: int = PREVIEW_TOKENS) -> dict[str, str]:
-    """The first and last ``n`` tokens of a sequence as text (one piece when it is short)."""
+async def preview(runtime: Runtime, ids: Sequence[int], n: int = PREVIEW_TOKENS) -> dict[str, str] | None:
+    """The first and last ``n`` tokens of a sequence as text (one piece when it is short);
+    None unless the operator opted in to prompt text (--admin-show-text)."""
+    if not runtime.config.admin_show_text:
+        return None
     if len(ids) <= 2 * n:
         return {"head": await detokenize(runtime, ids), "tail": ""}
     return {"head": await detokenize(runtime, ids[:n]), "tail": await detokenize(runtime, ids[-n:])}
@@ -120,13 +141,12 @@ async def describe_decision(runtime: Runtime, decision: Decision) -> dict[str, A
     when the host tree was longer or nothing was cached).
     """
     why = decision.why
-    cut = why.at - why.ctx_from
-    diverge: dict[str, Any] = {
-        "at": why.at, "source": why.source, "complete": why.at >= decision.prompt_tokens,
-        "before": await detokenize(runtime, why.request_ctx[:cut]),
-        "request": await detokenize(runtime, why.request_ctx[cut:]),
-        "cached": await detokenize(runtime, why.cached_ctx[cut:]) if why.cached_ctx is not None else None,
-    }
+    diverge: dict[str, Any] = {"at": why.at, "source": why.source, "complete": why.at >= decision.prompt_tokens}
+    if runtime.config.admin_show_text:
+        cut = why.at - why.ctx_from
+        diverge["before"] = await detokenize(runtime, why.request_ctx[:cut])
+        diverge["request"] = await detokenize(runtime, why.request_ctx[cut:])
+        diverge["cached"] = await detokenize(runtime, why.cached_ctx[cut:]) if why.cached_ctx is not None else None
     return {**decision.summary(), "diverge": diverge}
 
 
@@ -141,7 +161,8 @@ async def _tree(request: web.Request, runtime: Runtime) -> dict[str, Any]:
     # Whole prefixes (head_tokens unbounded) so the preview can show where each one ends.
     for p in tree.top_prefixes(top, head_tokens=1 << 30):
         prefixes.append({"length": p.length, "hits": p.hits, "bytes": p.bytes,
-                         "head": list(p.head[:PREVIEW_TOKENS]), "preview": await preview(runtime, p.head)})
+                         "head": list(p.head[:PREVIEW_TOKENS]) if runtime.config.admin_show_text else None,
+                         "preview": await preview(runtime, p.head)})
     dedup = stats.logical_tokens / stats.unique_tokens if stats.unique_tokens else 0.0
     return {"stats": asdict(stats), "dedup_ratio": dedup, "top": prefixes}
 

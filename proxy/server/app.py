@@ -19,7 +19,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.config import Config
-from proxy.errors import BackendError, ConfigError, RadixError
+from proxy.errors import BackendError, ConfigError, RadixError, TooLarge
 from proxy.server.admin import add_admin_routes
 from proxy.server.observe import summary_loop
 from proxy.server.recorder import Recorder
@@ -48,6 +48,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         if runtime is not None:
             runtime.metrics.request_errors.labels("4xx" if exc.status < 500 else "5xx").inc()
         return error_response(exc)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return error_response(TooLarge(f"request body too large: {exc.text}"))
     except web.HTTPException:
         raise
     except aiohttp.ClientError as exc:
@@ -56,7 +58,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 def build_app(config: Config, registry: CollectorRegistry | None = None) -> web.Application:
     """The proxy as an aiohttp application; its resources open when a runner sets it up."""
-    app = web.Application(middlewares=[errors_middleware], client_max_size=256 * 1024 * 1024)
+    app = web.Application(middlewares=[errors_middleware], client_max_size=config.max_body_mib * 1024 * 1024)
     app[CONFIG] = config
     app[REGISTRY] = registry if registry is not None else CollectorRegistry()
     app.cleanup_ctx.extend([_session_ctx, _recorder_ctx, _runtime_ctx, _summary_ctx])

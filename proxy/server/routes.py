@@ -15,8 +15,17 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from proxy.errors import BadRequest, RadixError
+from proxy.errors import BadRequest, NotFound, RadixError
 from proxy.server.coordinator import Lease
+from proxy.server.front import (
+    SseStripper,
+    cache_namespace,
+    check_one_answer,
+    parse_json,
+    prompt_token_ids,
+    refusal,
+    strip_cache_info_raw,
+)
 from proxy.server.observe import refresh_metrics
 from proxy.server.runtime import RUNTIME
 
@@ -29,28 +38,23 @@ _ids = itertools.count(1)
 def add_routes(app: web.Application) -> None:
     for path in ("/v1/chat/completions", "/chat/completions"):
         app.router.add_post(path, chat)
-    for path in ("/v1/completions", "/completions"):
+    for path in ("/v1/completions", "/completions", "/completion"):
         app.router.add_post(path, completion)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
 
 
 def add_catch_all(app: web.Application) -> None:
-    """Last: every other path goes to the first server unchanged."""
+    """Last: the read-only allowlist goes to the first server unchanged; the rest is 404."""
     app.router.add_route("*", "/{tail:.*}", forward_plain)
 
 
 async def _read_json(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+    body = await parse_json(await request.read())
     recorder = request.app[RUNTIME].recorder
     if recorder is not None:
-        recorder.record(request.path, orjson.loads(raw), request.headers.get("X-Session-Id", ""))
+        recorder.record(request.path, orjson.loads(orjson.dumps(body)), request.headers.get("X-Session-Id", ""))
+    check_one_answer(body)
     return body
 
 
@@ -69,19 +73,22 @@ async def chat(request: web.Request) -> web.StreamResponse:
 
 
 async def completion(request: web.Request) -> web.StreamResponse:
+    """/v1/completions (OpenAI) and /completion, /completions (llama.cpp's own): one prompt,
+    a string or token ids. Several prompts would run on slots the proxy did not lease."""
     runtime = request.app[RUNTIME]
     body = await _read_json(request)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
         tokens = await runtime.tokenize(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        tokens = np.asarray(prompt, dtype=np.int32)
+    elif isinstance(prompt, list) and prompt and not isinstance(prompt[0], str | list | dict):
+        server = runtime.coordinator.servers[0]
+        tokens = prompt_token_ids(prompt, runtime.n_vocab, server.n_ctx_slot)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise BadRequest("several prompts in one request are not supported through the proxy: send one per request")
     else:
-        # Several prompts or mixed content: no steering, but still on a leased slot so two
-        # requests never share one; the server does its own reuse.
-        tokens = np.zeros(0, dtype=np.int32)
+        raise BadRequest("'prompt' must be a string or an array of token ids")
     return await _steered(request, body, tokens)
 
 
@@ -107,11 +114,14 @@ async def _steered(request: web.Request, body: dict[str, Any], tokens: np.ndarra
     coord = runtime.coordinator
     request_id = f"r{next(_ids)}"
     arrived = time.monotonic()
-    lease = await coord.acquire(request_id, tokens)
+    ns = cache_namespace(runtime.config, body, request.headers)
+    lease = await coord.acquire(request_id, tokens, ns)
     outcome = _Outcome()
     try:
         await coord.restore(lease, _n_predict(body))
-        if body.get("cache_prompt") is not False:
+        if lease.no_cache:
+            body["cache_prompt"] = False
+        elif body.get("cache_prompt") is not False:
             body["cache_prompt"] = True
         body["id_slot"] = lease.slot.slot_id
         return await _forward_completion(request, body, lease, arrived, outcome)
@@ -129,7 +139,9 @@ def _n_predict(body: dict[str, Any]) -> int:
     return 256
 
 
-def _radix_headers(lease: Lease) -> dict[str, str]:
+def _radix_headers(lease: Lease, show: bool) -> dict[str, str]:
+    if not show:
+        return {"X-Request-Id": lease.request_id}
     return {
         "X-Radix-Route": lease.route,
         "X-Radix-Server": lease.server.name,
@@ -143,28 +155,32 @@ def _radix_headers(lease: Lease) -> dict[str, str]:
 async def _forward_completion(request: web.Request, body: dict[str, Any], lease: Lease, arrived: float,
                               outcome: _Outcome) -> web.StreamResponse:
     backend = lease.server.backend
+    show = request.app[RUNTIME].config.cache_info
     headers = {**_forward_headers(request), "Content-Type": "application/json"}
     async with backend.post_stream(request.path, orjson.dumps(body), headers) as up:
         outcome.status = up.status
-        extra = _radix_headers(lease)
+        extra = _radix_headers(lease, show)
         if "text/event-stream" not in up.headers.get("Content-Type", ""):
             raw = await up.read()
             outcome.ttft_s = time.monotonic() - arrived
             outcome.timings = _timings_of(raw)
-            if outcome.timings is not None:
+            if outcome.timings is not None and show:
                 extra["X-Radix-Cached-Tokens"] = str(outcome.timings.get("cache_n", 0))
-            return web.Response(body=raw, status=up.status, headers=extra,
+            return web.Response(body=raw if show else strip_cache_info_raw(raw), status=up.status, headers=extra,
                                 content_type=up.content_type or "application/json")
         stream = web.StreamResponse(status=up.status, headers={**extra, "Content-Type": "text/event-stream",
                                                                 "Cache-Control": "no-cache"})
         await stream.prepare(request)
+        stripper = None if show else SseStripper()
         async for chunk in up.content.iter_any():
             if outcome.ttft_s is None:
                 outcome.ttft_s = time.monotonic() - arrived
             outcome.feed_sse(chunk)
             # A client that went away raises here; leaving the block closes the upstream
             # connection, and llama-server cancels the task when it sees that.
-            await stream.write(chunk)
+            await stream.write(chunk if stripper is None else stripper.feed(chunk))
+        if stripper is not None:
+            await stream.write(stripper.flush())
         await stream.write_eof()
         return stream
 
@@ -199,7 +215,10 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def forward_plain(request: web.Request) -> web.StreamResponse:
-    """Everything else goes to the first server unchanged."""
+    """The read-only allowlist goes to the first server unchanged; anything else is 404."""
+    why = refusal(request.method, request.path)
+    if why is not None:
+        raise NotFound(why)
     runtime = request.app[RUNTIME]
     backend = runtime.primary
     async with backend.session.request(request.method, backend.url + request.path_qs, data=await request.read(),

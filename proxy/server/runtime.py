@@ -28,6 +28,7 @@ class Runtime:
         self.metrics = metrics
         self.recorder = recorder
         self.primary = coordinator.servers[0].backend
+        self.n_vocab = 1 << 31  # the model's vocabulary size, read at startup
         self.local_tokenizer: PromptTokenizer | None = None
         self.tokenizer_note = "server"
         self._tasks: set[asyncio.Task[Any]] = set()

@@ -40,11 +40,12 @@ class Sharing:
         await self.backend.kv_post("attach", {"owner": owner_id, "slot": slot_id, "m": m}, cause=FallbackCause.ATTACH)
         self.index.attached(owner_id, slot_id, m, time.monotonic())
 
-    async def record(self, slot_id: int, slot_tokens: np.ndarray, lengths: Iterable[int]) -> int:
-        """Publish ``[0,n)`` of the slot for each length worth sharing; returns entries added."""
+    async def record(self, slot_id: int, slot_tokens: np.ndarray, lengths: Iterable[int], ns: str = "") -> int:
+        """Publish ``[0,n)`` of the slot for each length worth sharing, in namespace ``ns``;
+        returns entries added."""
         added = 0
         for n in sorted(set(lengths)):
-            if n < self.min_tokens or n > len(slot_tokens) or self.index.has(slot_tokens[:n]):
+            if n < self.min_tokens or n > len(slot_tokens) or self.index.has(slot_tokens[:n], ns):
                 continue
             owner = self.index.free_owner()
             if owner is None:
@@ -57,7 +58,7 @@ class Sharing:
                 return added
             before = int((await self.cells())["owner"])
             await self.backend.kv_post("publish", {"slot": slot_id, "owner": owner, "n": n}, cause=FallbackCause.PUBLISH)
-            self.index.add(owner, slot_tokens[:n], slot_id, time.monotonic())
+            self.index.add(owner, slot_tokens[:n], slot_id, time.monotonic(), ns)
             added += 1
             if not await self._within_budget(owner, before):
                 break

@@ -16,7 +16,7 @@ from proxy.config import Config
 from proxy.core.payload import KvLayout
 from proxy.core.radix import RadixTree
 from proxy.core.resident import ResidentIndex
-from proxy.errors import ConfigError, RadixError
+from proxy.errors import ConfigError, FallbackCause, RadixError
 from proxy.server.backend import Backend
 from proxy.server.coordinator import Coordinator, ServerState, SlotState
 from proxy.server.metrics import Metrics
@@ -43,7 +43,18 @@ async def create_runtime(config: Config, session: aiohttp.ClientSession, registr
     tree = RadixTree(config.cache_bytes)
     runtime = Runtime(config, session, Coordinator(config, servers, tree, metrics), metrics, recorder)
     await _setup_tokenizer(runtime)
+    runtime.n_vocab = await _n_vocab(runtime.primary)
     return runtime
+
+
+async def _n_vocab(backend: Backend) -> int:
+    """The vocabulary size (token ids in prompts are checked against it)."""
+    models = await backend.get_json("/v1/models")
+    for entry in models.get("data") or []:
+        n = (entry.get("meta") or {}).get("n_vocab")
+        if isinstance(n, int) and n > 0:
+            return n
+    raise ConfigError("llama-server's /v1/models does not report n_vocab", fix="run the pinned llama-server build")
 
 
 async def _connect(config: Config, name: str, url: str, session: aiohttp.ClientSession,
@@ -86,7 +97,7 @@ async def _sharing(config: Config, name: str, backend: Backend, caps: dict[str, 
     headroom = config.kv_share_headroom or min(n_ubatch, max(1, n_cells // 8))
     # Owners left by an earlier proxy would hold cells nobody accounts for.
     for owner in range(int(first), int(end)):
-        await backend.kv_post("release", {"owner": owner}, cause="release")
+        await backend.kv_post("release", {"owner": owner}, cause=FallbackCause.RELEASE)
     log.info("%s: resident sharing: %d entries, budget %d cells, headroom %d cells", name, index.max_entries,
              budget, headroom)
     return Sharing(backend, index, budget_cells=budget, headroom=headroom, min_tokens=config.kv_share_min_tokens)

@@ -33,8 +33,7 @@ from proxy.core.payload import blob_size
 from proxy.native.launch import ServerProcess, free_port
 from proxy.server.metrics import FALLBACK_CAUSES, ROUTES
 from proxy.server.observe import cache_summary, refresh_metrics
-from tests.conftest import ServerFactory
-from tests.helpers import ProxyThread, Reply, get, post
+from tests.helpers import ProxyThread, Reply, ServerFactory, get, post
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "observe-me"
@@ -82,7 +81,7 @@ def backend(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
 @pytest.fixture(scope="module")
 def live(backend: ServerProcess) -> Iterator[Live]:
     assert backend.spec.kvctl_dir is not None
-    config = Config(backends=(backend.url,), port=free_port(), shm_dir=backend.spec.kvctl_dir,
+    config = Config(backends=(backend.url,), port=free_port(), shm_dir=backend.spec.kvctl_dir, admin_show_text=True,
                     min_restore_tokens=32, cache_ram_mib=256, admin_key=ADMIN_KEY)
     thread = ProxyThread(config).start()
     try:

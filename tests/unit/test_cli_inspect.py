@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,7 +19,6 @@ from proxy.cli.inspect import (
 )
 from proxy.core.payload import KvLayout, KvSegment
 from proxy.core.radix import RadixTree
-from proxy.server.admin import describe_decision
 from proxy.server.metrics import FALLBACK_CAUSES, ROUTES, Metrics
 from proxy.server.observe import cache_summary
 
@@ -162,15 +160,3 @@ def test_cache_summary_and_tree_mirror() -> None:
     runtime.metrics.sync_tree(tree.stats())
     assert runtime.metrics.value("radix_host_tree_leaves") == 2
     assert runtime.metrics.value("radix_host_tree_logical_tokens") == 17
-
-
-def test_describe_decision_shows_text_on_both_sides() -> None:
-    runtime = fake_runtime(RadixTree(1 << 20))
-    raw = {**decision(), "diverge_at": 6, "diverge_source": "slot s0/1", "ctx_from": 2,
-           "request_ctx": [1, 2, 3, 4, 5, 6, 7], "cached_ctx": [1, 2, 3, 4, 8, 9]}
-    out = asyncio.run(describe_decision(runtime, raw))
-    assert "request_ctx" not in out and "cached_ctx" not in out
-    assert out["diverge"] == {"at": 6, "source": "slot s0/1", "complete": False, "before": "abcd",
-                              "request": "efg", "cached": "hi"}
-    plain = asyncio.run(describe_decision(runtime, decision()))
-    assert plain["diverge"] == {"at": 10, "source": None, "complete": False}

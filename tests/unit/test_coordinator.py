@@ -39,7 +39,17 @@ class FakeServer:
     def __init__(self, n_slots: int) -> None:
         self.held: dict[int, list[int]] = {i: [] for i in range(n_slots)}
         self.fail_export = False
+        self.fail_erase = False
         self.imports: list[tuple[int, int, int]] = []
+        self.erased: list[int] = []
+
+    async def kv_post(self, route: str, body: dict[str, Any], cause: FallbackCause) -> dict[str, Any]:
+        assert route == "erase", route
+        if self.fail_erase:
+            raise KvMoveError(cause, "refused")
+        self.erased.append(body["slot"])
+        self.held[body["slot"]] = []
+        return {"slot": body["slot"]}
 
     async def slots(self, tokens: bool = False) -> dict[str, Any]:
         return {"slots": [{"id": i, "busy": False, "tokens": t, "pos_min": 0, "pos_max": len(t) - 1}
@@ -272,7 +282,8 @@ def test_describe_decision_shows_the_divergence_as_text() -> None:
     from proxy.server.admin import describe_decision
     from proxy.server.coordinator import Decision, Divergence
 
-    runtime: Any = SimpleNamespace(local_tokenizer=SimpleNamespace(decode=lambda ids: "".join(chr(96 + i) for i in ids)))
+    decode = SimpleNamespace(decode=lambda ids: "".join(chr(96 + i) for i in ids))
+    runtime: Any = SimpleNamespace(local_tokenizer=decode, config=Config(backends=("x",), admin_show_text=True))
     why = Divergence(host_match=4, best_slot_match=6, at=6, source="slot s0/1", ctx_from=2,
                      request_ctx=(1, 2, 3, 4, 5, 6, 7), cached_ctx=(1, 2, 3, 4, 8, 9))
     decision = Decision(time=0.0, request_id="r1", route=Route.A, server="s0", slot=1, prompt_tokens=15,
@@ -285,3 +296,59 @@ def test_describe_decision_shows_the_divergence_as_text() -> None:
                               "request": "efg", "cached": "hi"}
     host = Decision(**{**decision.__dict__, "why": Divergence(4, 0, 4, "host", 0, (1, 2, 3, 4, 5), None)})
     assert asyncio.run(describe_decision(runtime, host))["diverge"]["cached"] is None
+    # Without the operator's opt-in, no prompt text leaves the proxy.
+    runtime.config = Config(backends=("x",))
+    assert asyncio.run(describe_decision(runtime, decision))["diverge"] == {"at": 6, "source": "slot s0/1",
+                                                                           "complete": False}
+
+
+# ---- cache isolation: requests with different keys never reuse each other's KV ----------------
+
+
+async def test_another_namespace_sees_nothing_cached() -> None:
+    s0 = server("s0", n_slots=1, held={0: toks(0, 100).tolist()})
+    coord = coordinator(s0)
+    coord.tree.insert(toks(0, 100), KvSegment(0, LAYOUT, rows(toks(0, 100).tolist())))
+    lease = await coord.acquire("r", toks(0, 120), ns="tenant-b")
+    assert lease.route == Route.PREFILL and lease.plan.predicted_cached == 0
+    assert lease.why.host_match == 0 and lease.why.best_slot_match == 0
+    assert lease.erase_first  # the slot holds the default namespace's KV: cleared before use
+    await coord.restore(lease, 16)
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+    assert fake.erased == [0] and not lease.no_cache and s0.slots[0].ns == "tenant-b"
+    fake.held[0] = toks(0, 130).tolist()
+    await coord.finish(lease)
+    assert coord.tree.match(toks(0, 130), ns="tenant-b").length == 130
+    assert coord.tree.match(toks(0, 130)).length == 100  # the default namespace's copy is its own
+    check(coord)
+    again = await coord.acquire("r2", toks(0, 140), ns="tenant-b")
+    assert again.route == Route.A and not again.erase_first
+    coord.release(again)
+
+
+async def test_a_failed_erase_turns_the_servers_reuse_off() -> None:
+    s0 = server("s0", n_slots=1, held={0: toks(0, 100).tolist()})
+    coord = coordinator(s0)
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+    fake.fail_erase = True
+    lease = await coord.acquire("r", toks(0, 120), ns="tenant-b")
+    await coord.restore(lease, 16)
+    assert lease.no_cache and lease.fallback == FallbackCause.ERASE
+    await coord.finish(lease)
+    assert s0.slots[0].ns is None and len(s0.slots[0].tokens) == 0  # unknown: erased before any reuse
+    assert coord.tree.match(toks(0, 120), ns="tenant-b").length == 0
+    fake.fail_erase = False
+    nxt = await coord.acquire("r2", toks(0, 120))
+    assert nxt.erase_first
+    coord.release(nxt)
+
+
+async def test_no_fan_out_wait_across_namespaces() -> None:
+    coord = coordinator(server("s0", n_slots=2))
+    turn = await coord.acquire("t1", toks(0, 200), ns="a")
+    turn.finishing = True
+    other = await asyncio.wait_for(coord.acquire("t2", toks(0, 260), ns="b"), 1)
+    assert other.why.best_slot_match == 0
+    coord.release(other)
+    coord.release(turn)
+    check(coord)

@@ -384,3 +384,48 @@ class TreeMachine(RuleBasedStateMachine):
 
 TreeMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 test_tree_machine = TreeMachine.TestCase
+
+
+# ---------------------------------------------------------------- namespaces (cache isolation)
+
+
+def test_namespaces_never_share_a_prefix() -> None:
+    tree = RadixTree(BIG)
+    tokens = [1, 2, 3, 4, 5, 6]
+    assert tree.insert(tokens, seg_for(tokens), ns="tenant-a") == 6
+    tree.check_invariants()
+    assert tree.match(tokens, ns="tenant-a").length == 6
+    assert tree.match(tokens).length == 0
+    assert tree.match(tokens, ns="tenant-b").length == 0
+    # The same prompt in another namespace is stored again, not deduplicated across keys.
+    assert tree.insert(tokens, seg_for(tokens)) == 6
+    assert tree.stats().unique_tokens == 12
+    tree.check_invariants()
+
+
+def test_an_emptied_namespace_leaves_nothing_behind() -> None:
+    tree = RadixTree(node_cost(4) + 8)
+    insert_ns = [10, 11, 12, 13]
+    tree.insert(insert_ns, seg_for(insert_ns), ns="salt")
+    tree.check_invariants()
+    other = [20, 21, 22, 23]
+    tree.insert(other, seg_for(other))  # evicts the namespaced leaf (budget for one leaf)
+    tree.check_invariants()
+    assert tree.match(insert_ns, ns="salt").length == 0
+    assert tree.match(other).length == 4
+    assert tree.stats().nodes == 1
+
+
+def test_a_pinned_namespaced_match_survives_eviction() -> None:
+    tree = RadixTree(node_cost(4) + 8)
+    tokens = [10, 11, 12, 13]
+    tree.insert(tokens, seg_for(tokens), ns="salt")
+    held = tree.match(tokens, ns="salt")
+    tree.pin(held)
+    assert tree.insert([20, 21, 22, 23], seg_for([20, 21, 22, 23])) == 0  # no room: the pinned leaf stays
+    tree.check_invariants()
+    assert served(tree, held).shape == (4, 8)
+    tree.unpin(held)
+    tree.clear()
+    tree.check_invariants()
+    assert tree.match(tokens, ns="salt").length == 0

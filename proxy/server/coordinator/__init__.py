@@ -35,9 +35,9 @@ class Coordinator:
         self.moves = KvMoves(config, tree, metrics)
         self.log = DecisionLog(metrics)
 
-    async def acquire(self, request_id: str, tokens: np.ndarray) -> Lease:
+    async def acquire(self, request_id: str, tokens: np.ndarray, ns: str = "") -> Lease:
         """A slot for the request, with its plan (may wait: see ``Leases.acquire``)."""
-        return await self.leases.acquire(request_id, tokens)
+        return await self.leases.acquire(request_id, tokens, ns)
 
     async def restore(self, lease: Lease, n_predict: int) -> None:
         await self.moves.restore(lease, n_predict)

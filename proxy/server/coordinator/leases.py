@@ -30,6 +30,7 @@ from proxy.server.coordinator.state import Lease, ServerState
 class _Waiter:
     request_id: str
     tokens: np.ndarray
+    ns: str
     future: asyncio.Future[Lease]
     since: float
 
@@ -45,18 +46,19 @@ class Leases:
     def queued(self) -> int:
         return sum(not w.future.done() for w in self._waiters)
 
-    async def acquire(self, request_id: str, tokens: np.ndarray) -> Lease:
-        """A leased slot and its plan; waits in a fair FIFO queue while every slot is busy."""
+    async def acquire(self, request_id: str, tokens: np.ndarray, ns: str = "") -> Lease:
+        """A leased slot and its plan; waits in a fair FIFO queue while every slot is busy.
+        ``ns``: the request's cache-isolation namespace (see ``RadixTree``)."""
         limit = min(s.n_ctx_slot for s in self.servers)
         if len(tokens) >= limit:
             raise BadRequest(f"the request exceeds the available context size: {len(tokens)} prompt tokens, "
                              f"{limit} per slot")
-        found = await self._wait_for_shared_prefix(tokens)
+        found = await self._wait_for_shared_prefix(tokens, ns)
         if not self._waiters:
             lease = self._plan_and_lease(request_id, found)
             if lease is not None:
                 return lease
-        waiter = _Waiter(request_id, tokens, asyncio.get_running_loop().create_future(), time.monotonic())
+        waiter = _Waiter(request_id, tokens, ns, asyncio.get_running_loop().create_future(), time.monotonic())
         self._waiters.append(waiter)
         try:
             lease = await waiter.future
@@ -69,14 +71,14 @@ class Leases:
         lease.queued_s = time.monotonic() - waiter.since
         return lease
 
-    async def _wait_for_shared_prefix(self, tokens: np.ndarray) -> PrefixScan:
+    async def _wait_for_shared_prefix(self, tokens: np.ndarray, ns: str) -> PrefixScan:
         """Wait for a request in flight that holds a much longer prefix of this one than
         anything available now, then reuse it instead of computing it again: a session's
         next turn waits the few milliseconds its previous turn needs to save; and with
         sharing on (fan-out), k requests sharing a prefix on a cold server compute it once.
         Returns the scan of the state the wait ended in."""
         while True:
-            found = scan(tokens, self.servers, self.tree)
+            found = scan(tokens, self.servers, self.tree, ns)
             blocker = self._blocker(found)
             if blocker is None:
                 return found
@@ -89,7 +91,7 @@ class Leases:
         gain = self.config.min_restore_tokens
         best, blocker = 0, None
         for lease in self.inflight.values():
-            if not (lease.finishing or self.config.kv_share):
+            if lease.ns != found.ns or not (lease.finishing or self.config.kv_share):
                 continue
             shared = min(common_prefix(lease.tokens, tokens), len(tokens) - 1)
             if shared > best:
@@ -120,7 +122,8 @@ class Leases:
         if uses_host:
             self.tree.pin(host)
         lease = Lease(request_id, server, slot, plan, found.tokens, host if uses_host else None,
-                      why=divergence(found), route=plan.route)
+                      why=divergence(found), route=plan.route, ns=found.ns,
+                      erase_first=slot.ns != found.ns and (slot.ns is None or len(slot.tokens) > 0))
         if plan.owner_id is not None and server.sharing is not None:
             server.sharing.index.pin(plan.owner_id)
             lease.owner_pinned = True
@@ -148,7 +151,8 @@ class Leases:
             if waiter.future.done():
                 self._waiters.popleft()
                 continue
-            granted = self._plan_and_lease(waiter.request_id, scan(waiter.tokens, self.servers, self.tree))
+            found = scan(waiter.tokens, self.servers, self.tree, waiter.ns)
+            granted = self._plan_and_lease(waiter.request_id, found)
             if granted is None:
                 break
             self._waiters.popleft()

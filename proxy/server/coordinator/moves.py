@@ -35,6 +35,9 @@ class KvMoves:
     async def restore(self, lease: Lease, n_predict: int) -> None:
         """Do the plan's KV moves into the leased slot; on failure fall back to prefill."""
         plan, slot, server = lease.plan, lease.slot, lease.server
+        if lease.erase_first and not await self._erase(lease):
+            lease.unpin(self.tree)
+            return
         try:
             async with server.move_lock:
                 if server.sharing is not None:
@@ -55,11 +58,27 @@ class KvMoves:
         finally:
             lease.unpin(self.tree)
 
+    async def _erase(self, lease: Lease) -> bool:
+        """Clear a slot holding another namespace's KV, so the server cannot reuse it for
+        this request. If that fails, the request runs with the server's reuse off."""
+        slot, server = lease.slot, lease.server
+        try:
+            async with server.move_lock:
+                await server.backend.kv_post("erase", {"slot": slot.slot_id}, cause=FallbackCause.ERASE)
+        except KvMoveError as exc:
+            lease.fallback, lease.no_cache, lease.route = exc.cause, True, Route.PREFILL
+            slot.tokens, slot.ns = EMPTY, None
+            self.metrics.fallbacks.labels(exc.cause).inc()
+            log.warning("erasing %s slot %d failed, prefilling without reuse: %s", server.name, slot.slot_id, exc)
+            return False
+        slot.tokens, slot.ns = EMPTY, lease.ns
+        return True
+
     async def _import_host(self, lease: Lease) -> None:
         assert lease.host is not None
         # On top of the slot's verified [0,p0) (the server drops whatever it holds past p0).
         p0, p1 = lease.plan.host_from, lease.plan.host_to
-        segments = self.tree.segments(lease.host, p0, p1)
+        segments = self.tree.segments(lease.host, p0, p1)  # lease.host is in lease.ns
         await lease.server.mover.import_(lease.slot.slot_id, p0, lease.tokens[:p1].tolist(), segments)
         lease.slot.tokens = lease.tokens[:p1].copy()
         self.tree.record_load(p1 - p0)
@@ -80,14 +99,18 @@ class KvMoves:
 
     async def _refresh_slot(self, lease: Lease) -> None:
         slot = lease.slot
+        if lease.no_cache:  # what the slot holds is of unknown provenance: use none of it
+            slot.tokens, slot.ns = EMPTY, None
+            return
+        slot.ns = lease.ns
         for _ in range(BUSY_POLLS):
             info = await lease.server.backend.slots(tokens=True)
             entry = next(s for s in info["slots"] if int(s["id"]) == slot.slot_id)
             if not entry.get("busy"):
                 break
             await asyncio.sleep(BUSY_POLL_S)
-        else:
-            slot.tokens = EMPTY
+        else:  # still busy: what it will hold is unknown
+            slot.tokens, slot.ns = EMPTY, None
             return
         tokens = np.asarray(entry.get("tokens", []), dtype=np.int32)
         held = int(entry.get("pos_max", -1)) + 1
@@ -96,7 +119,7 @@ class KvMoves:
 
     async def _save(self, lease: Lease) -> None:
         tokens = lease.slot.tokens
-        match = self.tree.match(tokens)
+        match = self.tree.match(tokens, ns=lease.ns)
         if len(tokens) - match.length < max(1, self.config.min_restore_tokens // 4):
             return
         # Pinned so the prefix the export continues cannot be evicted while we wait.
@@ -104,7 +127,7 @@ class KvMoves:
         try:
             async with lease.server.move_lock:
                 segment = await lease.server.mover.export({"slot": lease.slot.slot_id}, match.length, len(tokens))
-            stored = self.tree.insert(tokens, segment)
+            stored = self.tree.insert(tokens, segment, ns=lease.ns)
         finally:
             self.tree.unpin(match)
         self.metrics.tree_saves.inc()
@@ -122,4 +145,4 @@ class KvMoves:
         if not lengths or lease.fallback:
             return
         async with lease.server.move_lock:
-            await sharing.record(lease.slot.slot_id, tokens, lengths)
+            await sharing.record(lease.slot.slot_id, tokens, lengths, lease.ns)

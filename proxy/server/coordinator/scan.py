@@ -33,6 +33,7 @@ class ServerScan:
 @dataclass(frozen=True)
 class PrefixScan:
     tokens: np.ndarray
+    ns: str  # the request's cache-isolation namespace: nothing of another one is counted
     host: HostMatch  # an estimate (not yet counted as a hit): see RadixTree.touch
     servers: tuple[ServerScan, ...]
 
@@ -40,10 +41,10 @@ class PrefixScan:
         return max([self.host.length] + [s.best_idle() for s in self.servers])
 
 
-def scan(tokens: np.ndarray, servers: list[ServerState], tree: RadixTree) -> PrefixScan:
+def scan(tokens: np.ndarray, servers: list[ServerState], tree: RadixTree, ns: str = "") -> PrefixScan:
     out = []
     for server in servers:
-        lcps = tuple(common_prefix(s.tokens, tokens) for s in server.slots)
-        residents = server.sharing.index.views(tokens) if server.sharing is not None else ()
+        lcps = tuple(common_prefix(s.tokens, tokens) if s.ns == ns else 0 for s in server.slots)
+        residents = server.sharing.index.views(tokens, ns) if server.sharing is not None else ()
         out.append(ServerScan(server, lcps, residents))
-    return PrefixScan(tokens, tree.match(tokens, touch=False), tuple(out))
+    return PrefixScan(tokens, ns, tree.match(tokens, touch=False, ns=ns), tuple(out))

@@ -25,6 +25,8 @@ class SlotState:
     tokens: np.ndarray = field(default_factory=lambda: EMPTY)  # exactly what its KV holds
     busy: bool = False
     last_used: float = 0.0
+    # Cache-isolation namespace of the KV it holds; None: unknown (erase before any reuse).
+    ns: str | None = ""
 
 
 @dataclass
@@ -52,6 +54,9 @@ class Lease:
     tokens: np.ndarray
     host: HostMatch | None  # pinned host path the plan imports from, until the restore ends
     why: Divergence  # where cached prefixes stopped matching, at plan time
+    ns: str = ""  # cache-isolation namespace of the request
+    erase_first: bool = False  # the slot holds another namespace's KV: clear it before use
+    no_cache: bool = False  # the slot's KV could not be cleared: the server must not reuse it
     queued_s: float = 0.0
     route: Route = Route.PREFILL
     fallback: FallbackCause | None = None

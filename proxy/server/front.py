@@ -1,0 +1,148 @@
+"""What the proxy accepts from clients, and what it tells them (the trust boundary).
+
+- Only paths that run a completion on a steered slot, and a short allowlist of read-only
+  paths, reach a server; everything else (the /kvctl control API, /slots, POST /props,
+  /lora-adapters, endpoints that would run on an unsteered slot) is answered 404 here.
+- A request asks for one answer: ``n`` / ``n_cmpl`` above 1 would make the server put the
+  extra choices on slots the proxy did not lease, so they are refused.
+- Prompts given as token ids are checked (count, range) before anything iterates them.
+- A cache-isolation key (like vLLM's ``cache_salt``) puts a request's KV in its own
+  namespace: requests with different keys never reuse each other's KV.
+- With cache information hidden, the answer carries no ``X-Radix-*`` cache headers and no
+  ``timings`` (whose ``cache_n`` would tell a client exactly how much of its prompt some
+  other request had cached).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from typing import Any
+
+import numpy as np
+import orjson
+
+from proxy.config import Config
+from proxy.errors import BadRequest
+
+# Read-only paths passed to the first server unchanged (method, path).
+READ_ONLY = {
+    ("GET", "/v1/models"), ("GET", "/models"), ("GET", "/props"), ("GET", "/v1/health"),
+    ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/apply-template"),
+    ("POST", "/v1/chat/completions/input_tokens"), ("POST", "/chat/completions/input_tokens"),
+    ("POST", "/v1/messages/count_tokens"),
+}
+# Paths llama-server serves that the proxy refuses, and why (the rest get a plain 404).
+REFUSED = {
+    "/v1/messages": "the Anthropic messages API is not steered by the proxy yet; use /v1/chat/completions",
+    "/v1/responses": "the Responses API is not steered by the proxy yet; use /v1/chat/completions",
+    "/responses": "the Responses API is not steered by the proxy yet; use /v1/chat/completions",
+    "/infill": "/infill is not steered by the proxy; use /completion with the infill prompt",
+    "/v1/chat/completions/control": "the control endpoint is not available through the proxy",
+}
+OFF_LOOP_BYTES = 1 << 20  # bodies larger than this are parsed in a worker thread
+SALT_FIELD = "cache_salt"
+SALT_HEADER = "X-Cache-Salt"
+ISOLATION_SOURCES = ("field", "header", "api-key")
+
+
+def refusal(method: str, path: str) -> str | None:
+    """Why ``method path`` is not served, or None when it is passed to a server."""
+    if (method, path) in READ_ONLY:
+        return None
+    reason = REFUSED.get(path)
+    return reason or f"{method} {path} is not served by the proxy"
+
+
+async def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw) if len(raw) <= OFF_LOOP_BYTES else await asyncio.to_thread(orjson.loads, raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def check_one_answer(body: dict[str, Any]) -> None:
+    for key in ("n", "n_cmpl"):
+        value = body.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise BadRequest(f"'{key}' must be a positive integer")
+        if value > 1:
+            raise BadRequest(f"'{key}' > 1 is not supported through the proxy: send {value} requests instead")
+
+
+def prompt_token_ids(prompt: list[Any], n_vocab: int, n_ctx_slot: int) -> np.ndarray:
+    """A prompt given as token ids, checked before it is iterated."""
+    if len(prompt) >= n_ctx_slot:
+        raise BadRequest(f"the request exceeds the available context size: {len(prompt)} prompt tokens, "
+                         f"{n_ctx_slot} per slot")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise BadRequest("'prompt' must be a string or an array of token ids")
+    ids = np.asarray(prompt, dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= n_vocab):
+        bad = int(ids[(ids < 0) | (ids >= n_vocab)][0])
+        raise BadRequest(f"invalid token id {bad} in 'prompt' (the vocabulary has {n_vocab} tokens)")
+    return ids.astype(np.int32)
+
+
+def cache_namespace(config: Config, body: dict[str, Any], headers: Any) -> str:
+    """The request's cache-isolation namespace ("" when it names no key); pops ``cache_salt``."""
+    parts = []
+    salt = body.pop(SALT_FIELD, None)
+    if salt is not None and not isinstance(salt, str):
+        raise BadRequest(f"'{SALT_FIELD}' must be a string")
+    sources = config.cache_isolation
+    if "field" in sources and salt:
+        parts.append(f"salt:{salt}")
+    if "header" in sources and headers.get(SALT_HEADER):
+        parts.append(f"header:{headers[SALT_HEADER]}")
+    auth = headers.get("Authorization", "")
+    if "api-key" in sources and auth.lower().startswith("bearer ") and auth[7:].strip():
+        parts.append(f"key:{auth[7:].strip()}")
+    if not parts:
+        return ""
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def strip_cache_info(data: Any) -> Any:
+    """The answer without what tells a client how much of its prompt was cached."""
+    if isinstance(data, dict):
+        data.pop("timings", None)
+        usage = data.get("usage")
+        if isinstance(usage, dict):
+            usage.pop("prompt_tokens_details", None)
+    return data
+
+
+def strip_cache_info_raw(raw: bytes) -> bytes:
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw
+    return orjson.dumps(strip_cache_info(data))
+
+
+class SseStripper:
+    """Rewrites an SSE stream line by line, dropping cache information from each event."""
+
+    def __init__(self) -> None:
+        self._partial = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()
+        return b"".join(self._line(line) + b"\n" for line in lines)
+
+    def flush(self) -> bytes:
+        rest, self._partial = self._partial, b""
+        return self._line(rest) if rest else b""
+
+    @staticmethod
+    def _line(line: bytes) -> bytes:
+        if line.startswith(b"data: ") and (b'"timings"' in line or b'"prompt_tokens_details"' in line):
+            return b"data: " + strip_cache_info_raw(line[6:])
+        return line
