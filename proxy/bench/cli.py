@@ -12,7 +12,8 @@ from typing import Any
 import click
 
 from proxy.bench.capacity import DEFAULT_PROBE_TIMEOUT_S, DEFAULT_STEP, DEFAULT_UPPER_FACTOR
-from proxy.bench.workloads import DEFAULT_ARMS, GENERATORS, Workload, make_workload
+from proxy.bench.spec import Workload
+from proxy.bench.workloads import DEFAULT_ARMS, GENERATORS, make_workload
 from proxy.cli.common import fail_cleanly
 from proxy.cli.options import BUILD_BACKENDS, model_option
 from proxy.errors import ConfigError

@@ -26,6 +26,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from proxy.errors import BuildError
 from proxy.native.archive import safe_extract
@@ -204,7 +205,7 @@ class _WorkTree:
             with staging_dir(self.src) as tmp, step("prepare build tree"):
                 shutil.copytree(pristine, tmp / "src", symlinks=True, ignore=_ignore_git)
                 os.replace(tmp / "src", self.src)
-        self.state: dict = json.loads(self.state_file.read_text()) if self.state_file.exists() else {}
+        self.state: dict[str, Any] = json.loads(self.state_file.read_text()) if self.state_file.exists() else {}
 
     def _save(self) -> None:
         self.state_file.write_text(json.dumps(self.state, indent=2))

@@ -19,6 +19,7 @@ from proxy.config import Config
 from proxy.core.payload import KvLayout, KvSegment
 from proxy.core.planner import Route
 from proxy.core.radix import RadixTree
+from proxy.core.resident import common_prefix
 from proxy.errors import FallbackCause, KvMoveError
 from proxy.server.coordinator import Coordinator, Lease, ServerState, SlotState
 from proxy.server.coordinator import scan as scan_module
@@ -208,7 +209,7 @@ async def test_an_unrelated_request_does_not_wait() -> None:
 
 async def test_common_prefixes_are_computed_once_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    real = scan_module.common_prefix
+    real = common_prefix
 
     def counting(a: np.ndarray, b: np.ndarray) -> int:
         calls.append(1)
