@@ -18,16 +18,18 @@ import json
 import struct
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 
 from proxy.native.launch import PROXY_SERVER_ARGS, ServerProcess, free_port
-from tests.conftest import ServerFactory
-from tests.helpers import NEAR_TIE_NATS, Reply, chat_body, request
+from tests.helpers import NEAR_TIE_NATS, Reply, ServerFactory, chat_body, request
 
 # Story text: greedy continuations of N_PREDICT tokens without an early end of text, and no
 # near-tie at the first tokens (measured), so that comparisons see every generated token.
@@ -492,6 +494,41 @@ BAD_CASES: dict[str, Callable[[BadCtx], Case]] = {
                                               400, "invalid_request_error", ("outside file",)),
     "export-file-dotdot": lambda b: ("POST", "/kvctl/export", {"slot": 0, "p0": 0, "p1": 1, "file": "../y.kv"},
                                      400, "invalid_request_error", ("invalid file name",)),
+    "export-file-with-slash": lambda b: ("POST", "/kvctl/export", {"slot": 0, "p0": 0, "p1": 1, "file": "a/b"},
+                                         400, "invalid_request_error", ("invalid file name",)),
+    "export-empty-range": lambda b: ("POST", "/kvctl/export", {"slot": 0, "p0": 3, "p1": 3}, 400,
+                                     "invalid_request_error", ("invalid range [3, 3)",)),
+    "export-slot-and-owner": lambda b: ("POST", "/kvctl/export",
+                                        {"slot": 0, "owner": b.m.caps["owner_ids"][0], "p0": 0, "p1": 1}, 400,
+                                        "invalid_request_error", ("exactly one",)),
+    "export-owner-is-the-scratch": lambda b: ("POST", "/kvctl/export",
+                                              {"owner": b.m.caps["owner_ids"][1], "p0": 0, "p1": 1}, 400,
+                                              "invalid_request_error", ("does not exist",)),
+    "export-p0-not-an-integer": lambda b: ("POST", "/kvctl/export", {"slot": 0, "p0": "0", "p1": 1}, 400,
+                                           "invalid_request_error", ("'p0' must be an integer",)),
+    "import-random-bytes": lambda b: ("POST", "/kvctl/import", b.imp(segments=[{"data": b64(bytes(range(256)) * 4)}]),
+                                      400, "invalid_request_error", ("segment 0",)),
+    "import-invalid-base64": lambda b: ("POST", "/kvctl/import", b.imp(segments=[{"data": "!!!"}]), 400,
+                                        "invalid_request_error", ("segment 0",)),
+    "import-segment-at-wrong-position": lambda b: ("POST", "/kvctl/import", b.imp(p0=1), 400,
+                                                   "invalid_request_error", ("segment 0",)),
+    "import-invalid-token-id": lambda b: ("POST", "/kvctl/import", b.imp(tokens=[-5] + b.m.tokens[1:]), 400,
+                                          "invalid_request_error", ("invalid token id",)),
+    "import-no-segments": lambda b: ("POST", "/kvctl/import", b.imp(segments=[]), 400, "invalid_request_error",
+                                     ("'segments' must be a non-empty array",)),
+    "import-segment-without-data": lambda b: ("POST", "/kvctl/import", b.imp(segments=[{}]), 400,
+                                              "invalid_request_error", ("segment 0 has no data",)),
+    "import-missing-file": lambda b: ("POST", "/kvctl/import", b.imp(segments=[{"file": "no-such.kv", "size": 10}]),
+                                      400, "invalid_request_error", ("no-such.kv",)),
+    "import-file-without-size": lambda b: ("POST", "/kvctl/import", b.imp(segments=[{"file": "whole.kv"}]), 400,
+                                           "invalid_request_error", ("'size'",)),
+    "publish-n-beyond-slot": lambda b: ("POST", "/kvctl/publish",
+                                        {"slot": 0, "owner": b.m.caps["owner_ids"][0], "n": b.m.n + 1}, 400,
+                                        "invalid_request_error", (f"invalid n = {b.m.n + 1}",)),
+    "attach-empty-owner": lambda b: ("POST", "/kvctl/attach", {"owner": b.m.caps["owner_ids"][0], "slot": 1}, 400,
+                                     "invalid_request_error", ("holds 0 tokens",)),
+    "release-owner-is-a-slot": lambda b: ("POST", "/kvctl/release", {"owner": 0}, 400, "invalid_request_error",
+                                          ("owner 0 does not exist",)),
 }
 
 
@@ -689,3 +726,172 @@ def test_cache_reuse_and_lora_are_refused(moved: Moved, case: str) -> None:
 def test_lora_adapter_change_is_refused(moved: Moved, off_server: ServerProcess) -> None:
     assert_error(call(moved.url, "POST", "/lora-adapters", []), 400, "invalid_request_error", "lora", "--kvctl")
     assert call(off_server.url, "POST", "/lora-adapters", []).status == 200
+
+
+# --- 9. transports, owner parts, moves next to a generating slot --------------------------------
+
+def call_raw(url: str, path: str, data: bytes, headers: dict[str, str]) -> tuple[int, Any, bytes]:
+    """POST with a raw body: (status, headers, raw body), for binary replies."""
+    req = urllib.request.Request(url + path, data=data, method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=180) as resp:
+            return resp.status, resp.headers, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers, err.read()
+
+
+def fnv1a64(tokens: list[int]) -> str:
+    """The documented token hash: FNV-1a 64 over the little-endian int32 token ids."""
+    h = 0xCBF29CE484222325
+    for t in tokens:
+        for byte in (t & 0xFFFFFFFF).to_bytes(4, "little"):
+            h = ((h ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return f"{h:016x}"
+
+
+def test_msgpack_and_octet_stream(moved: Moved) -> None:
+    url, n = moved.url, moved.n
+    a = n // 2
+    reset(url)
+    import_(url, moved.compat, 0, 0, n, moved.tokens, [moved.blob])
+    s1, s2 = export(url, 0, a), export(url, a, n)
+    as_json = {"Content-Type": "application/json"}
+    as_msgpack = {"Content-Type": "application/msgpack"}
+
+    # a msgpack request gets a msgpack reply, the payload as binary
+    status, headers, data = call_raw(url, "/kvctl/export", msgpack.packb({"slot": 0, "p0": 0, "p1": a}), as_msgpack)
+    assert status == 200 and headers["Content-Type"].startswith("application/msgpack")
+    reply = msgpack.unpackb(data, raw=False)
+    assert reply["data"] == s1 and (reply["size"], reply["p0"], reply["p1"]) == (len(s1), 0, a)
+
+    # so does a JSON request that accepts msgpack
+    status, headers, data = call_raw(url, "/kvctl/export", json.dumps({"slot": 0, "p0": a, "p1": n}).encode(),
+                                     {**as_json, "Accept": "application/msgpack"})
+    assert status == 200 and msgpack.unpackb(data, raw=False)["data"] == s2
+
+    # the raw payload, its description in a header
+    status, headers, data = call_raw(url, "/kvctl/export", json.dumps({"slot": 0, "p0": a, "p1": n}).encode(),
+                                     {**as_json, "Accept": "application/octet-stream"})
+    assert status == 200 and headers["Content-Type"] == "application/octet-stream" and data == s2
+    meta = json.loads(headers["X-Kvctl-Meta"])
+    assert (meta["p0"], meta["p1"], meta["size"], meta["compat_id"]) == (a, n, len(s2), moved.caps["compat_id"])
+
+    # a msgpack import of two binary segments, compat given as compat_id
+    erase(url, 0)
+    body = {"slot": 0, "p0": 0, "p1": n, "tokens": moved.tokens, "compat": moved.caps["compat_id"],
+            "segments": [{"data": s1}, {"data": s2}]}
+    status, headers, data = call_raw(url, "/kvctl/import", msgpack.packb(body, use_bin_type=True), as_msgpack)
+    assert status == 200 and headers["Content-Type"].startswith("application/msgpack")
+    assert msgpack.unpackb(data, raw=False)["n_tokens"] == n
+    assert export(url, 0, n) == moved.blob
+
+    # [a, n) on top of a slot that holds more than [0, a): its tail is replaced
+    assert import_(url, moved.compat, 0, a, n, moved.tokens, [s2])["n_cells"] == n
+    assert slot_info(url, 0)["tokens"] == moved.tokens
+    assert export(url, 0, n) == moved.blob
+
+    # a msgpack error keeps llama-server's JSON error shape
+    status, _, data = call_raw(url, "/kvctl/import", msgpack.packb({**body, "slot": 9}, use_bin_type=True), as_msgpack)
+    assert status == 400 and json.loads(data)["error"]["code"] == 400
+
+
+def test_malformed_requests(moved: Moved) -> None:
+    url = moved.url
+    as_json = {"Content-Type": "application/json"}
+    status, _, data = call_raw(url, "/kvctl/import", b"{not json", as_json)
+    assert status == 400 and "invalid request" in json.loads(data)["error"]["message"]
+    assert_error(call(url, "POST", "/kvctl/import", [1, 2]), 400, "invalid_request_error", "must be an object")
+    assert call(url, "GET", "/kvctl/nothing").status == 404
+
+
+def test_attach_part_then_import_on_top(moved: Moved) -> None:
+    url, n = moved.url, moved.n
+    a = n // 2
+    reset(url)
+    owner = moved.caps["owner_ids"][0]
+    import_(url, moved.compat, 0, 0, n, moved.tokens, [moved.blob])
+    s2 = export(url, a, n)
+    ok(url, "POST", "/kvctl/publish", {"slot": 0, "owner": owner, "n": n})
+    erase(url, 0)
+
+    # the first m tokens of the owner
+    res = ok(url, "POST", "/kvctl/attach", {"owner": owner, "slot": 1, "m": a})
+    assert (res["id"], res["owner"], res["n_tokens"], res["n_cells"]) == (1, owner, a, a)
+    info = slot_info(url, 1)
+    assert info["tokens"] == moved.tokens[:a] and (info["pos_min"], info["pos_max"]) == (0, a - 1)
+
+    # then [a, n) imported on top: the attached part stays shared with the owner
+    res = import_(url, moved.compat, 1, a, n, moved.tokens, [s2])
+    assert (res["n_tokens"], res["n_cells"]) == (n, n)
+    assert export(url, 0, n, slot=1) == moved.blob
+    c = cells(url)
+    assert c["seq"] == {"1": n, str(owner): n}
+    assert (c["used"], c["owner_only"]) == (n + (n - a), n - a)
+    assert ok(url, "GET", "/kvctl/slots")["slots"][1]["tokens_hash"] == fnv1a64(moved.tokens)
+
+    # the imported cells sit elsewhere than in the slot the KV came from: same tokens up to a near-tie
+    out = complete(url, moved.request, slot=1)
+    assert out.cache_n == n
+    assert_same_or_near_tie(out, moved.ref)
+
+    ok(url, "POST", "/kvctl/release", {"owner": owner})
+    erase(url, 1)
+    c = cells(url)
+    assert (c["used"], c["owner"], c["logical"]) == (0, 0, 0)
+    assert ok(url, "GET", "/kvctl/slots")["owners"] == []
+
+
+def holding_the_moved_kv(m: Moved) -> None:
+    """Slot 0 back to the moved KV, after tests that erase it."""
+    if slot_info(m.url, 0)["tokens"] != m.tokens:
+        reset(m.url)
+        import_(m.url, m.compat, 0, 0, m.n, m.tokens, [m.blob])
+
+
+def test_export_replaces_a_symlink(bad: BadCtx) -> None:
+    m = bad.m
+    holding_the_moved_kv(m)
+    link = m.dir / "link.kv"
+    target = link.resolve()
+    assert link.is_symlink()
+    try:
+        res = ok(m.url, "POST", "/kvctl/export", {"slot": 0, "p0": 0, "p1": 1, "file": "link.kv"})
+        assert res["file"] == "link.kv"
+        assert not link.is_symlink() and link.read_bytes() == export(m.url, 0, 1)
+        assert target.read_bytes() == m.blob  # not written through the link
+    finally:
+        link.unlink()
+        link.symlink_to(target)
+
+
+def test_import_next_to_a_generating_slot(bad: BadCtx) -> None:
+    m = bad.m
+    url = m.url
+    holding_the_moved_kv(m)
+    busy = 3
+    erase(url, busy)
+    body = json.dumps({"prompt": PROMPT, "id_slot": busy, "cache_prompt": True, "temperature": 0,
+                       "n_predict": 2000, "ignore_eos": True, "stream": True})
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    try:
+        assert resp.status == 200
+        resp.readline()  # the first streamed chunk: the slot is generating
+        # the other slots move between two decodes
+        erase(url, 0)
+        import_(url, m.compat, 0, 0, m.n, m.tokens, [m.blob])
+        assert export(url, 0, m.n) == m.blob
+        assert slot_info(url, busy)["busy"]
+    finally:
+        conn.close()  # the server cancels the generation
+    deadline = time.monotonic() + 60
+    while slot_info(url, busy)["busy"]:
+        assert time.monotonic() < deadline, "the cancelled generation did not stop"
+        time.sleep(0.1)
+    erase(url, busy)
+    # the imported cells may sit elsewhere: the slot is reused, the answer equal up to a near-tie
+    out = complete(url, m.request, slot=0)
+    assert out.cache_n == m.n
+    assert_same_or_near_tie(out, m.ref)
