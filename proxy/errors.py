@@ -111,6 +111,8 @@ class FallbackCause(StrEnum):
     PUBLISH = "publish"  # recording a finished prompt as a resident prefix
     RELEASE = "release"  # freeing a resident prefix's owner sequence
     ERASE = "erase"  # clearing a slot that holds another cache-isolation key's KV
+    INSTANCE = "instance"  # the server behind the URL restarted (another instance id): its state is gone
+    CONFLICT = "conflict"  # the server's slot no longer holds the tokens the move names (409)
 
 
 class KvMoveError(RadixError):
