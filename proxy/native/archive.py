@@ -23,8 +23,14 @@ from proxy.native.fetch import Progress
 HAS_DATA_FILTER = hasattr(tarfile, "data_filter")
 
 
-def safe_extract(archive: tarfile.TarFile, dest: Path, members: Iterable[tarfile.TarInfo], *,
-                 use_filter: bool = HAS_DATA_FILTER, what: str = "extract") -> int:
+def safe_extract(
+    archive: tarfile.TarFile,
+    dest: Path,
+    members: Iterable[tarfile.TarInfo],
+    *,
+    use_filter: bool = HAS_DATA_FILTER,
+    what: str = "extract",
+) -> int:
     """Extract ``members`` under ``dest``; return the bytes written. Refuses unsafe members."""
     members = list(members)
     progress = Progress(what, total=sum(m.size for m in members if m.isfile()))
@@ -36,8 +42,9 @@ def safe_extract(archive: tarfile.TarFile, dest: Path, members: Iterable[tarfile
     return progress.done
 
 
-def _checked(members: list[tarfile.TarInfo], root: Path, progress: Progress,
-             rewrite: bool) -> Iterator[tarfile.TarInfo]:
+def _checked(
+    members: list[tarfile.TarInfo], root: Path, progress: Progress, rewrite: bool
+) -> Iterator[tarfile.TarInfo]:
     # Lazy on purpose: extractall extracts each member before asking for the next, so the
     # realpath checks see the symlinks earlier members created.
     done = 0
@@ -86,6 +93,7 @@ def _as_data(member: tarfile.TarInfo) -> tarfile.TarInfo:
 
 
 def _refuse(member: tarfile.TarInfo, why: str) -> None:
-    raise BuildError(f"unsafe archive member {member.name!r}: {why}; extraction stopped",
-                     fix="the archive is damaged or not the pinned file: delete it from the cache's "
-                     "downloads/ and retry")
+    raise BuildError(
+        f"unsafe archive member {member.name!r}: {why}; extraction stopped",
+        fix="the archive is damaged or not the pinned file: delete it from the cache's downloads/ and retry",
+    )

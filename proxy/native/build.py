@@ -74,7 +74,9 @@ class BuildSpec:
         if self.backend not in BACKENDS:
             raise BuildError(f"unknown backend {self.backend!r}", fix=f"use one of {', '.join(BACKENDS)}")
         if self.fault_injection and self.variant != "patched":
-            raise BuildError("fault injection exists only in the patched server", fix="drop --fault-injection")
+            raise BuildError(
+                "fault injection exists only in the patched server", fix="drop --fault-injection"
+            )
 
 
 def repo_root() -> Path:
@@ -103,8 +105,10 @@ def _series() -> list[Path]:
     """The series for a patched build; never empty, so it can not silently be a stock one."""
     found = patch_files()
     if not found:
-        raise BuildError(f"no llama-server patch series in {patch_dir()}",
-                         fix=f"run from the project checkout, or set RADIX_PATCH_DIR to its {PATCH_SUBDIR}")
+        raise BuildError(
+            f"no llama-server patch series in {patch_dir()}",
+            fix=f"run from the project checkout, or set RADIX_PATCH_DIR to its {PATCH_SUBDIR}",
+        )
     return found
 
 
@@ -128,9 +132,15 @@ def build_server(spec: BuildSpec) -> Path:
         tree.compile(spec.jobs)
         with staging_dir(out_dir) as tmp:
             shutil.copy2(tree.build / "bin" / "llama-server", tmp / "llama-server")
-            info = {"variant": spec.variant, "backend": spec.backend, "cmake_args": args,
-                    "patches": [p.name for p in patches], "source": LLAMA_CPP.filename,
-                    "commit": LLAMA_CPP.commit, "built_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            info = {
+                "variant": spec.variant,
+                "backend": spec.backend,
+                "cmake_args": args,
+                "patches": [p.name for p in patches],
+                "source": LLAMA_CPP.filename,
+                "commit": LLAMA_CPP.commit,
+                "built_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            }
             (tmp / "build.json").write_text(json.dumps(info, indent=2))
             os.replace(tmp, out_dir)
     say(f"{spec.variant} llama-server ready: {binary}")
@@ -167,8 +177,10 @@ def _check_tools() -> None:
     if not any(shutil.which(cxx) for cxx in ("c++", "g++", "clang++")):
         missing.append("a C++ compiler")
     if missing:
-        raise BuildError(f"cannot build llama-server: {', '.join(missing)} not found",
-                         fix="install them, e.g. `apt-get install -y cmake git build-essential ninja-build`")
+        raise BuildError(
+            f"cannot build llama-server: {', '.join(missing)} not found",
+            fix="install them, e.g. `apt-get install -y cmake git build-essential ninja-build`",
+        )
 
 
 def _pristine_source() -> Path:
@@ -176,15 +188,17 @@ def _pristine_source() -> Path:
     with file_lock(final.parent / f".{final.name}.lock"):
         if final.exists():
             return final
-        sdist = pip_download(f"{LLAMA_CPP.package}=={LLAMA_CPP.version}", LLAMA_CPP.filename,
-                             LLAMA_CPP.sha256, sdist=True)
+        sdist = pip_download(
+            f"{LLAMA_CPP.package}=={LLAMA_CPP.version}", LLAMA_CPP.filename, LLAMA_CPP.sha256, sdist=True
+        )
         with staging_dir(final) as tmp, step(f"extract llama.cpp {LLAMA_CPP.commit} into {final}"):
             prefix = LLAMA_CPP.subdir + "/"
             with tarfile.open(sdist) as archive:
                 # The vendored tree's `.git` is a submodule pointer to a directory the
                 # sdist lacks; git would treat it as a broken repository.
-                members = [m for m in archive.getmembers()
-                           if m.name.startswith(prefix) and m.name != prefix + ".git"]
+                members = [
+                    m for m in archive.getmembers() if m.name.startswith(prefix) and m.name != prefix + ".git"
+                ]
                 if not members:
                     raise BuildError(f"{sdist.name} has no {LLAMA_CPP.subdir}", fix="check the source pin")
                 safe_extract(archive, tmp, members, what="extract")
@@ -205,7 +219,9 @@ class _WorkTree:
             with staging_dir(self.src) as tmp, step("prepare build tree"):
                 shutil.copytree(pristine, tmp / "src", symlinks=True, ignore=_ignore_git)
                 os.replace(tmp / "src", self.src)
-        self.state: dict[str, Any] = json.loads(self.state_file.read_text()) if self.state_file.exists() else {}
+        self.state: dict[str, Any] = (
+            json.loads(self.state_file.read_text()) if self.state_file.exists() else {}
+        )
 
     def _save(self) -> None:
         self.state_file.write_text(json.dumps(self.state, indent=2))
@@ -218,8 +234,9 @@ class _WorkTree:
         touched: list[str] = []
         for patch in patches:
             touched += self._git_apply(["--numstat"], patch).split("\n")
-        self.state.update(touched=[line.split("\t")[-1] for line in touched if line.strip()],
-                          patches=None, dirty=True)
+        self.state.update(
+            touched=[line.split("\t")[-1] for line in touched if line.strip()], patches=None, dirty=True
+        )
         self._save()
         for patch in patches:
             self._git_apply(["--check"], patch)
@@ -242,14 +259,17 @@ class _WorkTree:
     def _git_apply(self, flags: list[str], patch: Path) -> str:
         # The ceiling keeps git from treating an enclosing repository as the patch root.
         env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(self.root))
-        proc = subprocess.run(["git", "apply", *flags, str(patch)], cwd=self.src, env=env,
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            ["git", "apply", *flags, str(patch)], cwd=self.src, env=env, capture_output=True, text=True
+        )
         if proc.returncode != 0:
             detail = " | ".join(proc.stderr.strip().splitlines()[:6])
             self._restore()
-            raise BuildError(f"patch {patch.name} does not apply to llama.cpp {LLAMA_CPP.commit}: {detail}",
-                             fix="rebase the series with `radixctl patch checkout` / `radixctl patch export` "
-                             "(see native/llama-server-patch/README.md)")
+            raise BuildError(
+                f"patch {patch.name} does not apply to llama.cpp {LLAMA_CPP.commit}: {detail}",
+                fix="rebase the series with `radixctl patch checkout` / `radixctl patch export` "
+                "(see native/llama-server-patch/README.md)",
+            )
         return proc.stdout
 
     def configure(self, args: list[str]) -> None:
@@ -257,15 +277,22 @@ class _WorkTree:
             return
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
         with step("cmake configure"):
-            _run_logged(["cmake", "-S", str(self.src), "-B", str(self.build), *generator, *args],
-                        "cmake configure failed", self.root / "configure.log")
+            _run_logged(
+                ["cmake", "-S", str(self.src), "-B", str(self.build), *generator, *args],
+                "cmake configure failed",
+                self.root / "configure.log",
+            )
         self.state["configured"] = args
         self._save()
 
     def compile(self, jobs: int) -> None:
         with step(f"compile llama-server (-j {jobs})"):
-            _run_logged(["cmake", "--build", str(self.build), "--target", "llama-server", "-j", str(jobs)],
-                        "compiling llama-server failed", self.root / "build.log", progress=True)
+            _run_logged(
+                ["cmake", "--build", str(self.build), "--target", "llama-server", "-j", str(jobs)],
+                "compiling llama-server failed",
+                self.root / "build.log",
+                progress=True,
+            )
 
 
 def _ignore_git(directory: str, names: list[str]) -> set[str]:
@@ -287,7 +314,11 @@ def _run_logged(cmd: list[str], what: str, log_path: Path, progress: bool = Fals
             tail.append(line.rstrip())
             match = _PROGRESS.match(line) if progress else None
             if match:
-                pct = int(match.group(3)) if match.group(3) else 100 * int(match.group(1)) // int(match.group(2))
+                pct = (
+                    int(match.group(3))
+                    if match.group(3)
+                    else 100 * int(match.group(1)) // int(match.group(2))
+                )
                 now = time.monotonic()
                 if pct >= last_pct + 10 or now - last_report > 30:
                     say(f"  compile {pct:3d}%  ({now - started:.0f} s)")
@@ -295,5 +326,6 @@ def _run_logged(cmd: list[str], what: str, log_path: Path, progress: bool = Fals
         code = proc.wait()
     if code != 0:
         errors = [line for line in tail if "error" in line.lower()] or list(tail)[-8:]
-        raise BuildError(f"{what} (exit {code}): " + " | ".join(errors[-8:]),
-                         fix=f"see the full log at {log_path}")
+        raise BuildError(
+            f"{what} (exit {code}): " + " | ".join(errors[-8:]), fix=f"see the full log at {log_path}"
+        )

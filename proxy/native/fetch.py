@@ -117,8 +117,17 @@ def pip_download(requirement: str, filename: str, sha256: str, *, sdist: bool) -
         if final.exists() and sha256_file(final) == sha256:
             return final
         with staging_dir(final) as tmp, step(f"download {requirement} into {downloads}"):
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                   "-d", str(tmp), requirement]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--disable-pip-version-check",
+                "-d",
+                str(tmp),
+                requirement,
+            ]
             # Only this package as source: `--no-binary :all:` also reaches pip's build
             # dependencies (it prepares the sdist's metadata), and on an empty pip cache it
             # builds scikit-build-core, hatchling, setuptools... from source, minutes long.
@@ -157,8 +166,9 @@ def _run_pip(cmd: list[str], filename: str, workdir: Path, log_path: Path) -> in
     workdir.mkdir()
     progress = Progress(f"download {filename}")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, TMPDIR=str(workdir)))
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, TMPDIR=str(workdir))
+        )
         try:
             while True:
                 try:
@@ -174,8 +184,9 @@ def _run_pip(cmd: list[str], filename: str, workdir: Path, log_path: Path) -> in
                 proc.wait()
 
 
-def _poll_download(progress: Progress, workdir: Path, log_path: Path, filename: str,
-                   finished: bool = False) -> None:
+def _poll_download(
+    progress: Progress, workdir: Path, log_path: Path, filename: str, finished: bool = False
+) -> None:
     if progress.total is None:
         match = _PIP_SIZE.search(log_path.read_text(errors="replace"))
         progress.total = int(float(match.group(1)) * _UNITS[match.group(2)]) if match else None

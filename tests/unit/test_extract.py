@@ -18,18 +18,32 @@ from proxy.errors import BuildError
 from proxy.native.archive import HAS_DATA_FILTER, safe_extract
 from proxy.native.fetch import Progress
 
-pytestmark = [pytest.mark.unit,
-              # Without a filter, Python 3.12 and 3.13 warn that 3.14 will filter by default.
-              pytest.mark.filterwarnings("ignore:Python 3.14 will:DeprecationWarning")]
+pytestmark = [
+    pytest.mark.unit,
+    # Without a filter, Python 3.12 and 3.13 warn that 3.14 will filter by default.
+    pytest.mark.filterwarnings("ignore:Python 3.14 will:DeprecationWarning"),
+]
 
-BRANCHES = [pytest.param(False, id="fallback"),
-            pytest.param(True, id="data-filter",
-                         marks=pytest.mark.skipif(not HAS_DATA_FILTER, reason="no tarfile data filter here"))]
+BRANCHES = [
+    pytest.param(False, id="fallback"),
+    pytest.param(
+        True,
+        id="data-filter",
+        marks=pytest.mark.skipif(not HAS_DATA_FILTER, reason="no tarfile data filter here"),
+    ),
+]
 
 
 def _file(name: str, data: bytes = b"x", mode: int = 0o644) -> tuple[tarfile.TarInfo, bytes]:
     info = tarfile.TarInfo(name)
-    info.size, info.mode, info.uid, info.gid, info.uname, info.gname = len(data), mode, 4242, 4242, "nobody", "nogroup"
+    info.size, info.mode, info.uid, info.gid, info.uname, info.gname = (
+        len(data),
+        mode,
+        4242,
+        4242,
+        "nobody",
+        "nogroup",
+    )
     return info, data
 
 
@@ -75,8 +89,11 @@ UNSAFE = {
     "hardlink-outside": [_link("pkg/passwd", "../etc/passwd", tarfile.LNKTYPE)],
     "hardlink-absolute": [_link("pkg/passwd", "/etc/passwd", tarfile.LNKTYPE)],
     # Each link is harmless alone; together `pkg/a/b` resolves to dest's parent.
-    "symlink-chain": [_link("pkg/a", ".", tarfile.SYMTYPE), _link("pkg/a/b", "../..", tarfile.SYMTYPE),
-                      _file("pkg/a/b/escape.txt")],
+    "symlink-chain": [
+        _link("pkg/a", ".", tarfile.SYMTYPE),
+        _link("pkg/a/b", "../..", tarfile.SYMTYPE),
+        _file("pkg/a/b/escape.txt"),
+    ],
     "char-device": [_special("pkg/null", tarfile.CHRTYPE)],
     "block-device": [_special("pkg/disk", tarfile.BLKTYPE)],
     "fifo": [_special("pkg/pipe", tarfile.FIFOTYPE)],

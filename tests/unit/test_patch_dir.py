@@ -20,7 +20,8 @@ def test_a_patched_build_refuses_an_empty_series(tmp_path: Path, monkeypatch: py
 
 
 def test_after_a_plain_pip_install_the_series_comes_from_the_checkout_in_cwd(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("RADIX_PATCH_DIR", raising=False)
     monkeypatch.setattr(build, "repo_root", lambda: tmp_path / "site-packages")
     (tmp_path / "checkout" / PATCH_SUBDIR).mkdir(parents=True)

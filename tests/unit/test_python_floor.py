@@ -40,6 +40,12 @@ def test_no_api_newer_than_the_floor() -> None:
     if vermin is None:
         pytest.skip("vermin is not installed (it is in the test extra: pip install -e '.[test]')")
     major, minor = _floor()
-    proc = subprocess.run([vermin, "-q", "--no-tips", "--violations", f"--target={major}.{minor}-",
-                           "proxy", "tests"], cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 0, f"code needs a Python newer than {major}.{minor}:\n{proc.stdout}{proc.stderr}"
+    proc = subprocess.run(
+        [vermin, "-q", "--no-tips", "--violations", f"--target={major}.{minor}-", "proxy", "tests"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, (
+        f"code needs a Python newer than {major}.{minor}:\n{proc.stdout}{proc.stderr}"
+    )
