@@ -43,6 +43,21 @@ class Config:
     cache_info: bool = True
     # Prompt text (previews, divergence) in /radix admin answers; token counts only when off.
     admin_show_text: bool = False
+    # Admission: requests waiting for a slot (0: four per slot), and how long one may wait.
+    max_queue: int = 0
+    queue_timeout_s: float = 60.0
+    # The longest a request waits for another request holding its prefix (fan-out, next turn).
+    fanout_wait_s: float = 10.0
+    # Deadline of the save after an answer; the slot is released (emptied if unknown) after it.
+    finish_timeout_s: float = 30.0
+    # Health checks of every server (GET /health and /kvctl/caps), seconds between rounds.
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 2.0
+    # A streamed answer is read from the server into this buffer, so a slow client does not hold
+    # the slot; a client that falls further behind is cut.
+    stream_buffer_bytes: int = 8 << 20
+    # On the first SIGTERM/SIGINT, in-flight requests get this long to finish.
+    shutdown_grace_s: float = 30.0
 
     @property
     def cache_bytes(self) -> int:

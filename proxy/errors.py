@@ -15,6 +15,7 @@ class RadixError(Exception):
 
     status: int = 500
     err_type: str = "server_error"
+    retry_after_s: float | None = None  # sent as Retry-After when set
 
     def __init__(self, message: str, *, status: int | None = None, err_type: str | None = None) -> None:
         super().__init__(message)
@@ -77,6 +78,15 @@ class Unavailable(RadixError):
 
     status = 503
     err_type = "unavailable_error"
+    retry_after_s = 1.0
+
+
+class TooManyRequests(RadixError):
+    """The wait queue is full."""
+
+    status = 429
+    err_type = "unavailable_error"
+    retry_after_s = 1.0
 
 
 class BackendError(RadixError):
@@ -113,6 +123,7 @@ class FallbackCause(StrEnum):
     ERASE = "erase"  # clearing a slot that holds another cache-isolation key's KV
     INSTANCE = "instance"  # the server behind the URL restarted (another instance id): its state is gone
     CONFLICT = "conflict"  # the server's slot no longer holds the tokens the move names (409)
+    TIMEOUT = "timeout"  # a KV move or the save after an answer ran past its deadline
 
 
 class KvMoveError(RadixError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -21,11 +22,14 @@ from prometheus_client import CollectorRegistry
 from proxy.config import Config
 from proxy.errors import BackendError, ConfigError, RadixError, TooLarge
 from proxy.server.admin import add_admin_routes
+from proxy.server.health import HealthMonitor
 from proxy.server.observe import summary_loop
 from proxy.server.recorder import Recorder
 from proxy.server.routes import add_catch_all, add_routes
 from proxy.server.runtime import RUNTIME, Runtime
 from proxy.server.startup import create_runtime
+
+log = logging.getLogger("radix")
 
 CONFIG: web.AppKey[Config] = web.AppKey("config", Config)
 REGISTRY: web.AppKey[CollectorRegistry] = web.AppKey("registry", CollectorRegistry)
@@ -36,7 +40,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def error_response(exc: RadixError) -> web.Response:
     """The one renderer: llama-server's error shape."""
-    return web.Response(body=orjson.dumps(exc.to_body()), status=exc.status, content_type="application/json")
+    headers = {"Retry-After": f"{exc.retry_after_s:.0f}"} if exc.retry_after_s is not None else None
+    return web.Response(body=orjson.dumps(exc.to_body()), status=exc.status, content_type="application/json",
+                        headers=headers)
 
 
 @web.middleware
@@ -61,7 +67,7 @@ def build_app(config: Config, registry: CollectorRegistry | None = None) -> web.
     app = web.Application(middlewares=[errors_middleware], client_max_size=config.max_body_mib * 1024 * 1024)
     app[CONFIG] = config
     app[REGISTRY] = registry if registry is not None else CollectorRegistry()
-    app.cleanup_ctx.extend([_session_ctx, _recorder_ctx, _runtime_ctx, _summary_ctx])
+    app.cleanup_ctx.extend([_session_ctx, _recorder_ctx, _runtime_ctx, _health_ctx, _summary_ctx])
     add_routes(app)
     add_admin_routes(app)
     add_catch_all(app)
@@ -95,7 +101,21 @@ async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        await runtime.drain()
+        # Saves end by themselves (each under finish_timeout_s); this bounds the wait for all.
+        if not await runtime.drain(app[CONFIG].finish_timeout_s + 5):
+            log.warning("shutdown: background saves still running after the deadline were abandoned")
+
+
+async def _health_ctx(app: web.Application) -> AsyncIterator[None]:
+    runtime, config = app[RUNTIME], app[CONFIG]
+    runtime.health = HealthMonitor(runtime.coordinator, config.health_interval_s, config.health_timeout_s)
+    task = asyncio.get_running_loop().create_task(runtime.health.run())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def _summary_ctx(app: web.Application) -> AsyncIterator[None]:

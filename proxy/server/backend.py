@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import base64
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import aiohttp
 import msgpack
+import numpy as np
 import orjson
 
+from proxy.core.payload import tokens_sha256
 from proxy.errors import BackendError, FallbackCause, KvMoveError
+
+log = logging.getLogger("radix")
 
 # llama-server's HTTP library closes a kept-alive connection after a few idle seconds or
 # 100 requests; a request sent on such a connection fails before the server read it, so
@@ -26,6 +31,10 @@ class Backend:
         self.url = url.rstrip("/")
         self.session = session
         self._auth = {"Authorization": f"Bearer {kvctl_key}"} if kvctl_key else {}
+        # The server process's random id (from the first /kvctl reply, normally caps): a reply
+        # with another id comes from a restarted server whose KV and slot state are gone.
+        self.instance: str | None = None
+        self._instance_logged = False
 
     # ---- plain server API -------------------------------------------------------------
 
@@ -80,12 +89,36 @@ class Backend:
 
     # ---- /kvctl -----------------------------------------------------------------------
 
+    def check_instance(self, reply: Any, route: str) -> None:
+        """Refuse a reply from another server process than the one first seen at this URL."""
+        got = reply.get("instance") if isinstance(reply, dict) else None
+        if not isinstance(got, str):
+            return
+        if self.instance is None:
+            self.instance = got
+        elif got != self.instance:
+            if not self._instance_logged:
+                self._instance_logged = True
+                log.error("%s: llama-server restarted (instance %s, was %s): its KV state is gone; "
+                          "refusing its /kvctl replies", self.url, got, self.instance)
+            raise KvMoveError(FallbackCause.INSTANCE,
+                              f"/kvctl/{route}: another server instance ({got}, expected {self.instance})")
+
     async def kv_get(self, route: str, params: Mapping[str, str] | None = None) -> Any:
         try:
             async with self.request("GET", f"/kvctl/{route}", params=params, headers=self._auth) as resp:
-                return await self._json(resp, f"/kvctl/{route}")
+                raw = await resp.read()
+                status = resp.status
         except aiohttp.ClientError as exc:
             raise KvMoveError(FallbackCause.TRANSPORT, f"/kvctl/{route}: {exc}") from exc
+        try:
+            data = orjson.loads(raw) if raw else {}
+        except orjson.JSONDecodeError:
+            data = {"error": {"message": raw[:200].decode(errors="replace")}}
+        self.check_instance(data, route)
+        if status >= 400:
+            raise backend_error(status, data, f"/kvctl/{route}")
+        return data
 
     async def kv_post(self, route: str, body: Mapping[str, Any], cause: FallbackCause) -> Any:
         """POST a /kvctl operation; a refusal becomes a KvMoveError naming ``cause``."""
@@ -107,6 +140,10 @@ class Backend:
                 orjson.loads(raw) if raw else {})
         except (ValueError, msgpack.UnpackException) as exc:
             raise KvMoveError(cause, f"/kvctl/{route}: unreadable reply ({exc})") from exc
+        self.check_instance(reply, route)
+        if status == 409:
+            # the slot or owner does not hold what the move names (or is busy): nothing changed
+            cause = FallbackCause.CONFLICT
         if status >= 400:
             message = (reply.get("error") or {}).get("message", str(reply)) if isinstance(reply, dict) else reply
             raise KvMoveError(cause, f"/kvctl/{route} answered {status}: {message}")
@@ -121,8 +158,10 @@ class Backend:
     async def cells(self) -> dict[str, Any]:
         return dict(await self.kv_get("cells"))
 
-    async def export(self, seq: Mapping[str, int], p0: int, p1: int, file: str | None) -> dict[str, Any]:
-        body: dict[str, Any] = {**seq, "p0": p0, "p1": p1}
+    async def export(self, seq: Mapping[str, int], p0: int, tokens: Sequence[int] | np.ndarray,
+                     file: str | None) -> dict[str, Any]:
+        """Export ``[p0, len(tokens))`` of a sequence that must hold ``tokens`` (else 409: CONFLICT)."""
+        body: dict[str, Any] = {**seq, "p0": p0, "p1": len(tokens), "expect_sha256": tokens_sha256(tokens)}
         if file:
             body["file"] = file
         reply = dict(await self.kv_post("export", body, cause=FallbackCause.EXPORT))

@@ -30,6 +30,7 @@ ROUTES = tuple(r.value for r in Route)
 SHARE_PATHS = {Route.A: "a", Route.S: "s", Route.H: "h", Route.AH: "h", Route.SH: "h", Route.PREFILL: "prefill"}
 FALLBACK_CAUSES = tuple(c.value for c in FallbackCause)
 DIRECTIONS = ("export", "import")
+REJECT_REASONS = ("queue_full", "queue_timeout", "shutting_down")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 
 # GET /kvctl/cells field -> pool gauge (all per server, in KV cells).
@@ -84,6 +85,10 @@ class Metrics:
         self.e2e = Histogram(f"{ns}_request_seconds", "End-to-end request time", ["route", "server"],
                              buckets=_LATENCY_BUCKETS, registry=registry)
         # By server only: the route is chosen when the slot is granted, i.e. when the wait ends.
+        self.queue_length = Gauge(f"{ns}_queue_length", "Requests waiting: for a free slot, or for a request in "
+                                  "flight that holds their prefix (fan-out)", registry=registry)
+        self.rejected = Counter(f"{ns}_rejected_requests", "Requests refused by admission, by reason",
+                                ["reason"], registry=registry)
         self.queue_wait = Histogram(f"{ns}_queue_wait_seconds", "Wait for a free slot", ["server"],
                                     buckets=_LATENCY_BUCKETS, registry=registry)
         self.prompt_tokens = Counter(f"{ns}_prompt_tokens", "Prompt tokens of steered requests", registry=registry)
@@ -173,6 +178,8 @@ class Metrics:
             self.route_tokens.labels(route)
         for cause in FALLBACK_CAUSES:
             self.fallbacks.labels(cause)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason)
         for direction in DIRECTIONS:
             self.kv_move_bytes.labels(direction)
             self.kv_move_seconds.labels(direction)

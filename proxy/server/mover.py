@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from proxy.core.payload import KvLayout, KvSegment, blob_size, parse_blob, write_blob
 from proxy.errors import FallbackCause, KvMoveError, PayloadError
 from proxy.server.backend import Backend
@@ -37,12 +39,16 @@ class KvMover:
     def _new_name(self) -> str:
         return f"radix-{os.getpid()}-{next(_names)}.kv"
 
-    async def export(self, seq: dict[str, int], p0: int, p1: int) -> KvSegment:
-        """The KV of positions ``[p0,p1)`` of a slot's or owner's sequence, verified."""
+    async def export(self, seq: dict[str, int], p0: int, tokens: Sequence[int] | np.ndarray) -> KvSegment:
+        """The KV of positions ``[p0, len(tokens))`` of a slot's or owner's sequence, verified.
+
+        Bound to ``tokens`` (invariant 6): the server checks that the sequence holds exactly
+        these tokens at ``[0, len(tokens))`` when it exports, else KvMoveError(CONFLICT)."""
         started = time.perf_counter()
+        p1 = len(tokens)
         name = self._new_name() if self.shm_dir else None
         try:
-            reply = await self.backend.export(seq, p0, p1, name)
+            reply = await self.backend.export(seq, p0, tokens, name)
             if reply.get("compat") not in (None, self.compat):
                 raise KvMoveError(FallbackCause.COMPAT, "exported payload has another compatibility key")
             if name is not None:

@@ -67,6 +67,7 @@ def set_resident(runtime: Runtime, server: ServerState, cells: dict[str, Any] | 
 async def refresh_metrics(runtime: Runtime) -> None:
     """Everything /metrics shows that is not counted as it happens: tree mirror and pool gauges."""
     runtime.metrics.sync_tree(runtime.coordinator.tree.stats())
+    runtime.metrics.queue_length.set(runtime.coordinator.leases.waiting())
     await refresh_pool_gauges(runtime)
 
 

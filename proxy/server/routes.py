@@ -2,36 +2,34 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-import aiohttp
 import numpy as np
 import orjson
 from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from proxy.errors import BadRequest, NotFound, RadixError
+from proxy.errors import BackendError, BadRequest, NotFound
 from proxy.server.coordinator import Lease
+from proxy.server.forward import HOP_HEADERS, NotStarted, Outcome, forward_completion, forward_headers
 from proxy.server.front import (
-    SseStripper,
     cache_namespace,
     check_one_answer,
     parse_json,
     prompt_token_ids,
     refusal,
-    strip_cache_info_raw,
 )
 from proxy.server.observe import refresh_metrics
-from proxy.server.runtime import RUNTIME
+from proxy.server.runtime import RUNTIME, Runtime
 
 log = logging.getLogger("radix")
 
-_HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding"}
 _ids = itertools.count(1)
 
 
@@ -58,16 +56,12 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def _forward_headers(request: web.Request) -> dict[str, str]:
-    return {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
-
-
 async def chat(request: web.Request) -> web.StreamResponse:
     runtime = request.app[RUNTIME]
     body = await _read_json(request)
     if not isinstance(body.get("messages"), list) or not body["messages"]:
         raise BadRequest("'messages' must be a non-empty array")
-    prompt = await runtime.primary.apply_template(body, _forward_headers(request))
+    prompt = await runtime.primary.apply_template(body, forward_headers(request))
     tokens = await runtime.tokenize(prompt)
     return await _steered(request, body, tokens)
 
@@ -92,42 +86,54 @@ async def completion(request: web.Request) -> web.StreamResponse:
     return await _steered(request, body, tokens)
 
 
-@dataclass
-class _Outcome:
-    """What the answer said, filled in as it streams so that a disconnect keeps what was seen."""
-
-    status: int = 0
-    ttft_s: float | None = None
-    timings: dict[str, Any] | None = None
-    _partial: bytes = b""
-
-    def feed_sse(self, chunk: bytes) -> None:
-        lines = (self._partial + chunk).split(b"\n")
-        self._partial = lines.pop()
-        for line in lines:
-            if line.startswith(b"data: ") and b'"timings"' in line:
-                self.timings = _timings_of(line[6:]) or self.timings
-
-
 async def _steered(request: web.Request, body: dict[str, Any], tokens: np.ndarray) -> web.StreamResponse:
+    """Lease, restore, forward; once more elsewhere (or after a restart) when the server failed
+    before the client saw a byte of the answer."""
     runtime = request.app[RUNTIME]
-    coord = runtime.coordinator
-    request_id = f"r{next(_ids)}"
+    coord, config = runtime.coordinator, runtime.config
     arrived = time.monotonic()
-    ns = cache_namespace(runtime.config, body, request.headers)
-    lease = await coord.acquire(request_id, tokens, ns)
-    outcome = _Outcome()
-    try:
-        await coord.restore(lease, _n_predict(body))
-        if lease.no_cache:
-            body["cache_prompt"] = False
-        elif body.get("cache_prompt") is not False:
-            body["cache_prompt"] = True
-        body["id_slot"] = lease.slot.slot_id
-        return await _forward_completion(request, body, lease, arrived, outcome)
-    finally:
-        coord.record(lease, outcome.timings, outcome.ttft_s, outcome.status)
-        runtime.spawn(coord.finish(lease))
+    ns = cache_namespace(config, body, request.headers)
+    for attempt in (1, 2):
+        lease = await coord.acquire(f"r{next(_ids)}", tokens, ns)
+        outcome = Outcome()
+        done = _once(functools.partial(_finish, runtime, lease, outcome))
+        try:
+            await coord.restore(lease, _n_predict(body))
+            if lease.no_cache:
+                body["cache_prompt"] = False
+            elif body.get("cache_prompt") is not False:
+                body["cache_prompt"] = True
+            body["id_slot"] = lease.slot.slot_id
+            return await forward_completion(request, body, lease, arrived, outcome, show=config.cache_info,
+                                            buffer_bytes=config.stream_buffer_bytes, on_upstream_done=done)
+        except NotStarted as exc:
+            outcome.status = 502
+            coord.server_down(lease.server, str(exc))
+            if attempt == 2:
+                raise BackendError(f"llama-server failed before answering, twice: {exc}") from exc
+            log.warning("request %s: %s failed before answering (%s); retrying once", lease.request_id,
+                        lease.server.name, exc)
+        finally:
+            done()
+    raise AssertionError("unreachable")
+
+
+def _finish(runtime: Runtime, lease: Lease, outcome: Outcome) -> None:
+    runtime.coordinator.record(lease, outcome.timings, outcome.ttft_s, outcome.status)
+    runtime.spawn(runtime.coordinator.finish(lease))
+
+
+def _once(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` on the first call only: the server may be done before the client is."""
+    called = False
+
+    def call() -> None:
+        nonlocal called
+        if not called:
+            called = True
+            fn()
+
+    return call
 
 
 def _n_predict(body: dict[str, Any]) -> int:
@@ -139,72 +145,16 @@ def _n_predict(body: dict[str, Any]) -> int:
     return 256
 
 
-def _radix_headers(lease: Lease, show: bool) -> dict[str, str]:
-    if not show:
-        return {"X-Request-Id": lease.request_id}
-    return {
-        "X-Radix-Route": lease.route,
-        "X-Radix-Server": lease.server.name,
-        "X-Radix-Slot": str(lease.slot.slot_id),
-        "X-Radix-Prompt-Tokens": str(len(lease.tokens)),
-        "X-Radix-Predicted-Cached-Tokens": str(0 if lease.fallback else lease.plan.predicted_cached),
-        "X-Request-Id": lease.request_id,
-    }
-
-
-async def _forward_completion(request: web.Request, body: dict[str, Any], lease: Lease, arrived: float,
-                              outcome: _Outcome) -> web.StreamResponse:
-    backend = lease.server.backend
-    show = request.app[RUNTIME].config.cache_info
-    headers = {**_forward_headers(request), "Content-Type": "application/json"}
-    async with backend.post_stream(request.path, orjson.dumps(body), headers) as up:
-        outcome.status = up.status
-        extra = _radix_headers(lease, show)
-        if "text/event-stream" not in up.headers.get("Content-Type", ""):
-            raw = await up.read()
-            outcome.ttft_s = time.monotonic() - arrived
-            outcome.timings = _timings_of(raw)
-            if outcome.timings is not None and show:
-                extra["X-Radix-Cached-Tokens"] = str(outcome.timings.get("cache_n", 0))
-            return web.Response(body=raw if show else strip_cache_info_raw(raw), status=up.status, headers=extra,
-                                content_type=up.content_type or "application/json")
-        stream = web.StreamResponse(status=up.status, headers={**extra, "Content-Type": "text/event-stream",
-                                                                "Cache-Control": "no-cache"})
-        await stream.prepare(request)
-        stripper = None if show else SseStripper()
-        async for chunk in up.content.iter_any():
-            if outcome.ttft_s is None:
-                outcome.ttft_s = time.monotonic() - arrived
-            outcome.feed_sse(chunk)
-            # A client that went away raises here; leaving the block closes the upstream
-            # connection, and llama-server cancels the task when it sees that.
-            await stream.write(chunk if stripper is None else stripper.feed(chunk))
-        if stripper is not None:
-            await stream.write(stripper.flush())
-        await stream.write_eof()
-        return stream
-
-
-def _timings_of(raw: bytes) -> dict[str, Any] | None:
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-    timings = data.get("timings") if isinstance(data, dict) else None
-    return timings if isinstance(timings, dict) else None
-
-
 async def health(request: web.Request) -> web.Response:
+    """200 while at least one server serves (the body names the others), 503 when none does."""
     runtime = request.app[RUNTIME]
-    bad = []
-    for server in runtime.coordinator.servers:
-        try:
-            await server.backend.get_json("/health")
-        except (RadixError, aiohttp.ClientError) as exc:
-            bad.append(f"{server.name}: {exc}")
-    if bad:
-        return web.json_response({"status": "error", "servers": bad}, status=503)
-    return web.json_response({"status": "ok"})
+    if runtime.health is not None:
+        await runtime.health.check_all()
+    servers = [{"name": s.name, "url": s.backend.url, "status": "ok" if s.healthy else "down",
+                **({"reason": s.down_reason} if not s.healthy else {})} for s in runtime.coordinator.servers]
+    up = sum(s["status"] == "ok" for s in servers)
+    status = "ok" if up == len(servers) else ("degraded" if up else "error")
+    return web.json_response({"status": status, "servers": servers}, status=200 if up else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -222,7 +172,7 @@ async def forward_plain(request: web.Request) -> web.StreamResponse:
     runtime = request.app[RUNTIME]
     backend = runtime.primary
     async with backend.session.request(request.method, backend.url + request.path_qs, data=await request.read(),
-                                       headers=_forward_headers(request)) as up:
+                                       headers=forward_headers(request)) as up:
         raw = await up.read()
-        headers = {k: v for k, v in up.headers.items() if k.lower() not in _HOP_HEADERS | {"content-encoding"}}
+        headers = {k: v for k, v in up.headers.items() if k.lower() not in HOP_HEADERS | {"content-encoding"}}
         return web.Response(body=raw, status=up.status, headers=headers)

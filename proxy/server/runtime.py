@@ -12,6 +12,7 @@ from aiohttp import web
 
 from proxy.config import Config
 from proxy.server.coordinator import Coordinator
+from proxy.server.health import HealthMonitor
 from proxy.server.metrics import Metrics
 from proxy.server.recorder import Recorder
 from proxy.tokenizer import PromptTokenizer
@@ -29,6 +30,7 @@ class Runtime:
         self.recorder = recorder
         self.primary = coordinator.servers[0].backend
         self.n_vocab = 1 << 31  # the model's vocabulary size, read at startup
+        self.health: HealthMonitor | None = None  # set by the app while it runs
         self.local_tokenizer: PromptTokenizer | None = None
         self.tokenizer_note = "server"
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -47,9 +49,15 @@ class Runtime:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def drain(self) -> None:
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+    async def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait for background work (saves) to end; False when ``timeout_s`` passed first."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self._tasks:
+                    await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        except TimeoutError:
+            return False
+        return True
 
 
 RUNTIME: web.AppKey[Runtime] = web.AppKey("runtime", Runtime)

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from proxy.core.payload import tokens_sha256
 from proxy.core.resident import ResidentIndex
 from proxy.errors import FallbackCause, KvMoveError
 from proxy.server.backend import Backend
@@ -37,7 +38,13 @@ class Sharing:
         return self.last_cells
 
     async def attach(self, owner_id: int, slot_id: int, m: int) -> None:
-        await self.backend.kv_post("attach", {"owner": owner_id, "slot": slot_id, "m": m}, cause=FallbackCause.ATTACH)
+        entry = self.index.entries.get(owner_id)
+        if entry is None or m > entry.n:
+            raise KvMoveError(FallbackCause.ATTACH, f"owner {owner_id} is not known to hold {m} tokens")
+        # Bound to the tokens the index files under this owner: the server refuses (409) if it holds others.
+        await self.backend.kv_post("attach", {"owner": owner_id, "slot": slot_id, "m": m,
+                                              "expect_sha256": tokens_sha256(entry.tokens[:m])},
+                                   cause=FallbackCause.ATTACH)
         self.index.attached(owner_id, slot_id, m, time.monotonic())
 
     async def record(self, slot_id: int, slot_tokens: np.ndarray, lengths: Iterable[int], ns: str = "") -> int:
@@ -57,7 +64,9 @@ class Sharing:
             if owner is None:
                 return added
             before = int((await self.cells())["owner"])
-            await self.backend.kv_post("publish", {"slot": slot_id, "owner": owner, "n": n}, cause=FallbackCause.PUBLISH)
+            await self.backend.kv_post("publish", {"slot": slot_id, "owner": owner, "n": n,
+                                                   "expect_sha256": tokens_sha256(slot_tokens[:n])},
+                                       cause=FallbackCause.PUBLISH)
             self.index.add(owner, slot_tokens[:n], slot_id, time.monotonic(), ns)
             added += 1
             if not await self._within_budget(owner, before):

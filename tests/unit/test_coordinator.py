@@ -20,7 +20,7 @@ from proxy.core.payload import KvLayout, KvSegment
 from proxy.core.planner import Route
 from proxy.core.radix import RadixTree
 from proxy.core.resident import common_prefix
-from proxy.errors import FallbackCause, KvMoveError
+from proxy.errors import FallbackCause, KvMoveError, TooManyRequests, Unavailable
 from proxy.server.coordinator import Coordinator, Lease, ServerState, SlotState
 from proxy.server.coordinator import scan as scan_module
 from proxy.server.metrics import Metrics
@@ -38,6 +38,7 @@ class FakeServer:
     """What the coordinator asks a server for: slot contents, export and import of KV."""
 
     def __init__(self, n_slots: int) -> None:
+        self.url = "http://fake"
         self.held: dict[int, list[int]] = {i: [] for i in range(n_slots)}
         self.fail_export = False
         self.fail_erase = False
@@ -56,10 +57,13 @@ class FakeServer:
         return {"slots": [{"id": i, "busy": False, "tokens": t, "pos_min": 0, "pos_max": len(t) - 1}
                           for i, t in self.held.items()]}
 
-    async def export(self, seq: dict[str, int], p0: int, p1: int) -> KvSegment:
+    async def export(self, seq: dict[str, int], p0: int, tokens: Sequence[int] | np.ndarray) -> KvSegment:
         if self.fail_export:
             raise KvMoveError(FallbackCause.EXPORT, "refused")
-        return KvSegment(p0, LAYOUT, rows(self.held[seq["slot"]][p0:p1]))
+        held = self.held[seq["slot"]]
+        if list(held[:len(tokens)]) != [int(t) for t in tokens]:  # the server's expect_sha256 check
+            raise KvMoveError(FallbackCause.CONFLICT, "the slot holds other tokens")
+        return KvSegment(p0, LAYOUT, rows(held[p0:len(tokens)]))
 
     async def import_(self, slot: int, p0: int, tokens: Sequence[int], segments: Sequence[KvSegment]) -> None:
         self.imports.append((slot, p0, len(tokens)))
@@ -352,4 +356,113 @@ async def test_no_fan_out_wait_across_namespaces() -> None:
     assert other.why.best_slot_match == 0
     coord.release(other)
     coord.release(turn)
+    check(coord)
+
+
+# ---- admission, deadlines, servers that go away ---------------------------------------------
+
+
+async def test_a_full_queue_answers_429() -> None:
+    coord = coordinator(server("s0", n_slots=1), max_queue=2)
+    held = await coord.acquire("r0", toks(0, 20))
+    queued = [asyncio.create_task(coord.acquire(f"w{i}", toks(100 * (i + 1), 20))) for i in range(2)]
+    await settle()
+    with pytest.raises(TooManyRequests):
+        await coord.acquire("over", toks(900, 20))
+    assert coord.metrics.value("radix_rejected_requests_total", reason="queue_full") == 1
+    coord.release(held)
+    await settle()
+    coord.release(queued[0].result())
+    await settle()
+    coord.release(queued[1].result())
+    check(coord)
+
+
+async def test_a_queued_request_gives_up_after_the_queue_timeout() -> None:
+    coord = coordinator(server("s0", n_slots=1), queue_timeout_s=0.05)
+    held = await coord.acquire("r0", toks(0, 20))
+    with pytest.raises(Unavailable, match="no slot became free"):
+        await coord.acquire("late", toks(500, 20))
+    assert coord.leases.queued() == 0
+    coord.release(held)
+    assert not coord.servers[0].slots[0].busy
+    check(coord)
+
+
+async def test_the_prefix_wait_is_bounded() -> None:
+    coord = coordinator(server("s0", n_slots=2), fanout_wait_s=0.05)
+    turn = await coord.acquire("t1", toks(0, 200))
+    turn.finishing = True  # ...and it never ends
+    follow = await asyncio.wait_for(coord.acquire("t2", toks(0, 260)), 2)
+    assert follow.slot is not turn.slot
+    coord.release(follow)
+    coord.release(turn)
+    check(coord)
+
+
+async def test_shutdown_answers_the_queue_503() -> None:
+    coord = coordinator(server("s0", n_slots=1))
+    held = await coord.acquire("r0", toks(0, 20))
+    queued = asyncio.create_task(coord.acquire("w", toks(500, 20)))
+    await settle()
+    coord.close()
+    await settle()
+    with pytest.raises(Unavailable, match="shutting down"):
+        queued.result()
+    with pytest.raises(Unavailable, match="shutting down"):
+        await coord.acquire("new", toks(900, 20))
+    coord.release(held)
+    check(coord)
+
+
+async def test_a_down_server_gets_no_lease_and_a_returning_one_serves_the_queue() -> None:
+    s0, s1 = server("s0", n_slots=1), server("s1", n_slots=1)
+    coord = coordinator(s0, s1)
+    coord.server_down(s0, "killed")
+    first = await coord.acquire("r0", toks(0, 20))
+    assert first.server is s1
+    waiting = asyncio.create_task(coord.acquire("r1", toks(500, 20)))
+    await settle()
+    assert not waiting.done()  # s0 is down, s1 busy
+    coord.server_up(s0, None)
+    await settle()
+    assert waiting.done() and waiting.result().server is s0
+    coord.release(first)
+    coord.release(waiting.result())
+    check(coord)
+
+
+async def test_a_restarted_server_forgets_its_slots_but_the_tree_stays() -> None:
+    s0 = server("s0", n_slots=2, held={0: toks(0, 100).tolist()})
+    coord = coordinator(s0)
+    coord.server_up(s0, "first")
+    coord.tree.insert(toks(0, 100), KvSegment(0, LAYOUT, rows(toks(0, 100).tolist())))
+    busy = await coord.acquire("r", toks(5000, 50))
+    assert busy.slot.slot_id == 1
+    coord.server_down(s0, "killed")
+    coord.server_up(s0, "second")
+    assert len(s0.slots[0].tokens) == 0 and s0.epoch == 1
+    busy.slot.tokens = toks(5000, 50)  # what the proxy believed when the old process ran it
+    await coord.finish(busy)  # nothing saved from a dead instance; the slot is reset on release
+    assert len(s0.slots[1].tokens) == 0 and coord.tree.match(toks(5000, 50)).length == 0
+    again = await coord.acquire("r2", toks(0, 120))
+    assert again.route == Route.H and again.plan.host_to == 100  # the host tree warms the new process
+    coord.release(again)
+    check(coord)
+
+
+async def test_a_save_past_its_deadline_releases_the_slot_as_unknown() -> None:
+    s0 = server("s0", n_slots=1)
+    coord = coordinator(s0, finish_timeout_s=0.05)
+    lease = await coord.acquire("r", toks(0, 100))
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+
+    async def hang(tokens: bool = False) -> dict[str, Any]:
+        await asyncio.sleep(10)
+        return {}
+
+    fake.slots = hang  # type: ignore[method-assign]
+    await asyncio.wait_for(coord.finish(lease), 2)
+    assert not s0.slots[0].busy and s0.slots[0].ns is None
+    assert coord.metrics.value("radix_fallbacks_total", cause="timeout") == 1
     check(coord)

@@ -12,17 +12,22 @@ the log line), ``scan`` (each request's common prefixes, computed once), ``state
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 import numpy as np
 
 from proxy.config import Config
 from proxy.core.radix import RadixTree
+from proxy.errors import FallbackCause
 from proxy.server.coordinator.decisions import Decision, DecisionLog, Divergence
 from proxy.server.coordinator.leases import Leases
 from proxy.server.coordinator.moves import KvMoves
-from proxy.server.coordinator.state import Lease, ServerState, SlotState
+from proxy.server.coordinator.state import EMPTY, Lease, ServerState, SlotState
 from proxy.server.metrics import Metrics
+
+log = logging.getLogger("radix")
 
 
 class Coordinator:
@@ -31,7 +36,7 @@ class Coordinator:
         self.servers = servers
         self.tree = tree
         self.metrics = metrics
-        self.leases = Leases(config, servers, tree)
+        self.leases = Leases(config, servers, tree, on_reject=lambda reason: metrics.rejected.labels(reason).inc())
         self.moves = KvMoves(config, tree, metrics)
         self.log = DecisionLog(metrics)
 
@@ -43,14 +48,57 @@ class Coordinator:
         await self.moves.restore(lease, n_predict)
 
     async def finish(self, lease: Lease) -> None:
-        """After the answer: save what the tree lacks, then release the slot on every path."""
+        """After the answer: save what the tree lacks, then release the slot on every path.
+        A save past its deadline leaves the slot's content unknown: it is emptied (and erased
+        before anyone reuses it)."""
         try:
-            await self.moves.save(lease)
+            async with asyncio.timeout(self.config.finish_timeout_s):
+                await self.moves.save(lease)
+        except TimeoutError:
+            lease.slot.tokens, lease.slot.ns = EMPTY, None
+            self.metrics.fallbacks.labels(FallbackCause.TIMEOUT).inc()
+            log.warning("saving %s slot %d took over %g s; the slot is released as unknown", lease.server.name,
+                        lease.slot.slot_id, self.config.finish_timeout_s)
         finally:
             self.leases.release(lease)
 
     def release(self, lease: Lease) -> None:
         self.leases.release(lease)
+
+    # ---- servers going and coming (see health.py) ------------------------------------------
+
+    def server_down(self, server: ServerState, reason: str) -> None:
+        if server.healthy:
+            log.error("%s (%s) is down, no new requests go there: %s", server.name, server.backend.url, reason)
+        server.healthy, server.down_reason = False, reason
+        self.metrics.backend_up.labels(server.name).set(0)
+
+    def server_up(self, server: ServerState, instance: str | None) -> None:
+        """The server answers again; if it is another instance, what the proxy knew of it is gone."""
+        if server.instance is not None and instance is not None and instance != server.instance:
+            self.server_restarted(server)
+        server.instance = instance if instance is not None else server.instance
+        if not server.healthy:
+            log.warning("%s (%s) is serving again", server.name, server.backend.url)
+        server.healthy, server.down_reason = True, ""
+        self.metrics.backend_up.labels(server.name).set(1)
+        self.leases.grant_waiters()
+
+    def server_restarted(self, server: ServerState) -> None:
+        """A new server process: its slots and owner sequences are empty. The host tree, which
+        lives here, is kept and warms the new process up."""
+        server.epoch += 1
+        for slot in server.slots:
+            if not slot.busy:  # a busy slot is reset when its lease ends (epoch check)
+                slot.tokens, slot.ns = EMPTY, ""
+        if server.sharing is not None:
+            server.sharing.index.entries.clear()
+        log.warning("%s (%s) restarted: its slot table and resident prefixes were reset", server.name,
+                    server.backend.url)
+
+    def close(self) -> None:
+        """Shutting down: queued requests are answered 503 now, new ones at once."""
+        self.leases.close()
 
     def record(self, lease: Lease, timings: dict[str, Any] | None, ttft_s: float | None, status: int) -> Decision:
         return self.log.record(lease, timings, ttft_s, status)

@@ -4,6 +4,11 @@ A request gets a slot at once when nobody is queued and a plan exists, else it w
 FIFO queue that every release serves from the front. Planning and leasing are one
 synchronous step, so a slot is never given twice. A request that shares a much longer
 prefix with a request still in flight waits for it first (``_blocker``).
+
+Every wait is bounded: the queue holds at most ``max_queue`` requests (429 past it), a
+queued request gets a slot within ``queue_timeout_s`` or a 503, and the wait for a request
+holding the prefix ends after ``fanout_wait_s`` whatever happened. Servers that are down
+get no new leases.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,10 +26,10 @@ from proxy.core.planner import Plan, PlanInput, SlotView
 from proxy.core.planner import plan as choose_plan
 from proxy.core.radix import RadixTree
 from proxy.core.resident import common_prefix
-from proxy.errors import BadRequest
+from proxy.errors import BadRequest, TooManyRequests, Unavailable
 from proxy.server.coordinator.decisions import divergence
 from proxy.server.coordinator.scan import PrefixScan, ServerScan, scan
-from proxy.server.coordinator.state import Lease, ServerState
+from proxy.server.coordinator.state import EMPTY, Lease, ServerState
 
 
 @dataclass
@@ -36,15 +42,29 @@ class _Waiter:
 
 
 class Leases:
-    def __init__(self, config: Config, servers: list[ServerState], tree: RadixTree) -> None:
+    def __init__(self, config: Config, servers: list[ServerState], tree: RadixTree,
+                 on_reject: Callable[[str], None] = lambda reason: None) -> None:
         self.config = config
         self.servers = servers
         self.tree = tree
         self._waiters: collections.deque[_Waiter] = collections.deque()
         self.inflight: dict[str, Lease] = {}
+        self.waiting_for_prefix = 0
+        self.closed = False
+        self.on_reject = on_reject  # counts a refused request by reason (metrics)
+        n_slots = sum(len(s.slots) for s in servers)
+        self.max_queue = config.max_queue or 4 * n_slots
 
     def queued(self) -> int:
         return sum(not w.future.done() for w in self._waiters)
+
+    def waiting(self) -> int:
+        """Requests waiting for a slot or for a request that holds their prefix."""
+        return self.queued() + self.waiting_for_prefix
+
+    def _refuse(self, reason: str, exc: Exception) -> Exception:
+        self.on_reject(reason)
+        return exc
 
     async def acquire(self, request_id: str, tokens: np.ndarray, ns: str = "") -> Lease:
         """A leased slot and its plan; waits in a fair FIFO queue while every slot is busy.
@@ -53,7 +73,10 @@ class Leases:
         if len(tokens) >= limit:
             raise BadRequest(f"the request exceeds the available context size: {len(tokens)} prompt tokens, "
                              f"{limit} per slot")
+        self._admit()
         found = await self._wait_for_shared_prefix(tokens, ns)
+        if self.closed:
+            raise self._refuse("shutting_down", Unavailable("the proxy is shutting down"))
         if not self._waiters:
             lease = self._plan_and_lease(request_id, found)
             if lease is not None:
@@ -61,15 +84,32 @@ class Leases:
         waiter = _Waiter(request_id, tokens, ns, asyncio.get_running_loop().create_future(), time.monotonic())
         self._waiters.append(waiter)
         try:
-            lease = await waiter.future
-        except asyncio.CancelledError:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
-            elif waiter.future.done() and not waiter.future.cancelled():
-                self.release(waiter.future.result())
+            async with asyncio.timeout(self.config.queue_timeout_s):
+                lease = await waiter.future
+        except (asyncio.CancelledError, TimeoutError) as exc:
+            self._abandon(waiter)
+            if isinstance(exc, TimeoutError):
+                raise self._refuse("queue_timeout", Unavailable(
+                    f"no slot became free within {self.config.queue_timeout_s:g} s")) from None
             raise
         lease.queued_s = time.monotonic() - waiter.since
         return lease
+
+    def _admit(self) -> None:
+        if self.closed:
+            raise self._refuse("shutting_down", Unavailable("the proxy is shutting down"))
+        if self.waiting() >= self.max_queue:
+            raise self._refuse("queue_full", TooManyRequests(
+                f"too many requests waiting ({self.waiting()}); retry shortly"))
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        """A queued request gave up: leave the queue, or give back a slot granted meanwhile."""
+        if waiter in self._waiters:
+            self._waiters.remove(waiter)
+        if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
+            self.release(waiter.future.result())
+        elif not waiter.future.done():
+            waiter.future.cancel()
 
     async def _wait_for_shared_prefix(self, tokens: np.ndarray, ns: str) -> PrefixScan:
         """Wait for a request in flight that holds a much longer prefix of this one than
@@ -77,12 +117,20 @@ class Leases:
         next turn waits the few milliseconds its previous turn needs to save; and with
         sharing on (fan-out), k requests sharing a prefix on a cold server compute it once.
         Returns the scan of the state the wait ended in."""
+        deadline = time.monotonic() + self.config.fanout_wait_s
         while True:
             found = scan(tokens, self.servers, self.tree, ns)
             blocker = self._blocker(found)
-            if blocker is None:
+            left = deadline - time.monotonic()
+            if blocker is None or left <= 0:
                 return found
-            await blocker.done.wait()
+            self.waiting_for_prefix += 1
+            try:
+                await asyncio.wait_for(blocker.done.wait(), left)
+            except TimeoutError:
+                pass
+            finally:
+                self.waiting_for_prefix -= 1
 
     def _blocker(self, found: PrefixScan) -> Lease | None:
         tokens = found.tokens
@@ -104,6 +152,8 @@ class Leases:
         """Pick server, slot and route on pure data, and mark the slot busy (synchronous)."""
         best: tuple[Plan, ServerState] | None = None
         for sv in found.servers:
+            if not sv.server.healthy:
+                continue
             plan = choose_plan(self._plan_input(sv, found))
             if plan is None:
                 continue
@@ -122,7 +172,7 @@ class Leases:
         if uses_host:
             self.tree.pin(host)
         lease = Lease(request_id, server, slot, plan, found.tokens, host if uses_host else None,
-                      why=divergence(found), route=plan.route, ns=found.ns,
+                      why=divergence(found), route=plan.route, ns=found.ns, epoch=server.epoch,
                       erase_first=slot.ns != found.ns and (slot.ns is None or len(slot.tokens) > 0))
         if plan.owner_id is not None and server.sharing is not None:
             server.sharing.index.pin(plan.owner_id)
@@ -143,9 +193,16 @@ class Leases:
         """Give the slot back and hand it to the first waiter that can use a slot now."""
         lease.slot.busy = False
         lease.slot.last_used = time.monotonic()
+        if lease.epoch != lease.server.epoch:  # the server restarted under this lease: the slot is empty
+            lease.slot.tokens, lease.slot.ns = EMPTY, ""
         lease.unpin(self.tree)
         self.inflight.pop(lease.request_id, None)
         lease.done.set()
+        self.grant_waiters()
+
+    def grant_waiters(self) -> None:
+        """Hand free slots to the queue's front, in order, while plans exist (after a release,
+        or when a server came back)."""
         while self._waiters:
             waiter = self._waiters[0]
             if waiter.future.done():
@@ -157,3 +214,12 @@ class Leases:
                 break
             self._waiters.popleft()
             waiter.future.set_result(granted)
+
+    def close(self) -> None:
+        """Shutting down: no new leases, and every queued request gets a 503 now."""
+        self.closed = True
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.future.done():
+                self.on_reject("shutting_down")
+                waiter.future.set_exception(Unavailable("the proxy is shutting down"))

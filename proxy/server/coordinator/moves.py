@@ -38,12 +38,16 @@ class KvMoves:
         if lease.erase_first and not await self._erase(lease):
             lease.unpin(self.tree)
             return
+        attach = plan.route in (Route.S, Route.SH) and server.sharing is not None and plan.owner_id is not None
+        if not (attach or lease.host is not None or server.sharing is not None):
+            lease.unpin(self.tree)
+            return  # nothing moves: the server's own reuse does it; the lock is for moves only
         try:
             async with server.move_lock:
                 if server.sharing is not None:
                     need = len(lease.tokens) - plan.predicted_cached + n_predict
                     await server.sharing.ensure_free(need)
-                if plan.route in (Route.S, Route.SH) and server.sharing is not None and plan.owner_id is not None:
+                if attach and server.sharing is not None and plan.owner_id is not None:
                     await server.sharing.attach(plan.owner_id, slot.slot_id, plan.reuse_len)
                     slot.tokens = lease.tokens[:plan.reuse_len].copy()
                 if lease.host is not None:
@@ -88,6 +92,9 @@ class KvMoves:
         """After the answer: learn what the slot holds, save what the tree lacks, share it.
         A failed save loses a future hit, never an answer: it is counted, not raised."""
         lease.finishing = True
+        if lease.epoch != lease.server.epoch:  # the server restarted meanwhile: nothing to save
+            lease.slot.tokens, lease.slot.ns = EMPTY, ""
+            return
         try:
             await self._refresh_slot(lease)
             await self._save(lease)
@@ -126,7 +133,7 @@ class KvMoves:
         self.tree.pin(match)
         try:
             async with lease.server.move_lock:
-                segment = await lease.server.mover.export({"slot": lease.slot.slot_id}, match.length, len(tokens))
+                segment = await lease.server.mover.export({"slot": lease.slot.slot_id}, match.length, lease.slot.tokens)
             stored = self.tree.insert(tokens, segment, ns=lease.ns)
         finally:
             self.tree.unpin(match)

@@ -38,6 +38,10 @@ class ServerState:
     n_ctx_slot: int
     sharing: Sharing | None = None
     move_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    healthy: bool = True  # answering: may get new leases
+    down_reason: str = ""
+    instance: str | None = None  # the server process's id (/kvctl "instance"); a new one: it restarted
+    epoch: int = 0  # bumped when the server restarted: what leases from before knew is gone
 
     def busy_count(self) -> int:
         return sum(s.busy for s in self.slots)
@@ -55,6 +59,7 @@ class Lease:
     host: HostMatch | None  # pinned host path the plan imports from, until the restore ends
     why: Divergence  # where cached prefixes stopped matching, at plan time
     ns: str = ""  # cache-isolation namespace of the request
+    epoch: int = 0  # the server's epoch when leased
     erase_first: bool = False  # the slot holds another namespace's KV: clear it before use
     no_cache: bool = False  # the slot's KV could not be cleared: the server must not reuse it
     queued_s: float = 0.0

@@ -1,0 +1,156 @@
+"""Forwarding one completion to the leased slot's server and the answer back to the client.
+
+- A server that fails before any byte of the answer reached the client raises
+  ``NotStarted``: the caller may retry the request elsewhere.
+- A stream that breaks after it started ends with an SSE error event in the OpenAI shape and
+  a clean end of stream, never a second HTTP response inside the first.
+- The answer is read from the server as fast as it comes, into a bounded buffer, so a client
+  that reads slowly does not hold the slot: ``on_upstream_done`` runs as soon as the server
+  is done (the slot is saved and released then). A client that falls more than
+  ``buffer_bytes`` behind is cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from proxy.server.coordinator import Lease
+from proxy.server.front import SseStripper, strip_cache_info_raw
+
+HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding"}
+
+
+class NotStarted(Exception):
+    """The server failed before any byte of the answer reached the client."""
+
+
+@dataclass
+class Outcome:
+    """What the answer said, filled in as it streams so that a disconnect keeps what was seen."""
+
+    status: int = 0
+    ttft_s: float | None = None
+    timings: dict[str, Any] | None = None
+    broken: str = ""  # why the stream ended early (server gone, client too slow)
+    _partial: bytes = b""
+
+    def feed_sse(self, chunk: bytes) -> None:
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            if line.startswith(b"data: ") and b'"timings"' in line:
+                self.timings = timings_of(line[6:]) or self.timings
+
+
+def timings_of(raw: bytes) -> dict[str, Any] | None:
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    timings = data.get("timings") if isinstance(data, dict) else None
+    return timings if isinstance(timings, dict) else None
+
+
+def forward_headers(request: web.Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+
+
+def radix_headers(lease: Lease, show: bool) -> dict[str, str]:
+    if not show:
+        return {"X-Request-Id": lease.request_id}
+    return {
+        "X-Radix-Route": lease.route,
+        "X-Radix-Server": lease.server.name,
+        "X-Radix-Slot": str(lease.slot.slot_id),
+        "X-Radix-Prompt-Tokens": str(len(lease.tokens)),
+        "X-Radix-Predicted-Cached-Tokens": str(0 if lease.fallback else lease.plan.predicted_cached),
+        "X-Request-Id": lease.request_id,
+    }
+
+
+def sse_error(message: str, code: int = 502) -> bytes:
+    body = {"error": {"code": code, "message": message, "type": "server_error"}}
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+async def forward_completion(request: web.Request, body: dict[str, Any], lease: Lease, arrived: float,
+                             outcome: Outcome, *, show: bool, buffer_bytes: int,
+                             on_upstream_done: Callable[[], None]) -> web.StreamResponse:
+    backend = lease.server.backend
+    headers = {**forward_headers(request), "Content-Type": "application/json"}
+    started = False
+    try:
+        async with backend.post_stream(request.path, orjson.dumps(body), headers) as up:
+            outcome.status = up.status
+            extra = radix_headers(lease, show)
+            if "text/event-stream" not in up.headers.get("Content-Type", ""):
+                raw = await up.read()
+                outcome.ttft_s = time.monotonic() - arrived
+                outcome.timings = timings_of(raw)
+                on_upstream_done()
+                if outcome.timings is not None and show:
+                    extra["X-Radix-Cached-Tokens"] = str(outcome.timings.get("cache_n", 0))
+                return web.Response(body=raw if show else strip_cache_info_raw(raw), status=up.status,
+                                    headers=extra, content_type=up.content_type or "application/json")
+            stream = web.StreamResponse(status=up.status, headers={**extra, "Content-Type": "text/event-stream",
+                                                                    "Cache-Control": "no-cache"})
+            await stream.prepare(request)
+            started = True
+            await _relay(request, up, stream, arrived, outcome, show, buffer_bytes, on_upstream_done)
+            return stream
+    except aiohttp.ClientError as exc:
+        if not started:
+            raise NotStarted(f"{type(exc).__name__}: {exc}") from exc
+        raise
+
+
+async def _relay(request: web.Request, up: aiohttp.ClientResponse, stream: web.StreamResponse, arrived: float,
+                 outcome: Outcome, show: bool, buffer_bytes: int, on_upstream_done: Callable[[], None]) -> None:
+    """Server -> bounded buffer -> client, the two sides at their own pace."""
+    queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+    buffered = 0
+
+    async def pump() -> None:
+        nonlocal buffered
+        try:
+            async for chunk in up.content.iter_any():
+                if outcome.ttft_s is None:
+                    outcome.ttft_s = time.monotonic() - arrived
+                outcome.feed_sse(chunk)
+                buffered += len(chunk)
+                if buffered > buffer_bytes:
+                    outcome.broken = f"the client fell more than {buffer_bytes} bytes behind and was cut"
+                    if request.transport is not None:
+                        request.transport.abort()  # the writer's pending write fails
+                    return
+                queue.put_nowait(chunk)
+            on_upstream_done()
+        except aiohttp.ClientError as exc:
+            outcome.broken = f"llama-server stopped answering mid-stream ({type(exc).__name__})"
+            queue.put_nowait(sse_error(outcome.broken))
+        finally:
+            queue.put_nowait(None)
+
+    stripper = None if show else SseStripper()
+    reader = asyncio.get_running_loop().create_task(pump())
+    try:
+        while (chunk := await queue.get()) is not None:
+            buffered -= len(chunk)
+            # A client that went away raises here; leaving the caller's block closes the
+            # upstream connection, and llama-server cancels the task when it sees that.
+            await stream.write(chunk if stripper is None else stripper.feed(chunk))
+        if stripper is not None:
+            await stream.write(stripper.flush())
+        await stream.write_eof()
+    finally:
+        if not reader.done():
+            reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)

@@ -1,0 +1,60 @@
+"""Health of every server: who may get new requests, and who came back as a new process.
+
+Every ``health_interval_s`` each server is asked ``GET /health`` and ``GET /kvctl/caps``
+(under ``health_timeout_s``). A server that does not answer, or answers an error, is taken
+out of routing; when it answers again it is put back, and if its instance id changed (it
+restarted) its slot table and resident index are reset. A server that comes back with
+another model or KV layout is kept out, with a log line saying why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+
+from proxy.errors import RadixError
+from proxy.server.coordinator import Coordinator, ServerState
+
+log = logging.getLogger("radix")
+
+
+class HealthMonitor:
+    def __init__(self, coordinator: Coordinator, interval_s: float, timeout_s: float) -> None:
+        self.coordinator = coordinator
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+
+    async def run(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.interval_s)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(s) for s in self.coordinator.servers))
+
+    async def check(self, server: ServerState) -> None:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await server.backend.get_json("/health")
+                caps = await server.backend.caps()
+        except (TimeoutError, aiohttp.ClientError, RadixError, ValueError) as exc:
+            self.coordinator.server_down(server, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            return
+        reason = self._incompatible(server, caps)
+        if reason:
+            self.coordinator.server_down(server, reason)
+            return
+        instance = caps.get("instance")
+        self.coordinator.server_up(server, instance if isinstance(instance, str) else None)
+
+    @staticmethod
+    def _incompatible(server: ServerState, caps: dict[str, object]) -> str:
+        """Why the server cannot take this proxy's requests any more ("" when it can)."""
+        compat = caps.get("compat")
+        if not isinstance(compat, dict) or compat.get("fingerprint") != server.mover.compat.get("fingerprint"):
+            return "it now runs another model or KV layout (restart the proxy to serve it)"
+        if caps.get("n_parallel") != len(server.slots):
+            return f"it now has {caps.get('n_parallel')} slots, not {len(server.slots)} (restart the proxy)"
+        return ""
