@@ -7,11 +7,12 @@ all layers' K rows of that token followed by all layers' V rows (for `v_trans`, 
 token's V elements of that layer, gathered). Position order plus per-token rows is what
 lets the radix tree split and slice segments as plain numpy views.
 
-Pure: numpy and struct only.
+Pure: numpy, struct and hashlib only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -442,3 +443,9 @@ def _put_rows(buf: np.ndarray, off: int, segments: Sequence[KvSegment], col: int
     for seg in segments:
         dst[seg.p0 - p0 : seg.p1 - p0] = seg.data[:, col : col + row]
     return off + n * row
+
+
+def tokens_sha256(tokens: Sequence[int] | np.ndarray) -> str:
+    """The ``expect_sha256`` of a KV move: sha256 of the token ids as little-endian int32,
+    64 lowercase hex digits (docs/kvctl.md)."""
+    return hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()
