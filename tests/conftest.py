@@ -8,6 +8,7 @@ of its log.
 from __future__ import annotations
 
 import os
+import secrets
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,7 +61,10 @@ def shm_root() -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def start_server(model_path: Path, work_dir: Path, shm_root: Path) -> Iterator[ServerFactory]:
-    """``start_server(binary, kvctl=True, **ServerSpec fields)``: a started server, stopped at session end."""
+    """``start_server(binary, kvctl=True, **ServerSpec fields)``: a started server, stopped at session end.
+
+    Every kvctl server gets a random /kvctl key unless the test gives one (or ``insecure``):
+    ``server.spec.kvctl_key``."""
     started: list[ServerProcess] = []
 
     def start(binary: Path, **kw: Any) -> ServerProcess:
@@ -69,6 +73,8 @@ def start_server(model_path: Path, work_dir: Path, shm_root: Path) -> Iterator[S
         port = free_port()
         if kw.get("kvctl", True) and "kvctl_dir" not in kw:
             kw["kvctl_dir"] = shm_root / f"kv-{port}"
+        if kw.get("kvctl", True) and not kw.get("insecure"):
+            kw.setdefault("kvctl_key", secrets.token_hex(16))
         spec = ServerSpec(binary=binary, model=model_path, port=port, **kw)
         server = ServerProcess(spec, work_dir / f"server-{port}.log")
         started.append(server)

@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -138,12 +139,13 @@ class RunningArm:
             if stats:
                 out["host_cache_bytes"] = stats.get("tree", {}).get("bytes")
                 out["proxy"] = {k: stats.get(k) for k in ("requests", "by_route", "hit_ratio", "tree", "tokenizer")}
-            caps = _get_json(f"{self.server_url}/kvctl/caps")
+            auth = _kvctl_auth(self.server)
+            caps = _get_json(f"{self.server_url}/kvctl/caps", headers=auth)
             if stats and caps:
                 # The optimum host store: every distinct token position's KV once.
                 per_token = int(caps["payload"]["cell_bytes"]) - int(caps["compat"].get("cell_meta_bytes", 0))
                 out["host_optimum_bytes"] = int(stats.get("tree", {}).get("unique_tokens", 0)) * per_token
-            cells = _get_json(f"{self.server_url}/kvctl/cells")
+            cells = _get_json(f"{self.server_url}/kvctl/cells", headers=auth)
             if cells:
                 out["kv_cells_used"] = cells.get("used")
                 out["kv_cells"] = cells
@@ -158,7 +160,8 @@ def pool_cells(running: RunningArm) -> int | None:
     Patched servers say it in ``GET /kvctl/cells``; stock ones in ``/props`` (with ``-kvu`` a
     slot's context is the whole pool).
     """
-    cells = _get_json(f"{running.server_url}/kvctl/cells") if running.arm.proxy else None
+    cells = _get_json(f"{running.server_url}/kvctl/cells", headers=_kvctl_auth(running.server)) \
+        if running.arm.proxy else None
     if isinstance(cells, dict) and isinstance(cells.get("n_cells"), int):
         return int(cells["n_cells"])
     props = _get_json(f"{running.server_url}/props")
@@ -166,9 +169,14 @@ def pool_cells(running: RunningArm) -> int | None:
     return int(n_ctx) if isinstance(n_ctx, int) else None
 
 
-def _get_json(url: str, timeout: float = 10) -> Any:
+def _kvctl_auth(server: ServerProcess) -> dict[str, str]:
+    key = server.spec.kvctl_key
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _get_json(url: str, timeout: float = 10, headers: dict[str, str] | None = None) -> Any:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as resp:
             return json.loads(resp.read())
     except (urllib.error.URLError, OSError, ValueError):
         return None
@@ -208,8 +216,10 @@ def start_arm(name: str, settings: ArmSettings, binary: Path | None = None) -> I
     settings.log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     shm = shm_base() / f"radix-bench-{os.getpid()}-{port}" if arm.proxy else None
+    # A fresh /kvctl key per patched server: in a key file for the server, in the environment for the proxy.
     spec = ServerSpec(binary=binary, model=settings.model, port=port, n_parallel=settings.n_parallel,
                       ctx_size=settings.ctx_size, threads=settings.threads, kvctl=arm.proxy, kvctl_dir=shm,
+                      kvctl_key=secrets.token_urlsafe(32) if arm.proxy else None,
                       proxy_flags=arm.proxy, extra_args=settings.server_args(arm))
     server = ServerProcess(spec, settings.log_dir / f"server-{name}.log")
     proxy_proc: subprocess.Popen[bytes] | None = None
@@ -220,7 +230,7 @@ def start_arm(name: str, settings: ArmSettings, binary: Path | None = None) -> I
             assert shm is not None
             proxy_port = free_port()
             running.proxy_log = settings.log_dir / f"proxy-{name}.log"
-            proxy_proc = _start_proxy(spec.url, proxy_port, shm, settings, arm, running.proxy_log)
+            proxy_proc = _start_proxy(spec.url, proxy_port, shm, settings, arm, running.proxy_log, spec.kvctl_key)
             running.proxy_url = running.front_url = f"http://127.0.0.1:{proxy_port}"
         yield running
     finally:
@@ -232,10 +242,13 @@ def start_arm(name: str, settings: ArmSettings, binary: Path | None = None) -> I
 
 
 def _start_proxy(server_url: str, port: int, shm: Path, settings: ArmSettings, arm: ArmDef,
-                 log_path: Path) -> subprocess.Popen[bytes]:
+                 log_path: Path, kvctl_key: str | None = None) -> subprocess.Popen[bytes]:
     check_port_free("127.0.0.1", port, "proxy")
-    # The child reads no RADIX_* settings of ours except where the cache lives.
+    # The child reads no RADIX_* settings of ours except where the cache lives, and the server's
+    # /kvctl key (in the environment, not on the command line).
     env = {k: v for k, v in os.environ.items() if not k.startswith("RADIX_") or k == "RADIX_CACHE_DIR"}
+    if kvctl_key:
+        env["RADIX_KVCTL_KEY"] = kvctl_key
     argv = [sys.executable, "-m", "proxy.cli", "serve", "--backend-url", server_url, "--host", "127.0.0.1",
             "--port", str(port), "--shm-dir", str(shm), "--cache-ram", str(settings.proxy_cache_mib),
             *arm.proxy_args]
@@ -279,7 +292,8 @@ def patched_server(settings: ArmSettings, ctx_size: int, name: str = "kvctl") ->
     port = free_port()
     shm = shm_base() / f"radix-bench-{os.getpid()}-{port}"
     spec = ServerSpec(binary=binary, model=settings.model, port=port, n_parallel=settings.n_parallel,
-                      ctx_size=ctx_size, threads=settings.threads, kvctl_dir=shm, extra_args=settings.common_args())
+                      ctx_size=ctx_size, threads=settings.threads, kvctl_dir=shm, kvctl_key=secrets.token_urlsafe(32),
+                      extra_args=settings.common_args())
     server = ServerProcess(spec, settings.log_dir / f"server-{name}.log")
     try:
         server.start(timeout=300)

@@ -265,7 +265,8 @@ def kvctl(out_dir: Path | None, model_arg: str | None, n_parallel: int, ctx_size
     settings = _settings(out, model_arg, max(n_parallel, 4), ctx_size, threads, batch_size, ubatch_size,
                          build_backend)
     with patched_server(settings, max(ctx_size, kvctl_ctx_size(token_sizes))) as (server, shm):
-        report = asyncio.run(run_kvctl_bench(server.url, shm, token_sizes, reps, not no_probe, _say))
+        report = asyncio.run(run_kvctl_bench(server.url, shm, token_sizes, reps, not no_probe, _say,
+                                             kvctl_key=server.spec.kvctl_key))
     for path in write_report(report, out):
         _say(f"wrote {path}")
     click.echo((out / "report.md").read_text())

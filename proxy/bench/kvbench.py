@@ -91,11 +91,12 @@ async def _timed(coro: Any, probe: Backend | None) -> tuple[float, float | None]
 
 
 async def run_kvctl_bench(server_url: str, shm_dir: Path | None, sizes: tuple[int, ...] = DEFAULT_SIZES,
-                          reps: int = 5, probe: bool = True, progress: Any = None) -> dict[str, Any]:
+                          reps: int = 5, probe: bool = True, progress: Any = None,
+                          kvctl_key: str | None = None) -> dict[str, Any]:
     say = progress or (lambda _msg: None)
     sizes = tuple(sorted(set(sizes)))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
-        backend = TimedBackend(server_url, session)
+        backend = TimedBackend(server_url, session, kvctl_key)
         plain = Backend(server_url, session)
         caps = await backend.caps()
         compat = dict(caps["compat"])
@@ -127,7 +128,7 @@ async def run_kvctl_bench(server_url: str, shm_dir: Path | None, sizes: tuple[in
                         holder: dict[str, Any] = {}
 
                         async def export(holder: dict[str, Any] = holder, n: int = n) -> None:
-                            holder["seg"] = await mover.export({"slot": 0}, 0, n)
+                            holder["seg"] = await mover.export({"slot": 0}, 0, held[:n])
 
                         total, probe_ms = await _timed(export(), with_probe)
                         segment = holder["seg"]

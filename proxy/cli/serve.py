@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import tempfile
 from collections.abc import Callable
@@ -141,6 +142,9 @@ def up_forever(*, model_arg: str | None, server_port: int, n_parallel: int, ctx_
     model = resolve_model(model_arg)
     binary = build_server(BuildSpec(variant="patched", backend=build_backend))
     shm_dir = proxy_kw.pop("shm_dir", None) or _default_shm_dir(port)
+    # A /kvctl key per run unless one was given: to the server in a 0600 file, to the proxy in memory.
+    if not proxy_kw.get("kvctl_key"):
+        proxy_kw["kvctl_key"] = secrets.token_urlsafe(32)
     spec = ServerSpec(binary=binary, model=model, port=server_port or free_port(), n_parallel=n_parallel,
                       ctx_size=ctx_size, threads=threads, kvctl_dir=shm_dir, kvctl_key=proxy_kw.get("kvctl_key"),
                       extra_args=server_args)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -33,7 +35,11 @@ class ServerSpec:
     threads: int | None = None
     kvctl: bool = True
     kvctl_dir: Path | None = None
+    # The /kvctl key: handed over in a 0600 file in a private temporary directory (never argv),
+    # removed once the server is up. Without a key the server refuses --kvctl unless ``insecure``
+    # (--kvctl-insecure: only for a server nothing but the proxy can reach).
     kvctl_key: str | None = None
+    insecure: bool = False
     proxy_flags: bool = True
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
@@ -41,7 +47,8 @@ class ServerSpec:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def argv(self) -> list[str]:
+    def argv(self, key_file: Path | None = None) -> list[str]:
+        """The command line; ``key_file`` holds ``kvctl_key`` (written by ServerProcess.start)."""
         argv = [str(self.binary), "-m", str(self.model), "--host", self.host, "--port", str(self.port),
                 "-np", str(self.n_parallel), "-c", str(self.ctx_size), "--no-webui"]
         if self.threads:
@@ -53,7 +60,9 @@ class ServerSpec:
             if self.kvctl_dir:
                 argv += ["--kvctl-dir", str(self.kvctl_dir)]
             if self.kvctl_key:
-                argv += ["--kvctl-key", self.kvctl_key]
+                argv += ["--kvctl-key-file", str(key_file) if key_file else "(key file)"]
+            if self.insecure:
+                argv.append("--kvctl-insecure")
         return argv + list(self.extra_args)
 
 
@@ -80,6 +89,7 @@ class ServerProcess:
         self.spec = spec
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
+        self._key_dir: Path | None = None
 
     @property
     def url(self) -> str:
@@ -88,17 +98,33 @@ class ServerProcess:
     def start(self, timeout: float = 120.0) -> ServerProcess:
         check_port_free(self.spec.host, self.spec.port, "llama-server")
         if self.spec.kvctl_dir:
-            self.spec.kvctl_dir.mkdir(parents=True, exist_ok=True)
+            self.spec.kvctl_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the server refuses a group- or world-writable one
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.spec.argv(), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        key_file = self._write_key() if self.spec.kvctl and self.spec.kvctl_key else None
         try:
+            with open(self.log_path, "wb") as log:
+                self.proc = subprocess.Popen(self.spec.argv(key_file), stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, start_new_session=True)
             self._wait_healthy(timeout)
         except BaseException:
             self.stop()
             raise
+        self._remove_key()  # read at startup: the file is not needed any more
         return self
+
+    def _write_key(self) -> Path:
+        assert self.spec.kvctl_key
+        self._key_dir = Path(tempfile.mkdtemp(prefix="radix-kvctl-key-"))  # mode 0700
+        path = self._key_dir / "key"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(self.spec.kvctl_key + "\n")
+        return path
+
+    def _remove_key(self) -> None:
+        key_dir, self._key_dir = self._key_dir, None
+        if key_dir is not None:
+            shutil.rmtree(key_dir, ignore_errors=True)
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -129,6 +155,7 @@ class ServerProcess:
         proc, self.proc = self.proc, None
         if proc is not None:
             stop_process_group(proc, grace)
+        self._remove_key()
 
 
 def stop_process_group(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:

@@ -89,13 +89,18 @@ class Backend:
 
     # ---- /kvctl -----------------------------------------------------------------------
 
-    def check_instance(self, reply: Any, route: str) -> None:
-        """Refuse a reply from another server process than the one first seen at this URL."""
+    def check_instance(self, reply: Any, route: str, adopt: bool = False) -> None:
+        """Refuse a reply from another server process than the one this proxy knows at this URL.
+
+        ``adopt`` (caps only: the startup handshake and the health monitor, which resets the
+        slot table and residents of a new instance in the same step) takes the new id instead."""
         got = reply.get("instance") if isinstance(reply, dict) else None
         if not isinstance(got, str):
             return
-        if self.instance is None:
-            self.instance = got
+        if self.instance is None or (adopt and got != self.instance):
+            if self.instance is not None:
+                log.warning("%s: llama-server is a new instance (%s, was %s)", self.url, got, self.instance)
+            self.instance, self._instance_logged = got, False
         elif got != self.instance:
             if not self._instance_logged:
                 self._instance_logged = True
@@ -104,7 +109,7 @@ class Backend:
             raise KvMoveError(FallbackCause.INSTANCE,
                               f"/kvctl/{route}: another server instance ({got}, expected {self.instance})")
 
-    async def kv_get(self, route: str, params: Mapping[str, str] | None = None) -> Any:
+    async def kv_get(self, route: str, params: Mapping[str, str] | None = None, adopt: bool = False) -> Any:
         try:
             async with self.request("GET", f"/kvctl/{route}", params=params, headers=self._auth) as resp:
                 raw = await resp.read()
@@ -115,7 +120,7 @@ class Backend:
             data = orjson.loads(raw) if raw else {}
         except orjson.JSONDecodeError:
             data = {"error": {"message": raw[:200].decode(errors="replace")}}
-        self.check_instance(data, route)
+        self.check_instance(data, route, adopt)
         if status >= 400:
             raise backend_error(status, data, f"/kvctl/{route}")
         return data
@@ -150,7 +155,8 @@ class Backend:
         return reply
 
     async def caps(self) -> dict[str, Any]:
-        return dict(await self.kv_get("caps"))
+        """The server's capabilities; a new instance id is adopted here (see check_instance)."""
+        return dict(await self.kv_get("caps", adopt=True))
 
     async def slots(self, tokens: bool = False) -> dict[str, Any]:
         return dict(await self.kv_get("slots", {"tokens": "1"} if tokens else None))

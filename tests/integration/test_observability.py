@@ -33,7 +33,7 @@ from proxy.core.payload import blob_size
 from proxy.native.launch import ServerProcess, free_port
 from proxy.server.metrics import FALLBACK_CAUSES, ROUTES
 from proxy.server.observe import cache_summary, refresh_metrics
-from tests.helpers import ProxyThread, Reply, ServerFactory, get, post
+from tests.helpers import ProxyThread, Reply, ServerFactory, get, post, request
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "observe-me"
@@ -81,7 +81,8 @@ def backend(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
 @pytest.fixture(scope="module")
 def live(backend: ServerProcess) -> Iterator[Live]:
     assert backend.spec.kvctl_dir is not None
-    config = Config(backends=(backend.url,), port=free_port(), shm_dir=backend.spec.kvctl_dir, admin_show_text=True,
+    config = Config(backends=(backend.url,), port=free_port(), shm_dir=backend.spec.kvctl_dir,
+                    kvctl_key=backend.spec.kvctl_key, admin_show_text=True,
                     min_restore_tokens=32, cache_ram_mib=256, admin_key=ADMIN_KEY)
     thread = ProxyThread(config).start()
     try:
@@ -89,7 +90,7 @@ def live(backend: ServerProcess) -> Iterator[Live]:
         assert thread.runtime is not None
         thread.run(refresh_metrics(thread.runtime))  # also done by /metrics once app.py calls it
         metrics = parse_metrics(get(f"{thread.url}/metrics").body)
-        caps = get(f"{backend.url}/kvctl/caps").body
+        caps = request(f"{backend.url}/kvctl/caps", headers={"Authorization": f"Bearer {backend.spec.kvctl_key}"}).body
         yield Live(thread, backend, replies, metrics, caps)
     finally:
         thread.stop()
@@ -334,14 +335,15 @@ def test_radixctl_stats(live: Live) -> None:
 
 def test_radixctl_doctor(live: Live, stock_server: ServerProcess) -> None:
     spec = live.backend.spec
-    good = CliRunner().invoke(radixctl, ["doctor", "--backend-url", live.backend.url, "--shm-dir",
+    key = ["--kvctl-key", str(spec.kvctl_key)]
+    good = CliRunner().invoke(radixctl, ["doctor", "--backend-url", live.backend.url, *key, "--shm-dir",
                                          str(spec.kvctl_dir), "--json"])
     assert good.exit_code == 0, good.output
     checks = {c["name"]: c for c in json.loads(good.stdout)["servers"][0]["checks"]}
     assert {"reachable", "build", "kvctl", "KV layout", "payload dir", "chat template", "tokenizer"} <= set(checks)
     assert all(c["status"] != "fail" for c in checks.values())
     assert checks["tokenizer"]["status"] == "ok" and checks["payload dir"]["status"] == "ok"
-    human = CliRunner().invoke(radixctl, ["doctor", "--backend-url", live.backend.url]).stdout
+    human = CliRunner().invoke(radixctl, ["doctor", "--backend-url", live.backend.url, *key]).stdout
     assert "OK    tokenizer" in human and "result:" in human
 
     stock = CliRunner().invoke(radixctl, ["doctor", "--backend-url", stock_server.url])

@@ -45,6 +45,7 @@ def backend(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
 def proxy(backend: ServerProcess) -> Iterator[ProxyThread]:
     assert backend.spec.kvctl_dir is not None
     config = Config(backends=(backend.url,), port=free_port(), shm_dir=backend.spec.kvctl_dir,
+                    kvctl_key=backend.spec.kvctl_key,
                     min_restore_tokens=32, cache_ram_mib=512,
                     record_path=backend.spec.kvctl_dir.parent / f"recorded-{backend.spec.port}.jsonl")
     thread = ProxyThread(config).start()
@@ -117,7 +118,7 @@ def test_restored_kv_is_byte_identical_to_saved(proxy: ProxyThread) -> None:
         assert match.length == cached
         saved = np.concatenate([s.data for s in rt.coordinator.tree.segments(match, 0, cached)])
         async with server.move_lock:
-            live = await server.mover.export({"slot": slot}, 0, cached)
+            live = await server.mover.export({"slot": slot}, 0, tokens[:cached])
         return bool(np.array_equal(saved, live.data))
 
     assert proxy.run(compare(proxy.runtime))

@@ -40,6 +40,7 @@ def backend(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
 def proxy(backend: ServerProcess) -> Iterator[ProxyThread]:
     assert backend.spec.kvctl_dir is not None
     config = Config(backends=(backend.url,), port=free_port(), shm_dir=backend.spec.kvctl_dir,
+                    kvctl_key=backend.spec.kvctl_key,
                     min_restore_tokens=32, cache_ram_mib=256, max_body_mib=1)
     thread = ProxyThread(config).start()
     yield thread
@@ -64,7 +65,7 @@ def snapshot(proxy: ProxyThread, backend: ServerProcess) -> dict[str, Any]:
             kv = b""
             if len(slot.tokens):
                 async with server.move_lock:
-                    seg = await server.mover.export({"slot": slot.slot_id}, 0, len(slot.tokens))
+                    seg = await server.mover.export({"slot": slot.slot_id}, 0, slot.tokens)
                 kv = seg.data.tobytes()
             slots[slot.slot_id] = (slot.tokens.tolist(), hashlib.sha256(kv).hexdigest())
         stats = rt.coordinator.tree.stats()
@@ -213,6 +214,7 @@ def test_cache_information_can_be_hidden(backend: ServerProcess, proxy: ProxyThr
     assert backend.spec.kvctl_dir is not None
     proxy.stop()  # one proxy per server: the proxy must be the only user of the slots
     config = Config(backends=(backend.url,), port=free_port(), shm_dir=backend.spec.kvctl_dir,
+                    kvctl_key=backend.spec.kvctl_key,
                     min_restore_tokens=32, cache_ram_mib=64, cache_info=False)
     hidden = ProxyThread(config).start()
     try:

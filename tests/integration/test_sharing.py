@@ -10,13 +10,14 @@ import pytest
 
 from proxy.config import Config
 from proxy.native.launch import ServerProcess, free_port
-from tests.helpers import ProxyThread, Reply, ServerFactory, assert_same_answer, chat_body, get, post
+from tests.helpers import ProxyThread, Reply, ServerFactory, assert_same_answer, chat_body, get, post, request
 from tests.integration.test_proxy import convo, document
 
 
 def start_proxy(backend: ServerProcess, **kw: object) -> ProxyThread:
     assert backend.spec.kvctl_dir is not None
     config = Config(backends=(backend.url,), port=free_port(), shm_dir=backend.spec.kvctl_dir,
+                    kvctl_key=backend.spec.kvctl_key,
                     min_restore_tokens=32, cache_ram_mib=512, kv_share=True, **kw)  # type: ignore[arg-type]
     return ProxyThread(config).start()
 
@@ -95,7 +96,7 @@ def test_attached_slots_hold_the_shared_cells_once(proxy: ProxyThread, backend: 
     assert "S" in routes or "S+H" in routes, routes
     for reply, messages in zip(replies, pair, strict=True):
         assert_same_answer(reply, reference(stock_server, messages))
-    cells = get(f"{backend.url}/kvctl/cells").body
+    cells = request(f"{backend.url}/kvctl/cells", headers={"Authorization": f"Bearer {backend.spec.kvctl_key}"}).body
     shared = min(r.body["timings"]["cache_n"] for r in replies if r.headers["X-Radix-Route"].startswith("S"))
     # The owner and two slots hold the shared prefix in one set of cells.
     assert cells["logical"] - cells["used"] >= 2 * shared - 8, (cells, shared)
