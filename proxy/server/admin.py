@@ -105,7 +105,7 @@ async def detokenize(runtime: Runtime, ids: Sequence[int]) -> str:
     if local is not None:
         return local.decode(ids)
     try:
-        data = await runtime.primary.post_json("/detokenize", {"tokens": ids})
+        data = await runtime.on_any_server(lambda backend: backend.post_json("/detokenize", {"tokens": ids}))
     except (RadixError, aiohttp.ClientError) as exc:
         return f"<{len(ids)} tokens: /detokenize failed: {exc}>"
     return str(data.get("content", ""))

@@ -132,7 +132,11 @@ async def _summary_ctx(app: web.Application) -> AsyncIterator[None]:
 async def start_site(app: web.Application, host: str, port: int) -> web.AppRunner:
     """Open the app's resources and listen; the caller owns ``runner.cleanup()``."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
+    try:
+        await runner.setup()
+    except BaseException:
+        await runner.cleanup()  # closes what the startup contexts opened before the failure
+        raise
     site = web.TCPSite(runner, host, port)
     try:
         await site.start()

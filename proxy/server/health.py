@@ -35,12 +35,22 @@ class HealthMonitor:
         await asyncio.gather(*(self.check(s) for s in self.coordinator.servers))
 
     async def check(self, server: ServerState) -> None:
+        """Liveness from GET /health (answered outside the server's main loop); identity and
+        compatibility from /kvctl/caps, which waits for the main loop: a slow caps while the
+        server is generating is no sign of death, so only a failed /health takes it out."""
         try:
             async with asyncio.timeout(self.timeout_s):
                 await server.backend.get_json("/health")
-                caps = await server.backend.caps()
         except (TimeoutError, aiohttp.ClientError, RadixError, ValueError) as exc:
-            self.coordinator.server_down(server, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            self.coordinator.server_down(server, _why(exc))
+            return
+        try:
+            async with asyncio.timeout(self.timeout_s * 5):
+                caps = await server.backend.caps()
+        except TimeoutError:
+            return  # busy: alive, as /health said; a server that was down stays down until caps answers
+        except (aiohttp.ClientError, RadixError, ValueError) as exc:
+            self.coordinator.server_down(server, _why(exc))
             return
         reason = self._incompatible(server, caps)
         if reason:
@@ -58,3 +68,7 @@ class HealthMonitor:
         if caps.get("n_parallel") != len(server.slots):
             return f"it now has {caps.get('n_parallel')} slots, not {len(server.slots)} (restart the proxy)"
         return ""
+
+
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

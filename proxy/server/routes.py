@@ -16,6 +16,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from proxy.errors import BackendError, BadRequest, NotFound
+from proxy.server.backend import Backend
 from proxy.server.coordinator import Lease
 from proxy.server.forward import HOP_HEADERS, NotStarted, Outcome, forward_completion, forward_headers
 from proxy.server.front import (
@@ -61,7 +62,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     if not isinstance(body.get("messages"), list) or not body["messages"]:
         raise BadRequest("'messages' must be a non-empty array")
-    prompt = await runtime.primary.apply_template(body, forward_headers(request))
+    headers = forward_headers(request)
+    prompt = await runtime.on_any_server(lambda backend: backend.apply_template(body, headers))
     tokens = await runtime.tokenize(prompt)
     return await _steered(request, body, tokens)
 
@@ -165,14 +167,20 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def forward_plain(request: web.Request) -> web.StreamResponse:
-    """The read-only allowlist goes to the first server unchanged; anything else is 404."""
+    """The read-only allowlist goes to a healthy server unchanged; anything else is 404."""
     why = refusal(request.method, request.path)
     if why is not None:
         raise NotFound(why)
     runtime = request.app[RUNTIME]
-    backend = runtime.primary
-    async with backend.session.request(request.method, backend.url + request.path_qs, data=await request.read(),
-                                       headers=forward_headers(request)) as up:
-        raw = await up.read()
-        headers = {k: v for k, v in up.headers.items() if k.lower() not in HOP_HEADERS | {"content-encoding"}}
-        return web.Response(body=raw, status=up.status, headers=headers)
+    data, headers = await request.read(), forward_headers(request)
+
+    async def call(backend: Backend) -> web.Response:
+        async with backend.session.request(request.method, backend.url + request.path_qs, data=data,
+                                           headers=headers) as up:
+            raw = await up.read()
+            # llama-server's permissive CORS headers are not passed on: the proxy grants no origin.
+            kept = {k: v for k, v in up.headers.items()
+                    if k.lower() not in HOP_HEADERS | {"content-encoding"} and not k.lower().startswith("access-control-")}
+            return web.Response(body=raw, status=up.status, headers=kept)
+
+    return await runtime.on_any_server(call)

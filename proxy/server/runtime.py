@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 import aiohttp
 import numpy as np
 from aiohttp import web
 
 from proxy.config import Config
+from proxy.errors import Unavailable
+from proxy.server.backend import Backend
 from proxy.server.coordinator import Coordinator
 from proxy.server.health import HealthMonitor
 from proxy.server.metrics import Metrics
 from proxy.server.recorder import Recorder
 from proxy.tokenizer import PromptTokenizer
+
+T = TypeVar("T")
 
 
 class Runtime:
@@ -40,8 +44,27 @@ class Runtime:
         if self.local_tokenizer is not None:
             ids = await asyncio.to_thread(self.local_tokenizer.encode, prompt)
         else:
-            ids = await self.primary.tokenize(prompt, add_special=True, parse_special=True)
+            ids = await self.on_any_server(lambda b: b.tokenize(prompt, add_special=True, parse_special=True))
         return np.asarray(ids, dtype=np.int32)
+
+    async def on_any_server(self, call: Callable[[Backend], Awaitable[T]]) -> T:
+        """``call`` on a healthy server (template rendering, tokenizing: any server does); one
+        that fails to answer is marked down and the next is tried. Waits, bounded by the queue
+        deadline, while none is serving."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.queue_timeout_s
+        for _ in range(2 * len(self.coordinator.servers)):
+            server = next((s for s in self.coordinator.servers if s.healthy), None)
+            while server is None:
+                if loop.time() > deadline:
+                    raise Unavailable("no llama-server is serving")
+                await asyncio.sleep(0.1)
+                server = next((s for s in self.coordinator.servers if s.healthy), None)
+            try:
+                return await call(server.backend)
+            except aiohttp.ClientError as exc:
+                self.coordinator.server_down(server, f"{type(exc).__name__}: {exc}")
+        raise Unavailable("no llama-server answered")
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Background work (saving KV after an answer) that must not be garbage-collected."""

@@ -74,8 +74,11 @@ class Coordinator:
         self.metrics.backend_up.labels(server.name).set(0)
 
     def server_up(self, server: ServerState, instance: str | None) -> None:
-        """The server answers again; if it is another instance, what the proxy knew of it is gone."""
-        if server.instance is not None and instance is not None and instance != server.instance:
+        """The server answers again; if it was down, or is another instance, what the proxy knew
+        of its slots and owner sequences is gone."""
+        new_instance = server.instance is not None and instance is not None and instance != server.instance
+        # Down and back without an instance id to tell: it may have restarted, so forget its state.
+        if new_instance or (not server.healthy and instance is None):
             self.server_restarted(server)
         server.instance = instance if instance is not None else server.instance
         if not server.healthy:
