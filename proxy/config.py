@@ -47,7 +47,7 @@ class Config:
     max_queue: int = 0
     queue_timeout_s: float = 60.0
     # The longest a request waits for another request holding its prefix (fan-out, next turn).
-    fanout_wait_s: float = 10.0
+    fanout_wait_s: float = 30.0
     # Deadline of the save after an answer; the slot is released (emptied if unknown) after it.
     finish_timeout_s: float = 30.0
     # Health checks of every server (GET /health and /kvctl/caps), seconds between rounds.
@@ -56,6 +56,8 @@ class Config:
     # A streamed answer is read from the server into this buffer, so a slow client does not hold
     # the slot; a client that falls further behind is cut.
     stream_buffer_bytes: int = 8 << 20
+    # A completion with no byte from the server for this long is cut (a long prefill sends none).
+    backend_read_timeout_s: float = 600.0
     # On the first SIGTERM/SIGINT, in-flight requests get this long to finish.
     shutdown_grace_s: float = 30.0
 

@@ -124,6 +124,7 @@ class FallbackCause(StrEnum):
     INSTANCE = "instance"  # the server behind the URL restarted (another instance id): its state is gone
     CONFLICT = "conflict"  # the server's slot no longer holds the tokens the move names (409)
     TIMEOUT = "timeout"  # a KV move or the save after an answer ran past its deadline
+    NO_SPACE = "no_space"  # the payload did not fit in the shared-memory directory, nor inline
 
 
 class KvMoveError(RadixError):

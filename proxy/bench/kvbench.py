@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 from proxy.bench.text import prose, seeded
 from proxy.core.payload import KvLayout, blob_size
 from proxy.errors import FallbackCause
-from proxy.server.backend import Backend
+from proxy.server.backend import MOVE_BASE_S, Backend
 from proxy.server.metrics import Metrics
 from proxy.server.mover import KvMover
 
@@ -40,10 +40,11 @@ class TimedBackend(Backend):
         super().__init__(*args, **kw)
         self.last_call_s = 0.0
 
-    async def kv_post(self, route: str, body: Mapping[str, Any], cause: FallbackCause) -> Any:
+    async def kv_post(self, route: str, body: Mapping[str, Any], cause: FallbackCause,
+                      timeout_s: float = MOVE_BASE_S) -> Any:
         started = time.perf_counter()
         try:
-            return await super().kv_post(route, body, cause)
+            return await super().kv_post(route, body, cause, timeout_s)
         finally:
             self.last_call_s = time.perf_counter() - started
 

@@ -104,6 +104,24 @@ cache_info_option = click.option(
     help="Tell clients how much of their prompt was cached (X-Radix-* headers, timings). Turn off when "
          "clients do not trust each other: it is an exact oracle for other tenants' prompts.",
 )
+max_queue_option = click.option(
+    "--max-queue", "max_queue", default=0, show_default=True, envvar="RADIX_MAX_QUEUE", type=click.IntRange(0),
+    help="Requests that may wait for a slot; more get 429 with Retry-After (0: four per slot).",
+)
+queue_timeout_option = click.option(
+    "--queue-timeout", "queue_timeout_s", default=60.0, show_default=True, envvar="RADIX_QUEUE_TIMEOUT",
+    type=click.FloatRange(0.1), help="Seconds a request may wait for a slot before a 503 with Retry-After.",
+)
+backend_read_timeout_option = click.option(
+    "--backend-read-timeout", "backend_read_timeout_s", default=600.0, show_default=True,
+    envvar="RADIX_BACKEND_READ_TIMEOUT", type=click.FloatRange(1),
+    help="Seconds without a byte from llama-server before a completion is cut (a long prefill sends none).",
+)
+shutdown_grace_option = click.option(
+    "--shutdown-grace", "shutdown_grace_s", default=30.0, show_default=True, envvar="RADIX_SHUTDOWN_GRACE",
+    type=click.FloatRange(0), help="On SIGTERM/Ctrl-C, seconds in-flight requests get to finish (a second "
+    "signal exits at once).",
+)
 admin_show_text_option = click.option(
     "--admin-show-text", is_flag=True, envvar="RADIX_ADMIN_SHOW_TEXT",
     help="Show prompt text (previews, divergences) in the /radix admin API; token counts only otherwise.",

@@ -9,7 +9,7 @@ import os
 import secrets
 import signal
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from proxy.cli.options import (
     BUILD_BACKENDS,
     admin_key_option,
     admin_show_text_option,
+    backend_read_timeout_option,
     cache_info_option,
     cache_isolation_option,
     cache_ram_option,
@@ -33,13 +34,17 @@ from proxy.cli.options import (
     kvctl_key_option,
     log_level_option,
     max_body_option,
+    max_queue_option,
     min_restore_tokens_option,
     model_option,
     port_option,
+    queue_timeout_option,
     record_option,
     shm_dir_option,
+    shutdown_grace_option,
 )
 from proxy.config import Config
+from proxy.errors import RadixError
 from proxy.native.build import BuildSpec, build_server
 from proxy.native.fetch import cache_root, say
 from proxy.native.launch import ServerProcess, ServerSpec, check_port_free, free_port
@@ -50,6 +55,9 @@ from proxy.server.runtime import Runtime
 
 def _config(backends: tuple[str, ...], **kw: Any) -> Config:
     return Config(backends=backends, tokenizer_cache=cache_root() / "tokenizers", **kw)
+
+
+log = logging.getLogger("radix")
 
 
 @click.command()
@@ -72,6 +80,10 @@ def _config(backends: tuple[str, ...], **kw: Any) -> Config:
 @cache_isolation_option
 @cache_info_option
 @max_body_option
+@max_queue_option
+@queue_timeout_option
+@backend_read_timeout_option
+@shutdown_grace_option
 @record_option
 @log_level_option
 @fail_cleanly
@@ -108,6 +120,10 @@ def serve(backends: tuple[str, ...], **kw: Any) -> None:
 @cache_isolation_option
 @cache_info_option
 @max_body_option
+@max_queue_option
+@queue_timeout_option
+@backend_read_timeout_option
+@shutdown_grace_option
 @record_option
 @log_level_option
 @fail_cleanly
@@ -118,20 +134,41 @@ def up(model_arg: str | None, server_port: int, n_parallel: int, ctx_size: int, 
            threads=threads, build_backend=build_backend, server_args=server_args, proxy_kw=kw)
 
 
-async def serve_forever(config: Config, on_ready: Callable[[Runtime], None] | None = None) -> None:
-    """Serve until SIGINT or SIGTERM; the app's cleanup closes everything it opened."""
+async def serve_forever(config: Config, on_ready: Callable[[Runtime], None] | None = None,
+                        background: Callable[[], Coroutine[Any, Any, None]] | None = None,
+                        on_force: Callable[[], None] | None = None) -> None:
+    """Serve until SIGINT or SIGTERM. The first signal stops taking requests (queued ones get
+    503 at once), gives in-flight ones ``--shutdown-grace`` seconds, then the app's cleanup
+    drains the saves (bounded) and closes everything; a second signal exits at once."""
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_app(config)
-    runner = await start_site(app, config.host, config.port)
+    runner = await start_site(app, config.host, config.port, shutdown_timeout=config.shutdown_grace_s)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            log.warning("second signal: exiting now")
+            if on_force is not None:
+                on_force()
+            os._exit(130)
+        log.info("shutting down: no new requests; in-flight ones get %g s (a second signal exits now)",
+                 config.shutdown_grace_s)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
+    task = loop.create_task(background()) if background is not None else None
     try:
         if on_ready is not None:
             on_ready(app[RUNTIME])
         await stop.wait()
     finally:
+        app[RUNTIME].coordinator.close()
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await runner.cleanup()
 
 
@@ -142,6 +179,7 @@ def up_forever(*, model_arg: str | None, server_port: int, n_parallel: int, ctx_
     model = resolve_model(model_arg)
     binary = build_server(BuildSpec(variant="patched", backend=build_backend))
     shm_dir = proxy_kw.pop("shm_dir", None) or _default_shm_dir(port)
+    _remove_payloads(shm_dir)  # left by an earlier run that was killed
     # A /kvctl key per run unless one was given: to the server in a 0600 file, to the proxy in memory.
     if not proxy_kw.get("kvctl_key"):
         proxy_kw["kvctl_key"] = secrets.token_urlsafe(32)
@@ -160,16 +198,45 @@ def up_forever(*, model_arg: str | None, server_port: int, n_parallel: int, ctx_
             "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Say hello\"}], \"max_tokens\": 32}'")
 
     try:
-        asyncio.run(serve_forever(config, on_ready=ready))
+        asyncio.run(serve_forever(config, on_ready=ready, background=lambda: supervise(server),
+                                  on_force=lambda: server.stop(grace=0)))
     except KeyboardInterrupt:
         pass
     finally:
         say("stopping llama-server")
         server.stop()
+        _remove_payloads(shm_dir)
         with contextlib.suppress(OSError):
-            for leftover in shm_dir.glob("radix-*.kv"):
-                leftover.unlink()
             shm_dir.rmdir()
+
+
+async def supervise(server: ServerProcess, poll_s: float = 0.5, max_backoff_s: float = 30.0) -> None:
+    """Restart llama-server when it exits, with exponential backoff; the proxy's health monitor
+    takes it out of routing meanwhile and resets its state when it is back."""
+    backoff = 1.0
+    while True:
+        await asyncio.sleep(poll_s)
+        if server.alive():
+            continue
+        code = server.proc.returncode if server.proc is not None else None
+        log.error("llama-server exited (code %s); restarting in %.0f s. Log tail:\n%s", code, backoff,
+                  server.log_tail(10))
+        await asyncio.sleep(backoff)
+        try:
+            server.spawn()  # in the loop's (main) thread: the child's death signal follows this thread
+            await asyncio.to_thread(server.wait_healthy, 180.0)
+        except RadixError as exc:
+            log.error("llama-server did not come back: %s", exc.message)
+            backoff = min(backoff * 2, max_backoff_s)
+            continue
+        log.warning("llama-server is back on %s", server.url)
+        backoff = 1.0
+
+
+def _remove_payloads(shm_dir: Path) -> None:
+    with contextlib.suppress(OSError):
+        for leftover in shm_dir.glob("*.kv"):
+            leftover.unlink()
 
 
 def _default_shm_dir(port: int) -> Path:

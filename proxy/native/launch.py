@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -15,6 +18,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from proxy.errors import ConfigError
 
@@ -22,6 +26,8 @@ from proxy.errors import ConfigError
 # none of the stock behaviours that replace slot KV behind the proxy's back (the host
 # prompt cache and its idle-slot clearing, similarity-based slot swaps).
 PROXY_SERVER_ARGS = ["-kvu", "--cache-ram", "0", "-sps", "0"]
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 @dataclass(frozen=True)
@@ -96,21 +102,36 @@ class ServerProcess:
         return self.spec.url
 
     def start(self, timeout: float = 120.0) -> ServerProcess:
+        self.spawn()
+        self.wait_healthy(timeout)
+        return self
+
+    def spawn(self) -> None:
+        """Start the process and return at once (``wait_healthy`` waits for it). It dies with
+        the process that called this (Linux: PR_SET_PDEATHSIG), so call it from the main
+        thread: the signal follows the thread that forked, not the process."""
         check_port_free(self.spec.host, self.spec.port, "llama-server")
         if self.spec.kvctl_dir:
-            self.spec.kvctl_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the server refuses a group- or world-writable one
+            # The server refuses a group- or world-writable one.
+            self.spec.kvctl_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         key_file = self._write_key() if self.spec.kvctl and self.spec.kvctl_key else None
         try:
-            with open(self.log_path, "wb") as log:
+            with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(self.spec.argv(key_file), stdout=log, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, start_new_session=True)
+                                             stdin=subprocess.DEVNULL, start_new_session=True,
+                                             preexec_fn=functools.partial(_die_with_parent, os.getpid()))
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        try:
             self._wait_healthy(timeout)
         except BaseException:
             self.stop()
             raise
         self._remove_key()  # read at startup: the file is not needed any more
-        return self
 
     def _write_key(self) -> Path:
         assert self.spec.kvctl_key
@@ -156,6 +177,28 @@ class ServerProcess:
         if proc is not None:
             stop_process_group(proc, grace)
         self._remove_key()
+
+
+def _load_prctl() -> Any:
+    if sys.platform != "linux":
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Resolved here, in the parent: the child between fork and exec only calls it.
+_PRCTL = _load_prctl()
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the child before exec: SIGKILL when the parent dies, so no server is orphaned even
+    when the proxy is killed with SIGKILL (Linux; elsewhere nothing)."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
 
 
 def stop_process_group(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:

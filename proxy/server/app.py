@@ -129,9 +129,10 @@ async def _summary_ctx(app: web.Application) -> AsyncIterator[None]:
             await task
 
 
-async def start_site(app: web.Application, host: str, port: int) -> web.AppRunner:
-    """Open the app's resources and listen; the caller owns ``runner.cleanup()``."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+async def start_site(app: web.Application, host: str, port: int, shutdown_timeout: float = 60.0) -> web.AppRunner:
+    """Open the app's resources and listen; the caller owns ``runner.cleanup()``, which stops
+    listening, gives in-flight requests ``shutdown_timeout`` seconds, then closes everything."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
     try:
         await runner.setup()
     except BaseException:

@@ -23,13 +23,30 @@ log = logging.getLogger("radix")
 # one retry on a fresh connection is safe.
 _STALE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
+# Deadlines (invariant 8: every wait has a bound). Template, tokenize and /props are answered
+# by the server's HTTP threads; /kvctl reads wait for its main loop (a decode step); a KV move
+# gets a base plus time for its bytes at a pessimistic rate.
+PLAIN_TIMEOUT = aiohttp.ClientTimeout(total=10, sock_connect=5)
+KV_READ_TIMEOUT = aiohttp.ClientTimeout(total=60, sock_connect=5)
+MOVE_BASE_S = 30.0
+MOVE_MIN_RATE = 20e6  # bytes/s
+
+
+def move_timeout_s(nbytes: int) -> float:
+    return MOVE_BASE_S + nbytes / MOVE_MIN_RATE
+
 
 class Backend:
     """One llama-server. All KV moves on it are serialized by the coordinator's lock."""
 
-    def __init__(self, url: str, session: aiohttp.ClientSession, kvctl_key: str | None = None) -> None:
+    def __init__(self, url: str, session: aiohttp.ClientSession, kvctl_key: str | None = None,
+                 read_timeout_s: float = 600.0, total_timeout_s: float | None = None) -> None:
         self.url = url.rstrip("/")
         self.session = session
+        # A completion: no byte for read_timeout_s (a long prefill sends none) or the whole
+        # answer past total_timeout_s ends it.
+        self.completion_timeout = aiohttp.ClientTimeout(total=total_timeout_s, sock_connect=5,
+                                                        sock_read=read_timeout_s)
         self._auth = {"Authorization": f"Bearer {kvctl_key}"} if kvctl_key else {}
         # The server process's random id (from the first /kvctl reply, normally caps): a reply
         # with another id comes from a restarted server whose KV and slot state are gone.
@@ -41,6 +58,7 @@ class Backend:
     @contextlib.asynccontextmanager
     async def request(self, method: str, path: str, **kw: Any) -> AsyncIterator[aiohttp.ClientResponse]:
         """One request, retried once if a pooled connection turned out to be closed."""
+        kw.setdefault("timeout", PLAIN_TIMEOUT)
         for attempt in (0, 1):
             try:
                 resp = await self.session.request(method, self.url + path, **kw)
@@ -55,7 +73,7 @@ class Backend:
 
     def post_stream(self, path: str, data: bytes,
                     headers: Mapping[str, str]) -> contextlib.AbstractAsyncContextManager[aiohttp.ClientResponse]:
-        return self.request("POST", path, data=data, headers=headers)
+        return self.request("POST", path, data=data, headers=headers, timeout=self.completion_timeout)
 
     async def get_json(self, path: str) -> Any:
         async with self.request("GET", path) as resp:
@@ -111,11 +129,14 @@ class Backend:
 
     async def kv_get(self, route: str, params: Mapping[str, str] | None = None, adopt: bool = False) -> Any:
         try:
-            async with self.request("GET", f"/kvctl/{route}", params=params, headers=self._auth) as resp:
+            async with self.request("GET", f"/kvctl/{route}", params=params, headers=self._auth,
+                                    timeout=KV_READ_TIMEOUT) as resp:
                 raw = await resp.read()
                 status = resp.status
         except aiohttp.ClientError as exc:
             raise KvMoveError(FallbackCause.TRANSPORT, f"/kvctl/{route}: {exc}") from exc
+        except TimeoutError as exc:
+            raise KvMoveError(FallbackCause.TIMEOUT, f"/kvctl/{route}: no answer in time") from exc
         try:
             data = orjson.loads(raw) if raw else {}
         except orjson.JSONDecodeError:
@@ -125,8 +146,10 @@ class Backend:
             raise backend_error(status, data, f"/kvctl/{route}")
         return data
 
-    async def kv_post(self, route: str, body: Mapping[str, Any], cause: FallbackCause) -> Any:
-        """POST a /kvctl operation; a refusal becomes a KvMoveError naming ``cause``."""
+    async def kv_post(self, route: str, body: Mapping[str, Any], cause: FallbackCause,
+                      timeout_s: float = MOVE_BASE_S) -> Any:
+        """POST a /kvctl operation; a refusal becomes a KvMoveError naming ``cause``, no
+        answer within ``timeout_s`` a KvMoveError(TIMEOUT)."""
         has_bytes = any(isinstance(v, bytes | bytearray | memoryview) for v in _walk(body))
         if has_bytes:
             data = msgpack.packb(body, use_bin_type=True)
@@ -135,11 +158,14 @@ class Backend:
             data = orjson.dumps(body)
             headers = {**self._auth, "Content-Type": "application/json"}
         try:
-            async with self.request("POST", f"/kvctl/{route}", data=data, headers=headers) as resp:
+            async with self.request("POST", f"/kvctl/{route}", data=data, headers=headers,
+                                    timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=5)) as resp:
                 raw = await resp.read()
                 status, content_type = resp.status, resp.content_type
         except aiohttp.ClientError as exc:
             raise KvMoveError(FallbackCause.TRANSPORT, f"/kvctl/{route}: {exc}") from exc
+        except TimeoutError as exc:
+            raise KvMoveError(FallbackCause.TIMEOUT, f"/kvctl/{route}: no answer within {timeout_s:.0f} s") from exc
         try:
             reply = msgpack.unpackb(raw, raw=False) if content_type == "application/msgpack" else (
                 orjson.loads(raw) if raw else {})
@@ -165,12 +191,12 @@ class Backend:
         return dict(await self.kv_get("cells"))
 
     async def export(self, seq: Mapping[str, int], p0: int, tokens: Sequence[int] | np.ndarray,
-                     file: str | None) -> dict[str, Any]:
+                     file: str | None, timeout_s: float = MOVE_BASE_S) -> dict[str, Any]:
         """Export ``[p0, len(tokens))`` of a sequence that must hold ``tokens`` (else 409: CONFLICT)."""
         body: dict[str, Any] = {**seq, "p0": p0, "p1": len(tokens), "expect_sha256": tokens_sha256(tokens)}
         if file:
             body["file"] = file
-        reply = dict(await self.kv_post("export", body, cause=FallbackCause.EXPORT))
+        reply = dict(await self.kv_post("export", body, cause=FallbackCause.EXPORT, timeout_s=timeout_s))
         if isinstance(reply.get("data"), str):
             reply["data"] = base64.b64decode(reply["data"])
         return reply

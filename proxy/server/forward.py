@@ -106,7 +106,7 @@ async def forward_completion(request: web.Request, body: dict[str, Any], lease: 
             started = True
             await _relay(request, up, stream, arrived, outcome, show, buffer_bytes, on_upstream_done)
             return stream
-    except aiohttp.ClientError as exc:
+    except (aiohttp.ClientError, TimeoutError) as exc:
         if not started:
             raise NotStarted(f"{type(exc).__name__}: {exc}") from exc
         raise
@@ -133,7 +133,7 @@ async def _relay(request: web.Request, up: aiohttp.ClientResponse, stream: web.S
                     return
                 queue.put_nowait(chunk)
             on_upstream_done()
-        except aiohttp.ClientError as exc:
+        except (aiohttp.ClientError, TimeoutError) as exc:
             outcome.broken = f"llama-server stopped answering mid-stream ({type(exc).__name__})"
             queue.put_nowait(sse_error(outcome.broken))
         finally:

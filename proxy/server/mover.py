@@ -9,7 +9,9 @@ keeps serving while megabytes are copied.
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
+import logging
 import mmap
 import os
 import time
@@ -21,10 +23,12 @@ import numpy as np
 
 from proxy.core.payload import KvLayout, KvSegment, blob_size, parse_blob, write_blob
 from proxy.errors import FallbackCause, KvMoveError, PayloadError
-from proxy.server.backend import Backend
+from proxy.server.backend import Backend, move_timeout_s
 from proxy.server.metrics import Metrics
 
 _names = itertools.count()
+log = logging.getLogger("radix")
+INLINE_LIMIT = 64 << 20  # the server's limit on an inline (in-body) payload
 
 
 class KvMover:
@@ -48,7 +52,8 @@ class KvMover:
         p1 = len(tokens)
         name = self._new_name() if self.shm_dir else None
         try:
-            reply = await self.backend.export(seq, p0, tokens, name)
+            timeout_s = move_timeout_s(blob_size(self.layout, p1 - p0))
+            reply = await self.backend.export(seq, p0, tokens, name, timeout_s)
             if reply.get("compat") not in (None, self.compat):
                 raise KvMoveError(FallbackCause.COMPAT, "exported payload has another compatibility key")
             if name is not None:
@@ -79,18 +84,24 @@ class KvMover:
         body: dict[str, Any] = {"slot": slot, "p0": p0, "p1": p1, "tokens": [int(t) for t in tokens],
                                 "compat": self.compat}
         name = self._new_name() if self.shm_dir else None
+        size = blob_size(self.layout, n)
         try:
             if name is not None:
-                size = await asyncio.to_thread(self._write_file, self._path(name), segments)
-                body["segments"] = [{"file": name, "offset": 0, "size": size}]
-            else:
-                size = blob_size(self.layout, n)
+                try:
+                    await asyncio.to_thread(self._write_file, self._path(name), segments)
+                    body["segments"] = [{"file": name, "offset": 0, "size": size}]
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or size > INLINE_LIMIT:
+                        raise
+                    log.warning("payload dir full (%s): importing %d bytes inline instead", exc, size)
+            if "segments" not in body:
                 buf = bytearray(size)
                 await asyncio.to_thread(write_blob, segments, buf)
                 body["segments"] = [{"data": bytes(buf)}]
-            await self.backend.kv_post("import", body, cause=FallbackCause.IMPORT)
+            await self.backend.kv_post("import", body, cause=FallbackCause.IMPORT, timeout_s=move_timeout_s(size))
         except OSError as exc:
-            raise KvMoveError(FallbackCause.TRANSPORT, f"could not write import payload: {exc}") from exc
+            cause = FallbackCause.NO_SPACE if exc.errno in (errno.ENOSPC, errno.EDQUOT) else FallbackCause.TRANSPORT
+            raise KvMoveError(cause, f"could not write import payload: {exc}") from exc
         finally:
             if name is not None:
                 _unlink(self._path(name))
@@ -109,7 +120,8 @@ class KvMover:
         size = blob_size(self.layout, sum(s.n for s in segments))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # Reserve the pages now: a sparse file on a full tmpfs would SIGBUS the mmap writes.
+            os.posix_fallocate(fd, 0, size)
             with mmap.mmap(fd, size) as mm:
                 write_blob(segments, mm)
         finally:

@@ -62,7 +62,7 @@ class Runtime:
                 server = next((s for s in self.coordinator.servers if s.healthy), None)
             try:
                 return await call(server.backend)
-            except aiohttp.ClientError as exc:
+            except (aiohttp.ClientError, TimeoutError) as exc:
                 self.coordinator.server_down(server, f"{type(exc).__name__}: {exc}")
         raise Unavailable("no llama-server answered")
 

@@ -59,7 +59,7 @@ async def _n_vocab(backend: Backend) -> int:
 
 async def _connect(config: Config, name: str, url: str, session: aiohttp.ClientSession,
                    metrics: Metrics) -> ServerState:
-    backend = Backend(url, session, config.kvctl_key)
+    backend = Backend(url, session, config.kvctl_key, read_timeout_s=config.backend_read_timeout_s)
     try:
         caps = await backend.caps()
     except aiohttp.ClientError as exc:

@@ -10,10 +10,15 @@ tree's invariants hold).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
+import os
 import secrets
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -218,3 +223,101 @@ def test_slow_readers_do_not_hold_slots(start_server: ServerFactory, patched_bin
         settled(proxy)
     finally:
         proxy.stop()
+
+
+def test_a_stopped_server_makes_requests_fail_fast_and_it_is_used_again_after(lone_server: ServerProcess) -> None:
+    proxy = start_proxy(lone_server, backend_read_timeout_s=3.0, queue_timeout_s=3.0)
+    assert lone_server.proc is not None
+    pid = lone_server.proc.pid
+    try:
+        assert post(f"{proxy.url}/v1/chat/completions", chat_body(messages("Which unit?"), 4)).status == 200
+        settled(proxy)
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        reply = post(f"{proxy.url}/v1/chat/completions", chat_body(messages("Which valve?"), 4), timeout=60)
+        assert reply.status == 503 and reply.headers.get("Retry-After"), reply.body
+        assert time.monotonic() - started < 30  # bounded by the read and queue deadlines, not the client
+        assert get(f"{proxy.url}/health").status == 503
+        os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: get(f"{proxy.url}/health").status == 200, 30, "the server to be used again")
+        again = post(f"{proxy.url}/v1/chat/completions", chat_body(messages("Which unit?"), 4))
+        assert again.status == 200
+        # The same process came back (same instance): what its slots hold was kept.
+        assert again.headers["X-Radix-Route"] in ("A", "A+H", "H")
+        settled(proxy)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        proxy.stop()
+
+
+def _up(port: int, server_port: int) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "up", "--port", str(port), "--server-port",
+                             str(server_port), "-t", "2", "-c", "4096", "-np", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    def serving() -> bool:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        return _listening(port) and get(f"http://127.0.0.1:{port}/health", timeout=2).status == 200
+
+    wait_for(serving, 240, "radixctl up to serve")
+    return proc
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _server_pids(server_port: int) -> list[int]:
+    """llama-server processes listening on server_port (from /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"llama-server") and str(server_port).encode() in argv:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_up_restarts_a_killed_server_and_stops_gracefully(patched_bin: Path, model_path: Path) -> None:
+    port, server_port = free_port(), free_port()
+    proc = _up(port, server_port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        (pid,) = _server_pids(server_port)
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: _server_pids(server_port) not in ([], [pid]), 60, "llama-server to be restarted")
+        wait_for(lambda: get(f"{url}/health", timeout=2).status == 200, 120, "the restarted server to serve")
+        assert post(f"{url}/v1/chat/completions", chat_body(messages("Which unit?"), 4)).status == 200
+        # SIGTERM while a long answer streams: it completes, then everything stops.
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn.request("POST", "/v1/chat/completions",
+                     json.dumps({**chat_body(messages("Write a report on every unit."), 48), "stream": True}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.readline().startswith(b"data: ")
+        proc.send_signal(signal.SIGTERM)
+        assert b"data: [DONE]" in resp.read()
+        assert proc.wait(60) == 0
+        assert _server_pids(server_port) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_a_killed_proxy_leaves_no_server(patched_bin: Path, model_path: Path) -> None:
+    port, server_port = free_port(), free_port()
+    proc = _up(port, server_port)
+    try:
+        assert len(_server_pids(server_port)) == 1
+        proc.kill()  # SIGKILL: no cleanup code runs in the proxy
+        proc.wait(10)
+        wait_for(lambda: _server_pids(server_port) == [], 10, "the server to die with its proxy")
+    finally:
+        for pid in _server_pids(server_port):
+            os.kill(pid, signal.SIGKILL)
