@@ -18,7 +18,9 @@ import click
 
 from proxy.cli.common import fail_cleanly
 from proxy.cli.options import json_option
+from proxy.core.payload import FORMAT_VERSION
 from proxy.errors import RadixError
+from proxy.native.pins import LLAMA_CPP
 
 # ---- the checks ------------------------------------------------------------------------------
 
@@ -31,7 +33,7 @@ class Check:
     fix: str = ""
 
 
-PINNED_COMMIT = "0c1e570"
+PINNED_COMMIT = LLAMA_CPP.commit
 SERVER_FLAGS = "-np 4 -kvu --cache-ram 0 -sps 0 --kvctl --kvctl-dir /dev/shm/radix"
 
 
@@ -135,8 +137,9 @@ async def _doctor(backend: Any, kvctl_key: str | None, shm_dir: Path | None, tok
 def _caps_checks(caps: dict[str, Any], shm_dir: Path | None, layout_cls: Any) -> list[Check]:
     out: list[Check] = []
     version = caps.get("format_version")
-    if version != 1:
-        out.append(Check("payload format", "fail", f"payload format_version {version}, the proxy reads 1",
+    if version != FORMAT_VERSION:
+        out.append(Check("payload format", "fail",
+                         f"payload format_version {version}, the proxy reads {FORMAT_VERSION}",
                          "use the patch series of this proxy version (`radixctl build`)"))
     try:
         layout = layout_cls.from_caps(dict(caps["compat"]))

@@ -63,7 +63,7 @@ class HealthMonitor:
     def _incompatible(server: ServerState, caps: dict[str, object]) -> str:
         """Why the server cannot take this proxy's requests any more ("" when it can)."""
         compat = caps.get("compat")
-        if not isinstance(compat, dict) or compat.get("fingerprint") != server.mover.compat.get("fingerprint"):
+        if not isinstance(compat, dict) or compat != server.mover.compat:
             return "it now runs another model or KV layout (restart the proxy to serve it)"
         if caps.get("n_parallel") != len(server.slots):
             return f"it now has {caps.get('n_parallel')} slots, not {len(server.slots)} (restart the proxy)"

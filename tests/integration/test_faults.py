@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import http.client
 import json
 import os
@@ -321,3 +322,56 @@ def test_a_killed_proxy_leaves_no_server(patched_bin: Path, model_path: Path) ->
     finally:
         for pid in _server_pids(server_port):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_server_back_with_another_kv_type_is_kept_out(lone_server: ServerProcess, work_dir: Path) -> None:
+    proxy = start_proxy(lone_server, queue_timeout_s=3.0)
+    other: ServerProcess | None = None
+    try:
+        assert post(f"{proxy.url}/v1/chat/completions", chat_body(messages("Which unit?"), 4)).status == 200
+        settled(proxy)
+        assert lone_server.proc is not None
+        lone_server.proc.kill()
+        lone_server.proc.wait(10)
+        spec = dataclasses.replace(lone_server.spec, extra_args=("-ctk", "q8_0"))
+        other = ServerProcess(spec, work_dir / f"server-{spec.port}-q8.log").start(timeout=180)
+        wait_for(lambda: "another model or KV layout" in json.dumps(get(f"{proxy.url}/health").body), 30,
+                 "the server to be kept out")
+        health = get(f"{proxy.url}/health")
+        assert health.status == 503
+        reply = post(f"{proxy.url}/v1/chat/completions", chat_body(messages("Which valve?"), 4), timeout=120)
+        assert reply.status == 503  # never answered from KV of another layout
+        settled(proxy)
+    finally:
+        proxy.stop()
+        if other is not None:
+            other.stop()
+
+
+def test_a_full_payload_dir_falls_back_and_keeps_serving(start_server: ServerFactory, patched_bin: Path,
+                                                        tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    tiny = tmp_path / "tiny"
+    tiny.mkdir(mode=0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(tiny)], check=True)
+    try:
+        server = start_server(patched_bin, n_parallel=2, kvctl_dir=tiny)
+        proxy = start_proxy(server)
+        try:
+            for seed in range(3):
+                q = f"Question {seed}: which unit, which valve, which sensor?"
+                assert post(f"{proxy.url}/v1/chat/completions", chat_body(messages(q), 4)).status == 200
+                proxy.settle()
+            again = post(f"{proxy.url}/v1/chat/completions", chat_body(messages("Which valve?"), 4))
+            assert again.status == 200
+            settled(proxy)
+            fallbacks = proxy.call(lambda rt: sum(rt.metrics.value("radix_fallbacks_total", cause=c)
+                                                  for c in ("export", "no_space", "transport")))
+            assert fallbacks > 0  # the saves did not fit: counted, not crashed
+            assert get(f"{proxy.url}/health").status == 200
+        finally:
+            proxy.stop()
+            server.stop()
+    finally:
+        subprocess.run(["umount", str(tiny)], check=False)
