@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 
 help:
 	@echo "make run    build what is missing (patched llama-server, default model) and serve the proxy"
-	@echo "make test   lint (ruff, mypy) and the whole test suite against real llama-server processes"
+	@echo "make test   lint (ruff check and format, mypy strict) and the whole test suite against real llama-server processes"
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,7 @@ run: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check proxy tests
+	$(BIN)/ruff format --check proxy tests
 	$(BIN)/mypy
 
 unit: $(STAMP)

@@ -39,12 +39,19 @@ class Reply:
     body: Any
 
 
-def request(url: str, method: str = "GET", body: Any = None, raw: bytes | None = None,
-            headers: dict[str, str] | None = None, timeout: float = 180) -> Reply:
+def request(
+    url: str,
+    method: str = "GET",
+    body: Any = None,
+    raw: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 180,
+) -> Reply:
     """One HTTP call; an error status is returned as a Reply, not raised."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return Reply(resp.status, dict(resp.headers), _decode(resp.read()))
@@ -52,8 +59,9 @@ def request(url: str, method: str = "GET", body: Any = None, raw: bytes | None =
         return Reply(err.code, dict(err.headers), _decode(err.read()))
 
 
-def post(url: str, body: Any, timeout: float = 180, raw: bytes | None = None,
-         headers: dict[str, str] | None = None) -> Reply:
+def post(
+    url: str, body: Any, timeout: float = 180, raw: bytes | None = None, headers: dict[str, str] | None = None
+) -> Reply:
     return request(url, "POST", body if raw is None else None, raw, headers, timeout)
 
 
@@ -69,8 +77,14 @@ def _decode(raw: bytes) -> Any:
 
 
 def chat_body(messages: list[dict[str, str]], n: int = 16, **extra: Any) -> dict[str, Any]:
-    return {"messages": messages, "max_tokens": n, "temperature": 0, "logprobs": True, "top_logprobs": 2,
-            **extra}
+    return {
+        "messages": messages,
+        "max_tokens": n,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+        **extra,
+    }
 
 
 def answer_tokens(reply: Reply) -> list[tuple[str, float, float]]:
@@ -88,10 +102,14 @@ def assert_same_answer(got: Reply, ref: Reply, tol: float = NEAR_TIE_NATS) -> No
     a, b = answer_tokens(got), answer_tokens(ref)
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x[0] != y[0]:
-            assert y[2] < tol, (f"answers part at token {i} ({x[0]!r} vs {y[0]!r}) where the reference's "
-                                f"top-two margin is {y[2]:.3f} >= {tol}")
+            assert y[2] < tol, (
+                f"answers part at token {i} ({x[0]!r} vs {y[0]!r}) where the reference's "
+                f"top-two margin is {y[2]:.3f} >= {tol}"
+            )
             return
-    assert len(a) == len(b) or got.body["choices"][0]["finish_reason"] != ref.body["choices"][0]["finish_reason"]
+    assert (
+        len(a) == len(b) or got.body["choices"][0]["finish_reason"] != ref.body["choices"][0]["finish_reason"]
+    )
 
 
 class ProxyThread:
@@ -120,6 +138,7 @@ class ProxyThread:
 
     def call(self, fn: Callable[[Runtime], T]) -> T:
         """Run a synchronous inspection on the proxy's loop, between its mutations."""
+
         async def wrapper() -> T:
             assert self.runtime is not None
             return fn(self.runtime)

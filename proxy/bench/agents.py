@@ -31,17 +31,40 @@ class Task:
 
 
 def _tool(name: str, description: str, **props: str) -> dict[str, Any]:
-    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
-        "type": "object", "properties": {k: {"type": "string", "description": v} for k, v in props.items()},
-        "required": list(props)}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": {k: {"type": "string", "description": v} for k, v in props.items()},
+                "required": list(props),
+            },
+        },
+    }
 
 
-def _system(role: str, tools: list[dict[str, Any]], rules: list[str], docs: list[str], tokens: int, seed: object) -> str:
-    text = "\n".join([
-        role, "", "## Tools",
-        "Call one tool at a time by answering only with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.",
-        json.dumps(tools), "", "## Rules", *[f"- {r}" for r in rules], "", "## Documents", *docs,
-        "", "## Background notes"])
+def _system(
+    role: str, tools: list[dict[str, Any]], rules: list[str], docs: list[str], tokens: int, seed: object
+) -> str:
+    text = "\n".join(
+        [
+            role,
+            "",
+            "## Tools",
+            'Call one tool at a time by answering only with <tool_call>{"name": ..., "arguments": {...}}</tool_call>.',
+            json.dumps(tools),
+            "",
+            "## Rules",
+            *[f"- {r}" for r in rules],
+            "",
+            "## Documents",
+            *docs,
+            "",
+            "## Background notes",
+        ]
+    )
     return fill_to(text, seeded(seed, "notes"), tokens)
 
 
@@ -66,28 +89,48 @@ def _financials(seed: object) -> dict[str, dict[int, dict[str, float]]]:
             cogs = revenue * rng.uniform(0.45, 0.7)
             opex = revenue * rng.uniform(0.12, 0.24)
             equity = revenue * rng.uniform(0.3, 0.8)
-            years[year] = {k: round(v, 1) for k, v in {
-                "revenue": revenue, "cost_of_goods_sold": cogs, "operating_expenses": opex,
-                "net_income": (revenue - cogs - opex) * 0.75, "current_assets": revenue * rng.uniform(0.2, 0.5),
-                "current_liabilities": revenue * rng.uniform(0.15, 0.4),
-                "total_liabilities": equity * rng.uniform(0.4, 2.2), "equity": equity}.items()}
+            years[year] = {
+                k: round(v, 1)
+                for k, v in {
+                    "revenue": revenue,
+                    "cost_of_goods_sold": cogs,
+                    "operating_expenses": opex,
+                    "net_income": (revenue - cogs - opex) * 0.75,
+                    "current_assets": revenue * rng.uniform(0.2, 0.5),
+                    "current_liabilities": revenue * rng.uniform(0.15, 0.4),
+                    "total_liabilities": equity * rng.uniform(0.4, 2.2),
+                    "equity": equity,
+                }.items()
+            }
         out[name] = years
     return out
 
 
 _RATIOS: dict[str, tuple[str, Callable[[dict[str, float]], float]]] = {
-    "current_ratio": ("current assets / current liabilities", lambda f: f["current_assets"] / f["current_liabilities"]),
+    "current_ratio": (
+        "current assets / current liabilities",
+        lambda f: f["current_assets"] / f["current_liabilities"],
+    ),
     "debt_to_equity": ("total liabilities / equity", lambda f: f["total_liabilities"] / f["equity"]),
-    "gross_margin": ("(revenue - cost of goods sold) / revenue",
-                     lambda f: (f["revenue"] - f["cost_of_goods_sold"]) / f["revenue"]),
+    "gross_margin": (
+        "(revenue - cost of goods sold) / revenue",
+        lambda f: (f["revenue"] - f["cost_of_goods_sold"]) / f["revenue"],
+    ),
     "return_on_equity": ("net income / equity", lambda f: f["net_income"] / f["equity"]),
 }
 
 
-def _ratio(data: dict[str, dict[int, dict[str, float]]], company: str, ratio: str, year: int) -> dict[str, Any]:
+def _ratio(
+    data: dict[str, dict[int, dict[str, float]]], company: str, ratio: str, year: int
+) -> dict[str, Any]:
     formula, fn = _RATIOS[ratio]
-    return {"company": company, "ratio": ratio, "year": year, "formula": formula,
-            "value": round(fn(data[company][year]), 3)}
+    return {
+        "company": company,
+        "ratio": ratio,
+        "year": year,
+        "formula": formula,
+        "value": round(fn(data[company][year]), 3),
+    }
 
 
 def finance(n_sessions: int, tokens: int, seed: object) -> tuple[str, list[Task]]:
@@ -96,48 +139,96 @@ def finance(n_sessions: int, tokens: int, seed: object) -> tuple[str, list[Task]
     for name in _COMPANIES:
         for year in _YEARS:
             figures = "; ".join(f"{k.replace('_', ' ')} {v} M" for k, v in data[name][year].items())
-            docs.append(f"### {name}, annual report {year} (fictional)\n{figures}.\n"
-                        f"{prose(seeded(seed, 'fin-doc', name, year), 10)}")
-    tools = [_tool("get_financials", "Reported figures of a company for a fiscal year", company="company name",
-                   year="fiscal year"),
-             _tool("compute_ratio", "Compute a financial ratio from the reported figures", company="company name",
-                   ratio="|".join(_RATIOS), year="fiscal year"),
-             _tool("search_reports", "Full-text search in the annual reports", query="search terms")]
-    system = _system("You are a financial research assistant. All companies below are fictional.", tools,
-                     ["Use only the figures in the documents or returned by tools.", "Show each ratio's formula.",
-                      "Give no investment advice."], docs, tokens, (seed, "finance"))
+            docs.append(
+                f"### {name}, annual report {year} (fictional)\n{figures}.\n"
+                f"{prose(seeded(seed, 'fin-doc', name, year), 10)}"
+            )
+    tools = [
+        _tool(
+            "get_financials",
+            "Reported figures of a company for a fiscal year",
+            company="company name",
+            year="fiscal year",
+        ),
+        _tool(
+            "compute_ratio",
+            "Compute a financial ratio from the reported figures",
+            company="company name",
+            ratio="|".join(_RATIOS),
+            year="fiscal year",
+        ),
+        _tool("search_reports", "Full-text search in the annual reports", query="search terms"),
+    ]
+    system = _system(
+        "You are a financial research assistant. All companies below are fictional.",
+        tools,
+        [
+            "Use only the figures in the documents or returned by tools.",
+            "Show each ratio's formula.",
+            "Give no investment advice.",
+        ],
+        docs,
+        tokens,
+        (seed, "finance"),
+    )
     tasks = []
     for i in range(n_sessions):
         company, other = _COMPANIES[i % len(_COMPANIES)], _COMPANIES[(i + 1) % len(_COMPANIES)]
         year = _YEARS[-1]
-        cur, prior, dte = (_ratio(data, company, "current_ratio", year), _ratio(data, company, "current_ratio", year - 1),
-                           _ratio(data, company, "debt_to_equity", year))
-        steps = ((_call("get_financials", company=company, year=year), json.dumps(data[company][year])),
-                 (_call("compute_ratio", company=company, ratio="current_ratio", year=year), json.dumps(cur)),
-                 (_call("compute_ratio", company=company, ratio="debt_to_equity", year=year), json.dumps(dte)))
-        final = (f"{company} {year}: current ratio {cur['value']} (prior year {prior['value']}), "
-                 f"debt to equity {dte['value']}.")
-        tasks.append(Task(f"Assess the liquidity and leverage of {company} for fiscal {year}.", steps, final,
-                          (f"How does its gross margin compare with {other}?",
-                           "Which reported figure is the biggest risk for lenders?")))
+        cur, prior, dte = (
+            _ratio(data, company, "current_ratio", year),
+            _ratio(data, company, "current_ratio", year - 1),
+            _ratio(data, company, "debt_to_equity", year),
+        )
+        steps = (
+            (_call("get_financials", company=company, year=year), json.dumps(data[company][year])),
+            (_call("compute_ratio", company=company, ratio="current_ratio", year=year), json.dumps(cur)),
+            (_call("compute_ratio", company=company, ratio="debt_to_equity", year=year), json.dumps(dte)),
+        )
+        final = (
+            f"{company} {year}: current ratio {cur['value']} (prior year {prior['value']}), "
+            f"debt to equity {dte['value']}."
+        )
+        tasks.append(
+            Task(
+                f"Assess the liquidity and leverage of {company} for fiscal {year}.",
+                steps,
+                final,
+                (
+                    f"How does its gross margin compare with {other}?",
+                    "Which reported figure is the biggest risk for lenders?",
+                ),
+            )
+        )
     return system, tasks
 
 
 # ---- field maintenance --------------------------------------------------------------------
 
 _MODELS = {"Hydra-300 pump": "PMP", "Vortex-22 compressor": "CMP", "Kestrel-9 fan": "FAN"}
-_CODES = {"E101": "bearing temperature high", "E214": "vibration above limit", "E330": "outlet pressure low",
-          "E417": "motor current imbalance", "E502": "seal leak detected"}
+_CODES = {
+    "E101": "bearing temperature high",
+    "E214": "vibration above limit",
+    "E330": "outlet pressure low",
+    "E417": "motor current imbalance",
+    "E502": "seal leak detected",
+}
 
 
 def _device_log(device: str, code: str, n: int, seed: object) -> list[str]:
     rng = seeded(seed, "log", device)
     lines = []
     for k in range(n):
-        temp, vib, bar = rng.uniform(55, 70) + 2 * k, rng.uniform(1.5, 3.0) + 0.3 * k, rng.uniform(3.5, 4.2) - 0.05 * k
+        temp, vib, bar = (
+            rng.uniform(55, 70) + 2 * k,
+            rng.uniform(1.5, 3.0) + 0.3 * k,
+            rng.uniform(3.5, 4.2) - 0.05 * k,
+        )
         flag = code if k >= n - 3 else "OK"
-        lines.append(f"2024-03-0{1 + k // 6} {k % 24:02d}:15 {device} temp={temp:.1f}C vib={vib:.2f}mm/s "
-                     f"p={bar:.2f}bar status={flag}")
+        lines.append(
+            f"2024-03-0{1 + k // 6} {k % 24:02d}:15 {device} temp={temp:.1f}C vib={vib:.2f}mm/s "
+            f"p={bar:.2f}bar status={flag}"
+        )
     return lines
 
 
@@ -147,13 +238,31 @@ def maintenance(n_sessions: int, tokens: int, seed: object) -> tuple[str, list[T
         docs.append(f"### Service manual: {model}")
         for code, meaning in _CODES.items():
             docs.append(f"{code} ({meaning}): {prose(seeded(seed, 'manual', model, code), 20)}")
-    tools = [_tool("read_device_log", "Last readings of a device", device_id="device id", last_n="number of lines"),
-             _tool("lookup_manual", "Manual section for an error code", model="device model", code="error code"),
-             _tool("create_work_order", "Draft a work order for a supervisor to approve", device_id="device id",
-                   action="what to do", priority="low|medium|high")]
-    system = _system("You are a field maintenance assistant for remote pumping stations.", tools,
-                     ["Quote the manual section you rely on.", "Never clear an alarm yourself.",
-                      "Work orders are drafts until a supervisor approves them."], docs, tokens, (seed, "maint"))
+    tools = [
+        _tool(
+            "read_device_log", "Last readings of a device", device_id="device id", last_n="number of lines"
+        ),
+        _tool("lookup_manual", "Manual section for an error code", model="device model", code="error code"),
+        _tool(
+            "create_work_order",
+            "Draft a work order for a supervisor to approve",
+            device_id="device id",
+            action="what to do",
+            priority="low|medium|high",
+        ),
+    ]
+    system = _system(
+        "You are a field maintenance assistant for remote pumping stations.",
+        tools,
+        [
+            "Quote the manual section you rely on.",
+            "Never clear an alarm yourself.",
+            "Work orders are drafts until a supervisor approves them.",
+        ],
+        docs,
+        tokens,
+        (seed, "maint"),
+    )
     tasks = []
     models, codes = list(_MODELS), list(_CODES)
     for i in range(n_sessions):
@@ -161,16 +270,37 @@ def maintenance(n_sessions: int, tokens: int, seed: object) -> tuple[str, list[T
         device, code = f"{_MODELS[model]}-{400 + 7 * i:04d}", codes[i % len(codes)]
         log = _device_log(device, code, 8, seed)
         manual = f"{code} ({_CODES[code]}): {prose(seeded(seed, 'manual', model, code), 20)}"
-        order = {"work_order": f"WO-{7100 + i}", "device_id": device, "status": "draft",
-                 "note": "awaiting supervisor approval"}
-        steps = ((_call("read_device_log", device_id=device, last_n=8), "\n".join(log)),
-                 (_call("lookup_manual", model=model, code=code), manual),
-                 (_call("create_work_order", device_id=device, action=f"inspect for {_CODES[code]}",
-                        priority="high"), json.dumps(order)))
+        order = {
+            "work_order": f"WO-{7100 + i}",
+            "device_id": device,
+            "status": "draft",
+            "note": "awaiting supervisor approval",
+        }
+        steps = (
+            (_call("read_device_log", device_id=device, last_n=8), "\n".join(log)),
+            (_call("lookup_manual", model=model, code=code), manual),
+            (
+                _call(
+                    "create_work_order",
+                    device_id=device,
+                    action=f"inspect for {_CODES[code]}",
+                    priority="high",
+                ),
+                json.dumps(order),
+            ),
+        )
         final = f"{device} shows {code} ({_CODES[code]}) in its last three readings; draft {order['work_order']} is ready."
-        tasks.append(Task(f"Device {device} ({model}) raised alarms overnight. Find the cause and prepare a work order.",
-                          steps, final, ("Which spare parts should the technician bring?",
-                                         "Can the device keep running until the next planned stop?")))
+        tasks.append(
+            Task(
+                f"Device {device} ({model}) raised alarms overnight. Find the cause and prepare a work order.",
+                steps,
+                final,
+                (
+                    "Which spare parts should the technician bring?",
+                    "Can the device keep running until the next planned stop?",
+                ),
+            )
+        )
     return system, tasks
 
 
@@ -182,77 +312,163 @@ _SERVICES = ("checkout-api", "inventory-db", "edge-cache", "auth-gateway", "paym
 def _status(service: str, seed: object) -> dict[str, Any]:
     rng = seeded(seed, "svc", service)
     minor = rng.randint(2, 9)
-    return {"service": service, "health": "degraded", "version": f"1.{minor}.0", "previous_version": f"1.{minor - 1}.3",
-            "replicas": rng.randint(2, 6), "p99_ms": round(rng.uniform(400, 2500)),
-            "error_rate_pct": round(rng.uniform(2, 15), 1), "slo_error_rate_pct": 1.0}
+    return {
+        "service": service,
+        "health": "degraded",
+        "version": f"1.{minor}.0",
+        "previous_version": f"1.{minor - 1}.3",
+        "replicas": rng.randint(2, 6),
+        "p99_ms": round(rng.uniform(400, 2500)),
+        "error_rate_pct": round(rng.uniform(2, 15), 1),
+        "slo_error_rate_pct": 1.0,
+    }
 
 
 def incident(n_sessions: int, tokens: int, seed: object) -> tuple[str, list[Task]]:
     docs = [f"### Runbook: {s}\n{prose(seeded(seed, 'runbook', s), 40)}" for s in _SERVICES]
     docs.append(f"### Architecture\n{' -> '.join(_SERVICES)}. {prose(seeded(seed, 'arch'), 60)}")
-    tools = [_tool("get_service_status", "Health and key figures of a service (read-only)", service="service name"),
-             _tool("query_logs", "Recent log lines of a service (read-only)", service="service name",
-                   level="error|warn|info", limit="number of lines"),
-             _tool("propose_action", "Record a proposed action for an operator to review; never executes it",
-                   action="rollback|scale|restart|drain", target="service name", reason="why")]
-    system = _system("You are an incident assistant for a simulated edge service (a test environment).", tools,
-                     ["You may only read status and logs and propose actions.",
-                      "Every proposal waits for a human operator's review; you never execute anything.",
-                      "State your evidence for each proposal."], docs, tokens, (seed, "incident"))
+    tools = [
+        _tool(
+            "get_service_status", "Health and key figures of a service (read-only)", service="service name"
+        ),
+        _tool(
+            "query_logs",
+            "Recent log lines of a service (read-only)",
+            service="service name",
+            level="error|warn|info",
+            limit="number of lines",
+        ),
+        _tool(
+            "propose_action",
+            "Record a proposed action for an operator to review; never executes it",
+            action="rollback|scale|restart|drain",
+            target="service name",
+            reason="why",
+        ),
+    ]
+    system = _system(
+        "You are an incident assistant for a simulated edge service (a test environment).",
+        tools,
+        [
+            "You may only read status and logs and propose actions.",
+            "Every proposal waits for a human operator's review; you never execute anything.",
+            "State your evidence for each proposal.",
+        ],
+        docs,
+        tokens,
+        (seed, "incident"),
+    )
     tasks = []
     for i in range(n_sessions):
         service = _SERVICES[i % len(_SERVICES)]
         status = _status(service, seed)
         rng = seeded(seed, "errors", service)
-        logs = [f"2024-05-1{k % 10}T10:{k:02d}:0{k % 10}Z ERROR {service} {rng.choice(['timeout', 'conn reset', '503'])} "
-                f"upstream={_SERVICES[(i + 1) % len(_SERVICES)]} v{status['version']}" for k in range(10)]
-        proposal = {"proposal_id": f"P-{300 + i}", "status": "pending_review", "executed": False,
-                    "note": "Proposals are never executed by the assistant; an operator must approve them."}
-        steps = ((_call("get_service_status", service=service), json.dumps(status)),
-                 (_call("query_logs", service=service, level="error", limit=10), "\n".join(logs)),
-                 (_call("propose_action", action="rollback", target=service,
-                        reason=f"errors began with v{status['version']}"), json.dumps(proposal)))
-        final = (f"{service} runs v{status['version']} at {status['error_rate_pct']}% errors (SLO 1%). "
-                 f"Proposal {proposal['proposal_id']} (rollback to v{status['previous_version']}) awaits review; "
-                 "nothing was executed.")
-        tasks.append(Task(f"Alert: {service} error rate is above its SLO. Investigate and propose a mitigation.",
-                          steps, final, ("What is the risk of the proposed rollback?",
-                                         "Draft a two-sentence status page update.")))
+        logs = [
+            f"2024-05-1{k % 10}T10:{k:02d}:0{k % 10}Z ERROR {service} {rng.choice(['timeout', 'conn reset', '503'])} "
+            f"upstream={_SERVICES[(i + 1) % len(_SERVICES)]} v{status['version']}"
+            for k in range(10)
+        ]
+        proposal = {
+            "proposal_id": f"P-{300 + i}",
+            "status": "pending_review",
+            "executed": False,
+            "note": "Proposals are never executed by the assistant; an operator must approve them.",
+        }
+        steps = (
+            (_call("get_service_status", service=service), json.dumps(status)),
+            (_call("query_logs", service=service, level="error", limit=10), "\n".join(logs)),
+            (
+                _call(
+                    "propose_action",
+                    action="rollback",
+                    target=service,
+                    reason=f"errors began with v{status['version']}",
+                ),
+                json.dumps(proposal),
+            ),
+        )
+        final = (
+            f"{service} runs v{status['version']} at {status['error_rate_pct']}% errors (SLO 1%). "
+            f"Proposal {proposal['proposal_id']} (rollback to v{status['previous_version']}) awaits review; "
+            "nothing was executed."
+        )
+        tasks.append(
+            Task(
+                f"Alert: {service} error rate is above its SLO. Investigate and propose a mitigation.",
+                steps,
+                final,
+                ("What is the risk of the proposed rollback?", "Draft a two-sentence status page update."),
+            )
+        )
     return system, tasks
 
 
 _BUILDERS = {"finance": finance, "maintenance": maintenance, "incident": incident}
 
 
-def agents(system_tokens: int = 1200, sessions: int = 2, max_tokens: int = 32, seed: int = 0,
-           scenarios: tuple[str, ...] = SCENARIOS) -> Workload:
+def agents(
+    system_tokens: int = 1200,
+    sessions: int = 2,
+    max_tokens: int = 32,
+    seed: int = 0,
+    scenarios: tuple[str, ...] = SCENARIOS,
+) -> Workload:
     """All sessions of all scenarios run concurrently; turns within a session in order."""
     reqs: list[BenchRequest] = []
     for scenario in scenarios:
         system, tasks = _BUILDERS[scenario](sessions, system_tokens, seed)
         for i, task in enumerate(tasks):
             session = f"{scenario}-s{i}"
-            messages: list[dict[str, str]] = [{"role": "system", "content": system},
-                                              {"role": "user", "content": task.user}]
+            messages: list[dict[str, str]] = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": task.user},
+            ]
             prev: tuple[str, ...] = ()
             for turn in range(len(task.steps) + 1):
                 if turn:
                     call, result = task.steps[turn - 1]
-                    messages = [*messages, {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
-                                {"role": "tool", "content": result}]
+                    messages = [
+                        *messages,
+                        {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
+                        {"role": "tool", "content": result},
+                    ]
                 rid = f"{session}-t{turn + 1}"
-                reqs.append(BenchRequest(rid, session, f"turn {turn + 1}", _body(messages, max_tokens), prev,
-                                         meta={"scenario": scenario, "turn": turn + 1}))
+                reqs.append(
+                    BenchRequest(
+                        rid,
+                        session,
+                        f"turn {turn + 1}",
+                        _body(messages, max_tokens),
+                        prev,
+                        meta={"scenario": scenario, "turn": turn + 1},
+                    )
+                )
                 prev = (rid,)
             base = [*messages, {"role": "assistant", "content": task.final}]
             for b, follow in enumerate(task.followups):
-                reqs.append(BenchRequest(f"{session}-b{b + 1}", f"{session}-b{b + 1}", "follow-up",
-                                         _body([*base, {"role": "user", "content": follow}], max_tokens), prev,
-                                         meta={"scenario": scenario, "branch": b + 1}))
-    return Workload("agents", "edge agents: shared system prompts, tool loops, branching follow-ups", tuple(reqs),
-                    max(1, sessions * len(scenarios) * 2),
-                    {"system_tokens": system_tokens, "sessions": sessions, "max_tokens": max_tokens, "seed": seed,
-                     "scenarios": list(scenarios)})
+                reqs.append(
+                    BenchRequest(
+                        f"{session}-b{b + 1}",
+                        f"{session}-b{b + 1}",
+                        "follow-up",
+                        _body([*base, {"role": "user", "content": follow}], max_tokens),
+                        prev,
+                        meta={"scenario": scenario, "branch": b + 1},
+                    )
+                )
+    return Workload(
+        "agents",
+        "edge agents: shared system prompts, tool loops, branching follow-ups",
+        tuple(reqs),
+        max(1, sessions * len(scenarios) * 2),
+        {
+            "system_tokens": system_tokens,
+            "sessions": sessions,
+            "max_tokens": max_tokens,
+            "seed": seed,
+            "scenarios": list(scenarios),
+        },
+    )
 
 
 def _body(messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:

@@ -77,14 +77,30 @@ class ArmDef:
 
 
 ARMS: dict[str, ArmDef] = {
-    "nocache": ArmDef("nocache", "stock", ("-kvu", "--cache-ram", "0", "-lv", "4"),
-                      "stock llama-server, cache_prompt:false, no host cache", overrides={"cache_prompt": False}),
-    "legacy": ArmDef("legacy", "stock", ("-kvu", "--cache-ram", "8192", "-lv", "4"),
-                     "stock llama-server defaults: --cache-ram 8192, idle-slot saving, LCP slot selection"),
-    "proxy": ArmDef("proxy", "patched", (), "patched llama-server + proxy (host radix tree, routes A/H)",
-                    proxy=True),
-    "proxy-hs": ArmDef("proxy-hs", "patched", (), "patched llama-server + proxy with resident sharing (A/S/H)",
-                       proxy=True, proxy_args=("--cache-kv-share", "on")),
+    "nocache": ArmDef(
+        "nocache",
+        "stock",
+        ("-kvu", "--cache-ram", "0", "-lv", "4"),
+        "stock llama-server, cache_prompt:false, no host cache",
+        overrides={"cache_prompt": False},
+    ),
+    "legacy": ArmDef(
+        "legacy",
+        "stock",
+        ("-kvu", "--cache-ram", "8192", "-lv", "4"),
+        "stock llama-server defaults: --cache-ram 8192, idle-slot saving, LCP slot selection",
+    ),
+    "proxy": ArmDef(
+        "proxy", "patched", (), "patched llama-server + proxy (host radix tree, routes A/H)", proxy=True
+    ),
+    "proxy-hs": ArmDef(
+        "proxy-hs",
+        "patched",
+        (),
+        "patched llama-server + proxy with resident sharing (A/S/H)",
+        proxy=True,
+        proxy_args=("--cache-kv-share", "on"),
+    ),
 }
 
 
@@ -92,8 +108,9 @@ def parse_arms(text: str) -> list[str]:
     names = [a.strip() for a in text.split(",") if a.strip()]
     unknown = [a for a in names if a not in ARMS]
     if unknown or not names:
-        raise ConfigError(f"unknown arm(s) {', '.join(unknown) or '(none given)'}",
-                          fix=f"choose from {', '.join(ARMS)}")
+        raise ConfigError(
+            f"unknown arm(s) {', '.join(unknown) or '(none given)'}", fix=f"choose from {', '.join(ARMS)}"
+        )
     return names
 
 
@@ -132,13 +149,20 @@ class RunningArm:
 
     def stats(self) -> dict[str, Any]:
         """Host cache bytes, KV cells in use and (proxy) routes, after the run."""
-        out: dict[str, Any] = {"host_cache_bytes": None, "kv_cells_used": None, "binary": binary_info(self.binary),
-                               "server_args": self.server.spec.argv()[1:], "server_log": str(self.server.log_path)}
+        out: dict[str, Any] = {
+            "host_cache_bytes": None,
+            "kv_cells_used": None,
+            "binary": binary_info(self.binary),
+            "server_args": self.server.spec.argv()[1:],
+            "server_log": str(self.server.log_path),
+        }
         if self.proxy_url:
             stats = _settled_stats(self.proxy_url)
             if stats:
                 out["host_cache_bytes"] = stats.get("tree", {}).get("bytes")
-                out["proxy"] = {k: stats.get(k) for k in ("requests", "by_route", "hit_ratio", "tree", "tokenizer")}
+                out["proxy"] = {
+                    k: stats.get(k) for k in ("requests", "by_route", "hit_ratio", "tree", "tokenizer")
+                }
             auth = _kvctl_auth(self.server)
             caps = _get_json(f"{self.server_url}/kvctl/caps", headers=auth)
             if stats and caps:
@@ -160,12 +184,17 @@ def pool_cells(running: RunningArm) -> int | None:
     Patched servers say it in ``GET /kvctl/cells``; stock ones in ``/props`` (with ``-kvu`` a
     slot's context is the whole pool).
     """
-    cells = _get_json(f"{running.server_url}/kvctl/cells", headers=_kvctl_auth(running.server)) \
-        if running.arm.proxy else None
+    cells = (
+        _get_json(f"{running.server_url}/kvctl/cells", headers=_kvctl_auth(running.server))
+        if running.arm.proxy
+        else None
+    )
     if isinstance(cells, dict) and isinstance(cells.get("n_cells"), int):
         return int(cells["n_cells"])
     props = _get_json(f"{running.server_url}/props")
-    n_ctx = (props or {}).get("default_generation_settings", {}).get("n_ctx") if isinstance(props, dict) else None
+    n_ctx = (
+        (props or {}).get("default_generation_settings", {}).get("n_ctx") if isinstance(props, dict) else None
+    )
     return int(n_ctx) if isinstance(n_ctx, int) else None
 
 
@@ -176,7 +205,9 @@ def _kvctl_auth(server: ServerProcess) -> dict[str, str]:
 
 def _get_json(url: str, timeout: float = 10, headers: dict[str, str] | None = None) -> Any:
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as resp:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=headers or {}), timeout=timeout
+        ) as resp:
             return json.loads(resp.read())
     except (urllib.error.URLError, OSError, ValueError):
         return None
@@ -217,10 +248,19 @@ def start_arm(name: str, settings: ArmSettings, binary: Path | None = None) -> I
     port = free_port()
     shm = shm_base() / f"radix-bench-{os.getpid()}-{port}" if arm.proxy else None
     # A fresh /kvctl key per patched server: in a key file for the server, in the environment for the proxy.
-    spec = ServerSpec(binary=binary, model=settings.model, port=port, n_parallel=settings.n_parallel,
-                      ctx_size=settings.ctx_size, threads=settings.threads, kvctl=arm.proxy, kvctl_dir=shm,
-                      kvctl_key=secrets.token_urlsafe(32) if arm.proxy else None,
-                      proxy_flags=arm.proxy, extra_args=settings.server_args(arm))
+    spec = ServerSpec(
+        binary=binary,
+        model=settings.model,
+        port=port,
+        n_parallel=settings.n_parallel,
+        ctx_size=settings.ctx_size,
+        threads=settings.threads,
+        kvctl=arm.proxy,
+        kvctl_dir=shm,
+        kvctl_key=secrets.token_urlsafe(32) if arm.proxy else None,
+        proxy_flags=arm.proxy,
+        extra_args=settings.server_args(arm),
+    )
     server = ServerProcess(spec, settings.log_dir / f"server-{name}.log")
     proxy_proc: subprocess.Popen[bytes] | None = None
     try:
@@ -230,7 +270,9 @@ def start_arm(name: str, settings: ArmSettings, binary: Path | None = None) -> I
             assert shm is not None
             proxy_port = free_port()
             running.proxy_log = settings.log_dir / f"proxy-{name}.log"
-            proxy_proc = _start_proxy(spec.url, proxy_port, shm, settings, arm, running.proxy_log, spec.kvctl_key)
+            proxy_proc = _start_proxy(
+                spec.url, proxy_port, shm, settings, arm, running.proxy_log, spec.kvctl_key
+            )
             running.proxy_url = running.front_url = f"http://127.0.0.1:{proxy_port}"
         yield running
     finally:
@@ -241,31 +283,62 @@ def start_arm(name: str, settings: ArmSettings, binary: Path | None = None) -> I
             shutil.rmtree(shm, ignore_errors=True)
 
 
-def _start_proxy(server_url: str, port: int, shm: Path, settings: ArmSettings, arm: ArmDef,
-                 log_path: Path, kvctl_key: str | None = None) -> subprocess.Popen[bytes]:
+def _start_proxy(
+    server_url: str,
+    port: int,
+    shm: Path,
+    settings: ArmSettings,
+    arm: ArmDef,
+    log_path: Path,
+    kvctl_key: str | None = None,
+) -> subprocess.Popen[bytes]:
     check_port_free("127.0.0.1", port, "proxy")
     # The child reads no RADIX_* settings of ours except where the cache lives, and the server's
     # /kvctl key (in the environment, not on the command line).
     env = {k: v for k, v in os.environ.items() if not k.startswith("RADIX_") or k == "RADIX_CACHE_DIR"}
     if kvctl_key:
         env["RADIX_KVCTL_KEY"] = kvctl_key
-    argv = [sys.executable, "-m", "proxy.cli", "serve", "--backend-url", server_url, "--host", "127.0.0.1",
-            "--port", str(port), "--shm-dir", str(shm), "--cache-ram", str(settings.proxy_cache_mib),
-            *arm.proxy_args]
+    argv = [
+        sys.executable,
+        "-m",
+        "proxy.cli",
+        "serve",
+        "--backend-url",
+        server_url,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--shm-dir",
+        str(shm),
+        "--cache-ram",
+        str(settings.proxy_cache_mib),
+        *arm.proxy_args,
+    ]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + 180
     try:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise ConfigError(f"the proxy exited with code {proc.returncode} during startup:\n"
-                                  f"{_tail(log_path)}", fix=f"see {log_path}")
+                raise ConfigError(
+                    f"the proxy exited with code {proc.returncode} during startup:\n{_tail(log_path)}",
+                    fix=f"see {log_path}",
+                )
             status = _get_json(f"http://127.0.0.1:{port}/health", timeout=2)
             if status and status.get("status") == "ok":
                 return proc
             time.sleep(0.3)
-        raise ConfigError(f"the proxy did not become healthy within 180 s:\n{_tail(log_path)}", fix=f"see {log_path}")
+        raise ConfigError(
+            f"the proxy did not become healthy within 180 s:\n{_tail(log_path)}", fix=f"see {log_path}"
+        )
     except BaseException:
         _stop(proc)
         raise
@@ -283,7 +356,9 @@ def _stop(proc: subprocess.Popen[bytes], grace: float = 15.0) -> None:
 
 
 @contextlib.contextmanager
-def patched_server(settings: ArmSettings, ctx_size: int, name: str = "kvctl") -> Iterator[tuple[ServerProcess, Path]]:
+def patched_server(
+    settings: ArmSettings, ctx_size: int, name: str = "kvctl"
+) -> Iterator[tuple[ServerProcess, Path]]:
     """A patched server with /kvctl and a payload directory, no proxy (the kvctl microbenchmark)."""
     from proxy.native.build import BuildSpec, build_server
 
@@ -291,9 +366,17 @@ def patched_server(settings: ArmSettings, ctx_size: int, name: str = "kvctl") ->
     settings.log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     shm = shm_base() / f"radix-bench-{os.getpid()}-{port}"
-    spec = ServerSpec(binary=binary, model=settings.model, port=port, n_parallel=settings.n_parallel,
-                      ctx_size=ctx_size, threads=settings.threads, kvctl_dir=shm, kvctl_key=secrets.token_urlsafe(32),
-                      extra_args=settings.common_args())
+    spec = ServerSpec(
+        binary=binary,
+        model=settings.model,
+        port=port,
+        n_parallel=settings.n_parallel,
+        ctx_size=ctx_size,
+        threads=settings.threads,
+        kvctl_dir=shm,
+        kvctl_key=secrets.token_urlsafe(32),
+        extra_args=settings.common_args(),
+    )
     server = ServerProcess(spec, settings.log_dir / f"server-{name}.log")
     try:
         server.start(timeout=300)

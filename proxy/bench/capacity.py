@@ -136,8 +136,11 @@ def ideal_cells(prompt_tokens: Sequence[int], shared_tokens: int, max_tokens: in
     """Cells the wave needs in theory: every prompt held whole, or the common prefix held once."""
     unshared = sum(n + max_tokens for n in prompt_tokens)
     shared = shared_tokens + sum(n - shared_tokens + max_tokens for n in prompt_tokens)
-    return {"unshared_cells": unshared, "shared_cells": shared,
-            "saving_pct": 100 * (1 - shared / unshared) if unshared else None}
+    return {
+        "unshared_cells": unshared,
+        "shared_cells": shared,
+        "saving_pct": 100 * (1 - shared / unshared) if unshared else None,
+    }
 
 
 def common_prefix(token_lists: Sequence[Sequence[int]]) -> int:
@@ -187,7 +190,9 @@ class PoolSearch:
         if same is not None:  # the other search was here already
             return same
         cells = known_cells(ctx, [(p.ctx, p.cells) for p in self.probes if p.cells is not None])
-        earlier = next((p for p in self.probes if cells is not None and p.cells == cells and not p.reused), None)
+        earlier = next(
+            (p for p in self.probes if cells is not None and p.cells == cells and not p.reused), None
+        )
         if earlier is not None:
             self.probes.append(dataclasses.replace(earlier, ctx=ctx, reused=True))
         else:
@@ -204,19 +209,31 @@ class PoolSearch:
         min_cells = passed.cells if passed else None
         # The search assumes a larger pool never does worse; a failure above the result says it did.
         above = sorted({c for c in failed if min_cells is not None and c > min_cells})
-        return {"min_ctx": smallest, "min_cells": min_cells, "max_failed_cells": max(failed) if failed else None,
-                "failed_above_cells": above}
+        return {
+            "min_ctx": smallest,
+            "min_cells": min_cells,
+            "max_failed_cells": max(failed) if failed else None,
+            "failed_above_cells": above,
+        }
 
     def search(self, grid: Sequence[int]) -> dict[str, Any]:
         together = self._smallest(grid, self.served_together)
         any_order = self._smallest(grid, lambda p: p.ok)
-        return {**together, "any_order": any_order, "min_together": self.min_together,
-                "probes": [p.to_json() for p in self.probes],
-                "started": sum(1 for p in self.probes if not p.reused)}
+        return {
+            **together,
+            "any_order": any_order,
+            "min_together": self.min_together,
+            "probes": [p.to_json() for p in self.probes],
+            "started": sum(1 for p in self.probes if not p.reused),
+        }
 
 
-def capacity_report(workload: dict[str, Any], settings: dict[str, Any], search: dict[str, Any],
-                    arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def capacity_report(
+    workload: dict[str, Any],
+    settings: dict[str, Any],
+    search: dict[str, Any],
+    arms: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
     """The report: per arm the smallest pools that passed and their saving against Legacy.
 
     ``min_cells`` (served together) is the headline; ``any_order.min_cells`` also counts a
@@ -233,8 +250,14 @@ def capacity_report(workload: dict[str, Any], settings: dict[str, Any], search: 
 # ---- driving the arms ---------------------------------------------------------------------
 
 
-def _summarize_probe(ctx: int, cells: int | None, results: list[RequestResult], max_tokens: int,
-                     kv_used: int | None, wall_s: float) -> Probe:
+def _summarize_probe(
+    ctx: int,
+    cells: int | None,
+    results: list[RequestResult],
+    max_tokens: int,
+    kv_used: int | None,
+    wall_s: float,
+) -> Probe:
     ok, reason = probe_verdict(results, max_tokens)
     ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
     routes: dict[str, int] = {}
@@ -246,10 +269,20 @@ def _summarize_probe(ctx: int, cells: int | None, results: list[RequestResult], 
         vals = [getattr(r, key) for r in results if getattr(r, key) is not None]
         return sum(vals) if vals else None
 
-    return Probe(ctx, cells, ok, reason, together=peak_overlap(server_windows(results)), wall_s=wall_s,
-                 ttft_max_s=max(ttfts) if ttfts else None,
-                 cache_n=total("cache_n"), prompt_n=total("prompt_n"), predicted_n=total("predicted_n"),
-                 kv_cells_used=kv_used, routes=routes)
+    return Probe(
+        ctx,
+        cells,
+        ok,
+        reason,
+        together=peak_overlap(server_windows(results)),
+        wall_s=wall_s,
+        ttft_max_s=max(ttfts) if ttfts else None,
+        cache_n=total("cache_n"),
+        prompt_n=total("prompt_n"),
+        predicted_n=total("predicted_n"),
+        kv_cells_used=kv_used,
+        routes=routes,
+    )
 
 
 async def prompt_token_lists(server_url: str, workload: Workload) -> list[list[int]]:
@@ -265,16 +298,27 @@ async def prompt_token_lists(server_url: str, workload: Workload) -> list[list[i
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         for req in workload.requests:
             rendered = await post(session, "/apply-template", {"messages": req.body["messages"]})
-            tokens = await post(session, "/tokenize", {"content": rendered["prompt"], "add_special": True,
-                                                       "parse_special": True})
+            tokens = await post(
+                session,
+                "/tokenize",
+                {"content": rendered["prompt"], "add_special": True, "parse_special": True},
+            )
             out.append([int(t["id"]) if isinstance(t, dict) else int(t) for t in tokens["tokens"]])
     return out
 
 
-def run_capacity(workload: Workload, arm_names: list[str], settings: Any, out_dir: Path, *,
-                 step: int = DEFAULT_STEP, upper_factor: float = DEFAULT_UPPER_FACTOR,
-                 probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S, min_together: int | None = None,
-                 say: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+def run_capacity(
+    workload: Workload,
+    arm_names: list[str],
+    settings: Any,
+    out_dir: Path,
+    *,
+    step: int = DEFAULT_STEP,
+    upper_factor: float = DEFAULT_UPPER_FACTOR,
+    probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
+    min_together: int | None = None,
+    say: Callable[[str], None] = lambda _m: None,
+) -> dict[str, Any]:
     """Tokenize the wave on the first arm's server, then search each arm's smallest pool."""
     from proxy.bench.arms import ARMS, _get_json, arm_binary, pool_cells, start_arm
     from proxy.bench.runner import run_workload, write_results
@@ -294,49 +338,88 @@ def run_capacity(workload: Workload, arm_names: list[str], settings: Any, out_di
     shared = common_prefix(token_lists)
     lower = max(prompt_tokens) + max_tokens
     grid = pool_grid(lower, upper_factor, step)
-    search = {"step": step, "upper_factor": upper_factor, "lower": lower, "grid": [grid[0], grid[-1]],
-              "prompt_tokens": prompt_tokens, "shared_tokens": shared,
-              "ideal": ideal_cells(prompt_tokens, shared, max_tokens), "probe_timeout_s": probe_timeout_s,
-              "min_together": min_together,
-              "host_cache": "off (stock --cache-ram 0; proxy --cache-ram 1)"}
-    say(f"prompts {prompt_tokens} tokens, common prefix {shared}; lower bound {lower} cells; "
-        f"-c from {grid[0]} to {grid[-1]} in steps of {step}")
+    search = {
+        "step": step,
+        "upper_factor": upper_factor,
+        "lower": lower,
+        "grid": [grid[0], grid[-1]],
+        "prompt_tokens": prompt_tokens,
+        "shared_tokens": shared,
+        "ideal": ideal_cells(prompt_tokens, shared, max_tokens),
+        "probe_timeout_s": probe_timeout_s,
+        "min_together": min_together,
+        "host_cache": "off (stock --cache-ram 0; proxy --cache-ram 1)",
+    }
+    say(
+        f"prompts {prompt_tokens} tokens, common prefix {shared}; lower bound {lower} cells; "
+        f"-c from {grid[0]} to {grid[-1]} in steps of {step}"
+    )
     arms: dict[str, dict[str, Any]] = {}
     for name in arm_names:
         all_results: list[RequestResult] = []
 
         def run(ctx: int, name: str = name, all_results: list[RequestResult] = all_results) -> Probe:
-            probe_settings = dataclasses.replace(settings, ctx_size=ctx, log_dir=out_dir / "logs" / f"{name}-c{ctx}")
+            probe_settings = dataclasses.replace(
+                settings, ctx_size=ctx, log_dir=out_dir / "logs" / f"{name}-c{ctx}"
+            )
             started = time.perf_counter()
             try:
                 with start_arm(name, probe_settings, binaries[name]) as arm:
                     cells = pool_cells(arm)
-                    results = asyncio.run(run_workload(workload, arm.front_url, arm.server_url,
-                                                       overrides=arm.overrides,
-                                                       manifest=out_dir / f"manifest-{name}-c{ctx}.jsonl",
-                                                       label=f"{name} -c {ctx}", timeout_s=probe_timeout_s))
+                    results = asyncio.run(
+                        run_workload(
+                            workload,
+                            arm.front_url,
+                            arm.server_url,
+                            overrides=arm.overrides,
+                            manifest=out_dir / f"manifest-{name}-c{ctx}.jsonl",
+                            label=f"{name} -c {ctx}",
+                            timeout_s=probe_timeout_s,
+                        )
+                    )
                     kv = _get_json(f"{arm.server_url}/kvctl/cells") if arm.arm.proxy else None
             except Exception as exc:  # a server or proxy that does not start at this size fails the probe
-                probe = Probe(ctx, None, False, f"start failed: {type(exc).__name__}: {str(exc)[:200]}",
-                              wall_s=time.perf_counter() - started)
+                probe = Probe(
+                    ctx,
+                    None,
+                    False,
+                    f"start failed: {type(exc).__name__}: {str(exc)[:200]}",
+                    wall_s=time.perf_counter() - started,
+                )
             else:
                 for r in results:
                     r.meta.update({"ctx": ctx, "cells": cells})
                 all_results.extend(results)
                 kv_used = kv.get("used") if isinstance(kv, dict) else None
-                probe = _summarize_probe(ctx, cells, results, max_tokens, kv_used, time.perf_counter() - started)
-            say(f"{name} -c {ctx} ({probe.cells} cells): {'served' if probe.ok else 'failed'} ({probe.reason}), "
-                f"{probe.together} at once")
+                probe = _summarize_probe(
+                    ctx, cells, results, max_tokens, kv_used, time.perf_counter() - started
+                )
+            say(
+                f"{name} -c {ctx} ({probe.cells} cells): {'served' if probe.ok else 'failed'} ({probe.reason}), "
+                f"{probe.together} at once"
+            )
             return probe
 
         say(f"arm {name}: {ARMS[name].description}")
         result = PoolSearch(run, min_together).search(grid)
         write_results(out_dir / f"results-{name}.jsonl", all_results)
-        say(f"arm {name}: smallest pool {result['min_cells']} cells served together (-c {result['min_ctx']}), "
-            f"{result['any_order']['min_cells']} in any order; {result['started']} arms started")
+        say(
+            f"arm {name}: smallest pool {result['min_cells']} cells served together (-c {result['min_ctx']}), "
+            f"{result['any_order']['min_cells']} in any order; {result['started']} arms started"
+        )
         arms[name] = result
-    shared_settings = {"model": settings.model.name, "n_parallel": settings.n_parallel, "threads": settings.threads,
-                       "batch_size": settings.batch_size, "ubatch_size": settings.ubatch_size}
-    wl = {"name": workload.name, "description": workload.description, "params": workload.params,
-          "requests": len(workload.requests), "concurrency": workload.concurrency}
+    shared_settings = {
+        "model": settings.model.name,
+        "n_parallel": settings.n_parallel,
+        "threads": settings.threads,
+        "batch_size": settings.batch_size,
+        "ubatch_size": settings.ubatch_size,
+    }
+    wl = {
+        "name": workload.name,
+        "description": workload.description,
+        "params": workload.params,
+        "requests": len(workload.requests),
+        "concurrency": workload.concurrency,
+    }
     return capacity_report(wl, shared_settings, search, arms)

@@ -41,21 +41,39 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 # ---- options of every command that starts arms (the workloads, kvctl) ---------------------------
 
-out_option = click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-                          help="Output directory (default: bench-out/WORKLOAD-TIMESTAMP).")
-parallel_option = click.option("--parallel", "-np", "n_parallel", default=4, show_default=True,
-                               help="Slots per server.")
-ctx_size_option = click.option("--ctx-size", "-c", default=16384, show_default=True, help="KV pool in tokens.")
-threads_option = click.option("--threads", "-t", type=int, default=None,
-                              help="Threads per server (default: all cores).")
+out_option = click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Output directory (default: bench-out/WORKLOAD-TIMESTAMP).",
+)
+parallel_option = click.option(
+    "--parallel", "-np", "n_parallel", default=4, show_default=True, help="Slots per server."
+)
+ctx_size_option = click.option(
+    "--ctx-size", "-c", default=16384, show_default=True, help="KV pool in tokens."
+)
+threads_option = click.option(
+    "--threads", "-t", type=int, default=None, help="Threads per server (default: all cores)."
+)
 batch_size_option = click.option("--batch-size", "-b", default=2048, show_default=True)
 ubatch_size_option = click.option("--ubatch-size", "-ub", default=512, show_default=True)
-build_backend_option = click.option("--build-backend", type=click.Choice(BUILD_BACKENDS), default="cpu",
-                                    show_default=True)
+build_backend_option = click.option(
+    "--build-backend", type=click.Choice(BUILD_BACKENDS), default="cpu", show_default=True
+)
 
 #: In the order ``--help`` lists them.
-ARM_OPTIONS = (out_option, model_option, parallel_option, ctx_size_option, threads_option, batch_size_option,
-               ubatch_size_option, build_backend_option)
+ARM_OPTIONS = (
+    out_option,
+    model_option,
+    parallel_option,
+    ctx_size_option,
+    threads_option,
+    batch_size_option,
+    ubatch_size_option,
+    build_backend_option,
+)
 
 # ---- options of the workload commands ----------------------------------------------------------
 
@@ -63,21 +81,44 @@ dry_run_option = click.option("--dry-run", is_flag=True, help="Only write the re
 
 #: The pool-size search of ``radixctl bench capacity``.
 CAPACITY_OPTIONS = (
-    click.option("--step", type=int, default=DEFAULT_STEP, show_default=True,
-                 help="Grid of pool sizes (-c) searched, in cells."),
-    click.option("--upper-factor", type=float, default=DEFAULT_UPPER_FACTOR, show_default=True,
-                 help="Largest pool tried, as a multiple of the lower bound (one prompt plus generation)."),
-    click.option("--probe-timeout", "probe_timeout_s", type=float, default=DEFAULT_PROBE_TIMEOUT_S,
-                 show_default=True, help="Seconds a request of a probe may take."),
-    click.option("--min-together", type=int, default=None,
-                 help="Requests that must be in the server at once for 'served together' "
-                      "[default: prompts - 1; 0: any order counts]."),
+    click.option(
+        "--step",
+        type=int,
+        default=DEFAULT_STEP,
+        show_default=True,
+        help="Grid of pool sizes (-c) searched, in cells.",
+    ),
+    click.option(
+        "--upper-factor",
+        type=float,
+        default=DEFAULT_UPPER_FACTOR,
+        show_default=True,
+        help="Largest pool tried, as a multiple of the lower bound (one prompt plus generation).",
+    ),
+    click.option(
+        "--probe-timeout",
+        "probe_timeout_s",
+        type=float,
+        default=DEFAULT_PROBE_TIMEOUT_S,
+        show_default=True,
+        help="Seconds a request of a probe may take.",
+    ),
+    click.option(
+        "--min-together",
+        type=int,
+        default=None,
+        help="Requests that must be in the server at once for 'served together' "
+        "[default: prompts - 1; 0: any order counts].",
+    ),
 )
 
 _SIZE_OPTIONS: dict[str, tuple[str, str]] = {
     "prompt_tokens": ("--prompt-tokens", "Approximate prompt size in tokens."),
     "rounds": ("--rounds", "Rounds."),
-    "prompts": ("--prompts", "Prompts per tier (prefix-tiers), in all (host-dedup) or sent at once (capacity)."),
+    "prompts": (
+        "--prompts",
+        "Prompts per tier (prefix-tiers), in all (host-dedup) or sent at once (capacity).",
+    ),
     "shared_pct": ("--shared-pct", "Common prefix of the prompts, in percent."),
     "trunk_tokens": ("--trunk-tokens", "Approximate size of the common trunk in tokens."),
     "branches": ("--branches", "Concurrent branches off the trunk."),
@@ -91,21 +132,21 @@ _SIZE_OPTIONS: dict[str, tuple[str, str]] = {
 
 HELP = {
     "prefix-tiers": "Common prefixes of 0/25/50/75/90 % of each prompt: per tier a wave of concurrent requests, "
-                    "tier after tier, round after round (later rounds find the tiers' prefixes only in host caches).",
+    "tier after tier, round after round (later rounds find the tiers' prefixes only in host caches).",
     "host-dedup": "Prompts sharing their first half, one at a time, then asked again: host cache size "
-                  "(a full copy per prompt against each shared prefix once) and reuse after the slots moved on.",
+    "(a full copy per prompt against each shared prefix once) and reuse after the slots moved on.",
     "restore": "A prompt, then one other prompt per slot at once (evicting it everywhere), then the prompt again "
-               "with a new question: TTFT of 'again' (host restore) against 'first' (full prefill).",
+    "with a new question: TTFT of 'again' (host restore) against 'first' (full prefill).",
     "overhead": "Short distinct prompts, alternately through the front and to the server directly: the paired "
-                "TTFT difference is what the proxy adds on a miss (target p50 < 2 ms); on Legacy it is the noise floor.",
+    "TTFT difference is what the proxy adds on a miss (target p50 < 2 ms); on Legacy it is the noise floor.",
     "agents": "Edge agents: financial research, field maintenance and edge incident scenarios, each a long shared "
-              "system prompt with tool schemas and documents; concurrent sessions with scripted tool loops on "
-              "local data and branching follow-ups.",
+    "system prompt with tool schemas and documents; concurrent sessions with scripted tool loops on "
+    "local data and branching follow-ups.",
     "capacity": "The smallest KV pool (-c, searched; host caches off) that serves 4 concurrent requests with a 50% "
-                "common prefix in full, per arm, and the saving of sharing against Legacy. A fresh arm per probe; "
-                "-c itself is ignored.",
+    "common prefix in full, per arm, and the saving of sharing against Legacy. A fresh arm per probe; "
+    "-c itself is ignored.",
     "fanout": "Concurrent branches off one long trunk on a cold server: TTFT of each branch and the total, "
-              "the trunk computed once per branch (stock) or once and shared (fan-out).",
+    "the trunk computed once per branch (stock) or once and shared (fan-out).",
 }
 
 
@@ -116,16 +157,31 @@ def _apply(fn: Callable[..., Any], options: Iterable[Callable[[Any], Any]]) -> C
     return fn
 
 
-def _settings(out_dir: Path, model_arg: str | None, n_parallel: int, ctx_size: int, threads: int | None,
-              batch_size: int, ubatch_size: int, build_backend: str) -> Any:
+def _settings(
+    out_dir: Path,
+    model_arg: str | None,
+    n_parallel: int,
+    ctx_size: int,
+    threads: int | None,
+    batch_size: int,
+    ubatch_size: int,
+    build_backend: str,
+) -> Any:
     import os
 
     from proxy.bench.arms import ArmSettings
     from proxy.native.model import resolve_model
 
-    return ArmSettings(model=resolve_model(model_arg), log_dir=out_dir / "logs", n_parallel=n_parallel,
-                       ctx_size=ctx_size, threads=threads or os.cpu_count() or 2, batch_size=batch_size,
-                       ubatch_size=ubatch_size, build_backend=build_backend)
+    return ArmSettings(
+        model=resolve_model(model_arg),
+        log_dir=out_dir / "logs",
+        n_parallel=n_parallel,
+        ctx_size=ctx_size,
+        threads=threads or os.cpu_count() or 2,
+        batch_size=batch_size,
+        ubatch_size=ubatch_size,
+        build_backend=build_backend,
+    )
 
 
 def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: Path) -> dict[str, Any]:
@@ -139,23 +195,47 @@ def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: P
     for name in arm_names:
         _say(f"arm {name}: {ARMS[name].description}")
         with start_arm(name, settings, binaries[name]) as arm:
-            results = asyncio.run(run_workload(workload, arm.front_url, arm.server_url, overrides=arm.overrides,
-                                               manifest=out_dir / f"manifest-{name}.jsonl", label=name))
+            results = asyncio.run(
+                run_workload(
+                    workload,
+                    arm.front_url,
+                    arm.server_url,
+                    overrides=arm.overrides,
+                    manifest=out_dir / f"manifest-{name}.jsonl",
+                    label=name,
+                )
+            )
             stats = arm.stats()
         write_results(out_dir / f"results-{name}.jsonl", results)
         arms[name] = {"results": results, "stats": stats}
-    shared = {"model": settings.model.name, "n_parallel": settings.n_parallel, "ctx_size": settings.ctx_size,
-              "threads": settings.threads, "batch_size": settings.batch_size, "ubatch_size": settings.ubatch_size}
-    report = build_report({"name": workload.name, "description": workload.description, "params": workload.params,
-                           "requests": len(workload.requests), "concurrency": workload.concurrency}, arms, shared)
+    shared = {
+        "model": settings.model.name,
+        "n_parallel": settings.n_parallel,
+        "ctx_size": settings.ctx_size,
+        "threads": settings.threads,
+        "batch_size": settings.batch_size,
+        "ubatch_size": settings.ubatch_size,
+    }
+    report = build_report(
+        {
+            "name": workload.name,
+            "description": workload.description,
+            "params": workload.params,
+            "requests": len(workload.requests),
+            "concurrency": workload.concurrency,
+        },
+        arms,
+        shared,
+    )
     for path in write_report(report, out_dir):
         _say(f"wrote {path}")
     click.echo((out_dir / "report.md").read_text())
     return report
 
 
-def run_capacity_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: Path,
-                      **search: Any) -> dict[str, Any]:
+def run_capacity_arms(
+    workload: Workload, arm_names: list[str], settings: Any, out_dir: Path, **search: Any
+) -> dict[str, Any]:
     """The capacity search on each arm, then report.json and report.md."""
     from proxy.bench.capacity import run_capacity
     from proxy.bench.report import write_report
@@ -166,10 +246,13 @@ def run_capacity_arms(workload: Workload, arm_names: list[str], settings: Any, o
         raise ConfigError("--upper-factor must be at least 1", fix="pass e.g. --upper-factor 4")
     together = search.get("min_together")
     if together is not None and not 0 <= together <= len(workload.requests):
-        raise ConfigError(f"--min-together must be between 0 and the {len(workload.requests)} prompts",
-                          fix="pass e.g. --min-together 3, or leave it out")
-    report = run_capacity(workload, arm_names, settings, out_dir, say=_say,
-                          **{k: v for k, v in search.items() if v is not None})
+        raise ConfigError(
+            f"--min-together must be between 0 and the {len(workload.requests)} prompts",
+            fix="pass e.g. --min-together 3, or leave it out",
+        )
+    report = run_capacity(
+        workload, arm_names, settings, out_dir, say=_say, **{k: v for k, v in search.items() if v is not None}
+    )
     for path in write_report(report, out_dir):
         _say(f"wrote {path}")
     click.echo((out_dir / "report.md").read_text())
@@ -184,24 +267,43 @@ def bench() -> None:
     """Benchmarks: workloads replayed against the arms nocache, legacy and proxy."""
 
 
-def run_workload_command(name: str, arms: str | None, dry_run: bool, out_dir: Path | None, model_arg: str | None,
-                         n_parallel: int, ctx_size: int, threads: int | None, batch_size: int, ubatch_size: int,
-                         build_backend: str, **sizes: Any) -> None:
+def run_workload_command(
+    name: str,
+    arms: str | None,
+    dry_run: bool,
+    out_dir: Path | None,
+    model_arg: str | None,
+    n_parallel: int,
+    ctx_size: int,
+    threads: int | None,
+    batch_size: int,
+    ubatch_size: int,
+    build_backend: str,
+    **sizes: Any,
+) -> None:
     """``radixctl bench NAME``: write the request list, then (unless ``dry_run``) run it on each arm."""
     from proxy.bench.arms import parse_arms
     from proxy.bench.runner import ManifestEntry, write_manifest
 
-    search = {k: sizes.pop(k) for k in ("step", "upper_factor", "probe_timeout_s", "min_together") if k in sizes}
+    search = {
+        k: sizes.pop(k) for k in ("step", "upper_factor", "probe_timeout_s", "min_together") if k in sizes
+    }
     workload = make_workload(name, **sizes)
     out = out_dir or _default_out(name)
     out.mkdir(parents=True, exist_ok=True)
-    write_manifest(out / "workload.jsonl", (ManifestEntry(0.0, r.id, r.session, r.group, r.via, r.body)
-                                            for r in workload.requests))
-    _say(f"{name}: {len(workload.requests)} requests, concurrency {workload.concurrency}, "
-         f"params {json.dumps(workload.params)}; request list in {out / 'workload.jsonl'}")
+    write_manifest(
+        out / "workload.jsonl",
+        (ManifestEntry(0.0, r.id, r.session, r.group, r.via, r.body) for r in workload.requests),
+    )
+    _say(
+        f"{name}: {len(workload.requests)} requests, concurrency {workload.concurrency}, "
+        f"params {json.dumps(workload.params)}; request list in {out / 'workload.jsonl'}"
+    )
     if dry_run:
         return
-    settings = _settings(out, model_arg, n_parallel, ctx_size, threads, batch_size, ubatch_size, build_backend)
+    settings = _settings(
+        out, model_arg, n_parallel, ctx_size, threads, batch_size, ubatch_size, build_backend
+    )
     defaults = ",".join(DEFAULT_ARMS.get(name, ALL_ARMS))
     if name == "capacity":
         run_capacity_arms(workload, parse_arms(arms or defaults), settings, out, **search)
@@ -215,12 +317,16 @@ def _workload_options(name: str) -> list[Callable[[Any], Any]]:
 
     accepted = generator_params(name)
     defaults = ",".join(DEFAULT_ARMS.get(name, ALL_ARMS))
-    options = [click.option("--arms", default=None, help=f"Comma-separated arms (default: {defaults})."),
-               dry_run_option, *ARM_OPTIONS]
+    options = [
+        click.option("--arms", default=None, help=f"Comma-separated arms (default: {defaults})."),
+        dry_run_option,
+        *ARM_OPTIONS,
+    ]
     for key, (flag, text) in _SIZE_OPTIONS.items():
         if key in accepted:
-            options.append(click.option(flag, key, type=int, default=None,
-                                        help=f"{text} [default: {accepted[key]}]"))
+            options.append(
+                click.option(flag, key, type=int, default=None, help=f"{text} [default: {accepted[key]}]")
+            )
     if name == "capacity":
         options += CAPACITY_OPTIONS
     return options
@@ -253,8 +359,19 @@ del _name
 @click.option("--reps", default=5, show_default=True, help="Repetitions per size and direction.")
 @click.option("--no-probe", is_flag=True, help="Do not time a tiny generation during the moves.")
 @fail_cleanly
-def kvctl(out_dir: Path | None, model_arg: str | None, n_parallel: int, ctx_size: int, threads: int | None,
-          batch_size: int, ubatch_size: int, build_backend: str, sizes: str, reps: int, no_probe: bool) -> None:
+def kvctl(
+    out_dir: Path | None,
+    model_arg: str | None,
+    n_parallel: int,
+    ctx_size: int,
+    threads: int | None,
+    batch_size: int,
+    ubatch_size: int,
+    build_backend: str,
+    sizes: str,
+    reps: int,
+    no_probe: bool,
+) -> None:
     """KV export/import throughput through the proxy's mover against a numpy memcpy, and main-loop stalls."""
     from proxy.bench.arms import patched_server
     from proxy.bench.kvbench import kvctl_ctx_size, run_kvctl_bench
@@ -262,11 +379,15 @@ def kvctl(out_dir: Path | None, model_arg: str | None, n_parallel: int, ctx_size
 
     token_sizes = _sizes(sizes)
     out = out_dir or _default_out("kvctl")
-    settings = _settings(out, model_arg, max(n_parallel, 4), ctx_size, threads, batch_size, ubatch_size,
-                         build_backend)
+    settings = _settings(
+        out, model_arg, max(n_parallel, 4), ctx_size, threads, batch_size, ubatch_size, build_backend
+    )
     with patched_server(settings, max(ctx_size, kvctl_ctx_size(token_sizes))) as (server, shm):
-        report = asyncio.run(run_kvctl_bench(server.url, shm, token_sizes, reps, not no_probe, _say,
-                                             kvctl_key=server.spec.kvctl_key))
+        report = asyncio.run(
+            run_kvctl_bench(
+                server.url, shm, token_sizes, reps, not no_probe, _say, kvctl_key=server.spec.kvctl_key
+            )
+        )
     for path in write_report(report, out):
         _say(f"wrote {path}")
     click.echo((out / "report.md").read_text())
@@ -276,8 +397,13 @@ def kvctl(out_dir: Path | None, model_arg: str | None, n_parallel: int, ctx_size
 @click.argument("manifest", type=click.Path(dir_okay=False, exists=True, path_type=Path))
 @click.option("--url", required=True, help="OpenAI base URL (with or without /v1).")
 @click.option("--speed", default=1.0, show_default=True, help="Time scale: 2 sends twice as fast.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Write results and a report here.")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Write results and a report here.",
+)
 @fail_cleanly
 def replay(manifest: Path, url: str, speed: float, out_dir: Path | None) -> None:
     """Replay a manifest (manifest-ARM.jsonl of a run) against any OpenAI URL with its original timing."""
@@ -288,11 +414,15 @@ def replay(manifest: Path, url: str, speed: float, out_dir: Path | None) -> None
         raise ConfigError("--speed must be positive", fix="pass e.g. --speed 1")
     entries = read_manifest(manifest)
     if not entries:
-        raise ConfigError(f"{manifest} holds no requests", fix="pass a manifest-ARM.jsonl written by a bench run")
+        raise ConfigError(
+            f"{manifest} holds no requests", fix="pass a manifest-ARM.jsonl written by a bench run"
+        )
     _say(f"replaying {len(entries)} requests over {entries[-1].t / speed:.1f} s against {url}")
     results = asyncio.run(replay_manifest(entries, url, speed=speed))
-    report = build_report({"name": f"replay of {manifest.name}", "description": f"against {url}",
-                           "params": {"speed": speed}}, {"replay": {"results": results, "stats": {}}})
+    report = build_report(
+        {"name": f"replay of {manifest.name}", "description": f"against {url}", "params": {"speed": speed}},
+        {"replay": {"results": results, "stats": {}}},
+    )
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_results(out_dir / "results-replay.jsonl", results)

@@ -40,8 +40,9 @@ class TimedBackend(Backend):
         super().__init__(*args, **kw)
         self.last_call_s = 0.0
 
-    async def kv_post(self, route: str, body: Mapping[str, Any], cause: FallbackCause,
-                      timeout_s: float = MOVE_BASE_S) -> Any:
+    async def kv_post(
+        self, route: str, body: Mapping[str, Any], cause: FallbackCause, timeout_s: float = MOVE_BASE_S
+    ) -> Any:
         started = time.perf_counter()
         try:
             return await super().kv_post(route, body, cause, timeout_s)
@@ -64,7 +65,9 @@ async def _tokens(backend: Backend, n: int) -> list[int]:
 
 async def _probe(backend: Backend) -> float:
     started = time.perf_counter()
-    await backend.post_json("/completion", {"prompt": "Hi", "n_predict": 1, "id_slot": 3, "cache_prompt": False})
+    await backend.post_json(
+        "/completion", {"prompt": "Hi", "n_predict": 1, "id_slot": 3, "cache_prompt": False}
+    )
     return 1000 * (time.perf_counter() - started)
 
 
@@ -91,9 +94,15 @@ async def _timed(coro: Any, probe: Backend | None) -> tuple[float, float | None]
     return time.perf_counter() - started, probe_ms
 
 
-async def run_kvctl_bench(server_url: str, shm_dir: Path | None, sizes: tuple[int, ...] = DEFAULT_SIZES,
-                          reps: int = 5, probe: bool = True, progress: Any = None,
-                          kvctl_key: str | None = None) -> dict[str, Any]:
+async def run_kvctl_bench(
+    server_url: str,
+    shm_dir: Path | None,
+    sizes: tuple[int, ...] = DEFAULT_SIZES,
+    reps: int = 5,
+    probe: bool = True,
+    progress: Any = None,
+    kvctl_key: str | None = None,
+) -> dict[str, Any]:
     say = progress or (lambda _msg: None)
     sizes = tuple(sorted(set(sizes)))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
@@ -102,13 +111,19 @@ async def run_kvctl_bench(server_url: str, shm_dir: Path | None, sizes: tuple[in
         caps = await backend.caps()
         compat = dict(caps["compat"])
         layout = KvLayout.from_caps(compat)
-        shm = shm_dir if shm_dir and caps.get("dir") and Path(caps["dir"]).resolve() == shm_dir.resolve() else None
+        shm = (
+            shm_dir
+            if shm_dir and caps.get("dir") and Path(caps["dir"]).resolve() == shm_dir.resolve()
+            else None
+        )
         mover = KvMover(backend, layout, compat, shm, Metrics(CollectorRegistry(), ("s0",)))
         tokens = await _tokens(plain, max(sizes))
         say(f"prefilling {len(tokens)} tokens into slot 0")
         started = time.perf_counter()
-        await plain.post_json("/completion", {"prompt": tokens, "n_predict": 1, "id_slot": 0, "cache_prompt": True,
-                                              "temperature": 0})
+        await plain.post_json(
+            "/completion",
+            {"prompt": tokens, "n_predict": 1, "id_slot": 0, "cache_prompt": True, "temperature": 0},
+        )
         prefill_s = time.perf_counter() - started
         slot0 = next(s for s in (await backend.slots(tokens=True))["slots"] if int(s["id"]) == 0)
         held = [int(t) for t in slot0.get("tokens", [])][: int(slot0.get("pos_max", -1)) + 1]
@@ -140,16 +155,27 @@ async def run_kvctl_bench(server_url: str, shm_dir: Path | None, sizes: tuple[in
                     servers.append(1000 * backend.last_call_s)
                     if probe_ms is not None:
                         probes.append(probe_ms)
-                row[op] = {"total_ms_p50": statistics.median(totals), "total_ms_max": max(totals),
-                           "server_ms_p50": statistics.median(servers), "server_ms_max": max(servers),
-                           "mb_s": size / (statistics.median(totals) / 1000) / 1e6,
-                           "server_mb_s": size / (statistics.median(servers) / 1000) / 1e6,
-                           "probe_ms": probes[0] if probes else None}
+                row[op] = {
+                    "total_ms_p50": statistics.median(totals),
+                    "total_ms_max": max(totals),
+                    "server_ms_p50": statistics.median(servers),
+                    "server_ms_max": max(servers),
+                    "mb_s": size / (statistics.median(totals) / 1000) / 1e6,
+                    "server_mb_s": size / (statistics.median(servers) / 1000) / 1e6,
+                    "probe_ms": probes[0] if probes else None,
+                }
             row["memcpy_mb_s"] = memcpy_mb_s(size, max(5, reps))
             rows.append(row)
-            say(f"{n} tokens ({size / 2**20:.1f} MiB): export {row['export']['total_ms_p50']:.1f} ms "
+            say(
+                f"{n} tokens ({size / 2**20:.1f} MiB): export {row['export']['total_ms_p50']:.1f} ms "
                 f"({row['export']['mb_s']:.0f} MB/s), import {row['import']['total_ms_p50']:.1f} ms "
-                f"({row['import']['mb_s']:.0f} MB/s), memcpy {row['memcpy_mb_s']:.0f} MB/s")
-    return {"workload": {"name": "kvctl", "params": {"sizes": list(sizes), "reps": reps, "probe": probe}},
-            "transport": "shm files" if shm else "inline msgpack", "prefill_s": prefill_s,
-            "probe_idle_ms": probe_idle, "layout_bytes_per_token": layout.bytes_per_token, "sizes": rows}
+                f"({row['import']['mb_s']:.0f} MB/s), memcpy {row['memcpy_mb_s']:.0f} MB/s"
+            )
+    return {
+        "workload": {"name": "kvctl", "params": {"sizes": list(sizes), "reps": reps, "probe": probe}},
+        "transport": "shm files" if shm else "inline msgpack",
+        "prefill_s": prefill_s,
+        "probe_idle_ms": probe_idle,
+        "layout_bytes_per_token": layout.bytes_per_token,
+        "sizes": rows,
+    }

@@ -42,12 +42,17 @@ def summarize(results: Sequence[RequestResult]) -> dict[str, Any]:
     wall = max(ends) - min(r.sent_s for r in results) if results else 0.0
     generated = _sum([r.predicted_n for r in ok])
     return {
-        "requests": len(results), "errors": len(results) - len(ok),
-        "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
-        "e2e_p50_s": percentile(e2e, 50), "e2e_p90_s": percentile(e2e, 90),
-        "wall_s": wall, "requests_per_s": len(ok) / wall if wall > 0 else None,
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p90_s": percentile(ttft, 90),
+        "e2e_p50_s": percentile(e2e, 50),
+        "e2e_p90_s": percentile(e2e, 90),
+        "wall_s": wall,
+        "requests_per_s": len(ok) / wall if wall > 0 else None,
         "generated_tokens_per_s": generated / wall if wall > 0 and generated is not None else None,
-        "cache_n": _sum([r.cache_n for r in ok]), "prompt_n": _sum([r.prompt_n for r in ok]),
+        "cache_n": _sum([r.cache_n for r in ok]),
+        "prompt_n": _sum([r.prompt_n for r in ok]),
         "generated_tokens": generated,
     }
 
@@ -56,9 +61,14 @@ def _groups(results: Sequence[RequestResult]) -> dict[str, dict[str, Any]]:
     out: dict[str, list[RequestResult]] = {}
     for r in results:
         out.setdefault(r.group, []).append(r)
-    return {g: {k: v for k, v in summarize(rs).items()
-                if k in ("requests", "errors", "ttft_p50_s", "ttft_p90_s", "e2e_p50_s", "cache_n", "prompt_n")}
-            for g, rs in out.items()}
+    return {
+        g: {
+            k: v
+            for k, v in summarize(rs).items()
+            if k in ("requests", "errors", "ttft_p50_s", "ttft_p90_s", "e2e_p50_s", "cache_n", "prompt_n")
+        }
+        for g, rs in out.items()
+    }
 
 
 def paired_overhead(results: Sequence[RequestResult]) -> dict[str, Any] | None:
@@ -83,10 +93,16 @@ def paired_overhead(results: Sequence[RequestResult]) -> dict[str, Any] | None:
         front, server = _residual_ms(p["front"]), _residual_ms(p["server"])
         if front is not None and server is not None:
             d_res.append(front - server)
-    return {"pairs": len(full), "ttft_ms_p50": percentile(d_ttft, 50), "ttft_ms_p90": percentile(d_ttft, 90),
-            "e2e_ms_p50": percentile(d_e2e, 50), "e2e_ms_p90": percentile(d_e2e, 90),
-            "residual_ms_p50": percentile(d_res, 50), "residual_ms_p90": percentile(d_res, 90),
-            "target_p50_ms": 2.0}
+    return {
+        "pairs": len(full),
+        "ttft_ms_p50": percentile(d_ttft, 50),
+        "ttft_ms_p90": percentile(d_ttft, 90),
+        "e2e_ms_p50": percentile(d_e2e, 50),
+        "e2e_ms_p90": percentile(d_e2e, 90),
+        "residual_ms_p50": percentile(d_res, 50),
+        "residual_ms_p90": percentile(d_res, 90),
+        "target_p50_ms": 2.0,
+    }
 
 
 def _residual_ms(r: RequestResult) -> float | None:
@@ -114,31 +130,50 @@ def fanout_figures(results: Sequence[RequestResult]) -> dict[str, Any] | None:
         ok = [r for r in rs if r.ok and r.ttft_s is not None]
         start = min(r.sent_s for r in rs)
         first = {str(r.meta["branch"]): r.sent_s - start + (r.ttft_s or 0.0) for r in ok}
-        per_round.append({
-            "round": rnd, "branches": len(rs), "errors": len(rs) - len(ok),
-            "ttft_by_branch_s": first, "ttft_sorted_s": sorted(first.values()),
-            "last_ttft_s": max(first.values(), default=None),
-            "total_s": max(r.sent_s - start + (r.e2e_s or 0.0) for r in rs),
-            "prompt_n": _sum([r.prompt_n for r in ok]), "cache_n": _sum([r.cache_n for r in ok]),
-        })
+        per_round.append(
+            {
+                "round": rnd,
+                "branches": len(rs),
+                "errors": len(rs) - len(ok),
+                "ttft_by_branch_s": first,
+                "ttft_sorted_s": sorted(first.values()),
+                "last_ttft_s": max(first.values(), default=None),
+                "total_s": max(r.sent_s - start + (r.e2e_s or 0.0) for r in rs),
+                "prompt_n": _sum([r.prompt_n for r in ok]),
+                "cache_n": _sum([r.cache_n for r in ok]),
+            }
+        )
     ranks = max(len(p["ttft_sorted_s"]) for p in per_round)
-    sorted_med = [percentile([p["ttft_sorted_s"][k] for p in per_round if len(p["ttft_sorted_s"]) > k], 50)
-                  for k in range(ranks)]
+    sorted_med = [
+        percentile([p["ttft_sorted_s"][k] for p in per_round if len(p["ttft_sorted_s"]) > k], 50)
+        for k in range(ranks)
+    ]
     lasts = [p["last_ttft_s"] for p in per_round if p["last_ttft_s"] is not None]
-    return {"rounds": per_round, "ttft_sorted_s": sorted_med, "first_ttft_s": sorted_med[0] if sorted_med else None,
-            "last_ttft_s": percentile(lasts, 50), "total_s": percentile([p["total_s"] for p in per_round], 50),
-            "errors": sum(p["errors"] for p in per_round)}
+    return {
+        "rounds": per_round,
+        "ttft_sorted_s": sorted_med,
+        "first_ttft_s": sorted_med[0] if sorted_med else None,
+        "last_ttft_s": percentile(lasts, 50),
+        "total_s": percentile([p["total_s"] for p in per_round], 50),
+        "errors": sum(p["errors"] for p in per_round),
+    }
 
 
-def build_report(workload: dict[str, Any], arms: dict[str, dict[str, Any]],
-                 settings: dict[str, Any] | None = None) -> dict[str, Any]:
+def build_report(
+    workload: dict[str, Any], arms: dict[str, dict[str, Any]], settings: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """``arms``: name -> {"results": [RequestResult], "stats": {...}} in run order."""
     out: dict[str, Any] = {"workload": workload, "settings": settings or {}, "arms": {}}
     for name, arm in arms.items():
         results: list[RequestResult] = arm["results"]
         stats = dict(arm.get("stats") or {})
-        entry = {**summarize(results), "host_cache_bytes": stats.pop("host_cache_bytes", None),
-                 "kv_cells_used": stats.pop("kv_cells_used", None), "groups": _groups(results), "details": stats}
+        entry = {
+            **summarize(results),
+            "host_cache_bytes": stats.pop("host_cache_bytes", None),
+            "kv_cells_used": stats.pop("kv_cells_used", None),
+            "groups": _groups(results),
+            "details": stats,
+        }
         routes: dict[str, int] = {}
         for r in results:
             if r.route:
@@ -162,7 +197,8 @@ def build_report(workload: dict[str, Any], arms: dict[str, dict[str, Any]],
                 fan[f"{key[:-2]}_vs_legacy"] = _ratio(fan[key], base[key]) if base else None
             fan["ttft_sorted_vs_legacy"] = [
                 _ratio(v, base["ttft_sorted_s"][k]) if base and k < len(base["ttft_sorted_s"]) else None
-                for k, v in enumerate(fan["ttft_sorted_s"])]
+                for k, v in enumerate(fan["ttft_sorted_s"])
+            ]
     return out
 
 
@@ -186,55 +222,150 @@ def _mib(v: int | None) -> str:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *["| " + " | ".join(row) + " |" for row in rows]]
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *["| " + " | ".join(row) + " |" for row in rows],
+    ]
 
 
 def render_markdown(report: dict[str, Any], chart_note: str = "") -> str:
     wl, arms = report["workload"], report["arms"]
-    lines = [f"# Benchmark: {wl.get('name')}", "", str(wl.get("description", "")), "",
-             "Workload: " + ", ".join(f"{k}={v}" for k, v in (wl.get("params") or {}).items()), ""]
+    lines = [
+        f"# Benchmark: {wl.get('name')}",
+        "",
+        str(wl.get("description", "")),
+        "",
+        "Workload: " + ", ".join(f"{k}={v}" for k, v in (wl.get("params") or {}).items()),
+        "",
+    ]
     if report.get("settings"):
         lines += ["Arms share: " + ", ".join(f"{k}={v}" for k, v in report["settings"].items()), ""]
     lines += ["Times in seconds; ratios are arm / Legacy (below 1 is faster).", ""]
-    rows = [[name, str(a["requests"]), str(a["errors"]), _s(a["ttft_p50_s"]), _s(a["ttft_p90_s"]),
-             _s(a["e2e_p50_s"]), _s(a["e2e_p90_s"]), _n(a["requests_per_s"], "{:.2f}"),
-             _n(a["generated_tokens_per_s"], "{:.1f}"), _n(a["cache_n"]), _n(a["prompt_n"]),
-             _mib(a["host_cache_bytes"]), _n(a["kv_cells_used"]), _x(a["ttft_p50_vs_legacy"]),
-             _x(a["e2e_p50_vs_legacy"])] for name, a in arms.items()]
-    lines += _table(["arm", "n", "err", "TTFT p50", "TTFT p90", "e2e p50", "e2e p90", "req/s", "gen tok/s",
-                     "cache_n", "prompt_n", "host cache", "KV cells", "TTFT vs legacy", "e2e vs legacy"], rows)
-    optimum = {n: a["details"].get("host_optimum_bytes") for n, a in arms.items()
-               if a.get("details", {}).get("host_optimum_bytes")}
+    rows = [
+        [
+            name,
+            str(a["requests"]),
+            str(a["errors"]),
+            _s(a["ttft_p50_s"]),
+            _s(a["ttft_p90_s"]),
+            _s(a["e2e_p50_s"]),
+            _s(a["e2e_p90_s"]),
+            _n(a["requests_per_s"], "{:.2f}"),
+            _n(a["generated_tokens_per_s"], "{:.1f}"),
+            _n(a["cache_n"]),
+            _n(a["prompt_n"]),
+            _mib(a["host_cache_bytes"]),
+            _n(a["kv_cells_used"]),
+            _x(a["ttft_p50_vs_legacy"]),
+            _x(a["e2e_p50_vs_legacy"]),
+        ]
+        for name, a in arms.items()
+    ]
+    lines += _table(
+        [
+            "arm",
+            "n",
+            "err",
+            "TTFT p50",
+            "TTFT p90",
+            "e2e p50",
+            "e2e p90",
+            "req/s",
+            "gen tok/s",
+            "cache_n",
+            "prompt_n",
+            "host cache",
+            "KV cells",
+            "TTFT vs legacy",
+            "e2e vs legacy",
+        ],
+        rows,
+    )
+    optimum = {
+        n: a["details"].get("host_optimum_bytes")
+        for n, a in arms.items()
+        if a.get("details", {}).get("host_optimum_bytes")
+    }
     for name, best in optimum.items():
-        lines += ["", f"Host cache optimum seen by `{name}` (its distinct tokens x KV bytes per token): {_mib(best)}."]
+        lines += [
+            "",
+            f"Host cache optimum seen by `{name}` (its distinct tokens x KV bytes per token): {_mib(best)}.",
+        ]
     groups = list(dict.fromkeys(g for a in arms.values() for g in a["groups"]))
     if len(groups) > 1:
         lines += ["", "TTFT p50 (s) by group, and cache_n / prompt_n:", ""]
-        grows = [[g, *[f"{_s(a['groups'].get(g, {}).get('ttft_p50_s'))} ({_n(a['groups'].get(g, {}).get('cache_n'))}"
-                       f" / {_n(a['groups'].get(g, {}).get('prompt_n'))})" for a in arms.values()]] for g in groups]
+        grows = [
+            [
+                g,
+                *[
+                    f"{_s(a['groups'].get(g, {}).get('ttft_p50_s'))} ({_n(a['groups'].get(g, {}).get('cache_n'))}"
+                    f" / {_n(a['groups'].get(g, {}).get('prompt_n'))})"
+                    for a in arms.values()
+                ],
+            ]
+            for g in groups
+        ]
         lines += _table(["group", *arms], grows)
     over = {n: a["overhead"] for n, a in arms.items() if "overhead" in a}
     if over:
-        lines += ["", "Paired difference front - server in ms (on arms without a proxy front and server are the same: "
-                  "the noise floor). Residual = TTFT minus the server's prompt_ms, which takes the prefill's own "
-                  "variation out; target for the proxy: residual p50 < 2 ms.", ""]
-        lines += _table(["arm", "pairs", "residual p50", "residual p90", "TTFT p50", "TTFT p90", "e2e p50", "e2e p90"],
-                        [[n, str(o["pairs"]), _n(o.get("residual_ms_p50"), "{:.2f}"),
-                          _n(o.get("residual_ms_p90"), "{:.2f}"), _n(o["ttft_ms_p50"], "{:.2f}"),
-                          _n(o["ttft_ms_p90"], "{:.2f}"), _n(o["e2e_ms_p50"], "{:.2f}"), _n(o["e2e_ms_p90"], "{:.2f}")]
-                         for n, o in over.items()])
+        lines += [
+            "",
+            "Paired difference front - server in ms (on arms without a proxy front and server are the same: "
+            "the noise floor). Residual = TTFT minus the server's prompt_ms, which takes the prefill's own "
+            "variation out; target for the proxy: residual p50 < 2 ms.",
+            "",
+        ]
+        lines += _table(
+            ["arm", "pairs", "residual p50", "residual p90", "TTFT p50", "TTFT p90", "e2e p50", "e2e p90"],
+            [
+                [
+                    n,
+                    str(o["pairs"]),
+                    _n(o.get("residual_ms_p50"), "{:.2f}"),
+                    _n(o.get("residual_ms_p90"), "{:.2f}"),
+                    _n(o["ttft_ms_p50"], "{:.2f}"),
+                    _n(o["ttft_ms_p90"], "{:.2f}"),
+                    _n(o["e2e_ms_p50"], "{:.2f}"),
+                    _n(o["e2e_ms_p90"], "{:.2f}"),
+                ]
+                for n, o in over.items()
+            ],
+        )
     fans = {n: a["fanout"] for n, a in arms.items() if a.get("fanout")}
     if fans:
-        lines += ["", "Fan-out: TTFT of each branch (s, sorted: first answered first), the last branch's first token "
-                  "and the total (first send to last answer) from the start of the round; ratios to Legacy "
-                  "(below 1 is faster). Several rounds: medians.", ""]
-        lines += _table(["arm", "TTFT of the branches", "last TTFT", "total", "errors", "each vs legacy",
-                         "last TTFT vs legacy", "total vs legacy"],
-                        [[n, " / ".join(_n(v, "{:.2f}") for v in f["ttft_sorted_s"]), _s(f["last_ttft_s"]),
-                          _s(f["total_s"]), str(f["errors"]),
-                          " / ".join(_x(v) for v in f.get("ttft_sorted_vs_legacy") or []),
-                          _x(f.get("last_ttft_vs_legacy")), _x(f.get("total_vs_legacy"))] for n, f in fans.items()])
+        lines += [
+            "",
+            "Fan-out: TTFT of each branch (s, sorted: first answered first), the last branch's first token "
+            "and the total (first send to last answer) from the start of the round; ratios to Legacy "
+            "(below 1 is faster). Several rounds: medians.",
+            "",
+        ]
+        lines += _table(
+            [
+                "arm",
+                "TTFT of the branches",
+                "last TTFT",
+                "total",
+                "errors",
+                "each vs legacy",
+                "last TTFT vs legacy",
+                "total vs legacy",
+            ],
+            [
+                [
+                    n,
+                    " / ".join(_n(v, "{:.2f}") for v in f["ttft_sorted_s"]),
+                    _s(f["last_ttft_s"]),
+                    _s(f["total_s"]),
+                    str(f["errors"]),
+                    " / ".join(_x(v) for v in f.get("ttft_sorted_vs_legacy") or []),
+                    _x(f.get("last_ttft_vs_legacy")),
+                    _x(f.get("total_vs_legacy")),
+                ]
+                for n, f in fans.items()
+            ],
+        )
     routes = {n: a["routes"] for n, a in arms.items() if a.get("routes")}
     for name, r in routes.items():
         lines += ["", f"{name} routes: " + ", ".join(f"{k} {v}" for k, v in sorted(r.items()))]
@@ -244,18 +375,45 @@ def render_markdown(report: dict[str, Any], chart_note: str = "") -> str:
 
 
 def render_kvctl_markdown(report: dict[str, Any]) -> str:
-    lines = ["# Benchmark: kvctl", "", "KV moves through the proxy's mover against a numpy memcpy of the same bytes.",
-             "`server ms` is the wall time of the /kvctl call (the server's main loop is busy for it); `total ms` adds "
-             "the proxy's side (payload file parse / build). Probe: a tiny generation on another slot.", ""]
+    lines = [
+        "# Benchmark: kvctl",
+        "",
+        "KV moves through the proxy's mover against a numpy memcpy of the same bytes.",
+        "`server ms` is the wall time of the /kvctl call (the server's main loop is busy for it); `total ms` adds "
+        "the proxy's side (payload file parse / build). Probe: a tiny generation on another slot.",
+        "",
+    ]
     rows = []
     for s in report["sizes"]:
         for op in ("export", "import"):
             o = s[op]
-            rows.append([str(s["tokens"]), op, _mib(s["bytes"]), _n(o["total_ms_p50"], "{:.1f}"),
-                         _n(o["server_ms_p50"], "{:.1f}"), _n(o["mb_s"], "{:.0f}"), _n(s["memcpy_mb_s"], "{:.0f}"),
-                         _n(o.get("probe_ms"), "{:.1f}"), _n(report.get("probe_idle_ms"), "{:.1f}")])
-    lines += _table(["tokens", "op", "payload", "total ms p50", "server ms p50", "MB/s", "memcpy MB/s",
-                     "probe ms during", "probe ms idle"], rows)
+            rows.append(
+                [
+                    str(s["tokens"]),
+                    op,
+                    _mib(s["bytes"]),
+                    _n(o["total_ms_p50"], "{:.1f}"),
+                    _n(o["server_ms_p50"], "{:.1f}"),
+                    _n(o["mb_s"], "{:.0f}"),
+                    _n(s["memcpy_mb_s"], "{:.0f}"),
+                    _n(o.get("probe_ms"), "{:.1f}"),
+                    _n(report.get("probe_idle_ms"), "{:.1f}"),
+                ]
+            )
+    lines += _table(
+        [
+            "tokens",
+            "op",
+            "payload",
+            "total ms p50",
+            "server ms p50",
+            "MB/s",
+            "memcpy MB/s",
+            "probe ms during",
+            "probe ms idle",
+        ],
+        rows,
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -263,50 +421,115 @@ def render_capacity_markdown(report: dict[str, Any]) -> str:
     wl, search, arms = report["workload"], report["search"], report["capacity"]
     ideal = search.get("ideal") or {}
     n = wl.get("requests")
-    lines = [f"# Benchmark: {wl.get('name')}", "", str(wl.get("description", "")), "",
-             "Workload: " + ", ".join(f"{k}={v}" for k, v in (wl.get("params") or {}).items()), ""]
+    lines = [
+        f"# Benchmark: {wl.get('name')}",
+        "",
+        str(wl.get("description", "")),
+        "",
+        "Workload: " + ", ".join(f"{k}={v}" for k, v in (wl.get("params") or {}).items()),
+        "",
+    ]
     if report.get("settings"):
         lines += ["Arms share: " + ", ".join(f"{k}={v}" for k, v in report["settings"].items()), ""]
-    lines += [f"Host caches {search.get('host_cache', 'off')}. Prompts of {search.get('prompt_tokens')} tokens, "
-              f"common prefix {search.get('shared_tokens')} tokens. Lower bound (one prompt plus its generation) "
-              f"{search.get('lower')} cells; `-c` searched from {search['grid'][0]} to {search['grid'][1]} in steps "
-              f"of {search.get('step')}, a fresh arm per probe. llama.cpp rounds the pool up to a multiple of 256 "
-              "cells: figures are the cells allocated.", "",
-              f"In theory: {ideal.get('unshared_cells')} cells with every prompt held whole, "
-              f"{ideal.get('shared_cells')} with the common prefix held once: a saving of "
-              f"{_n(ideal.get('saving_pct'), '{:.1f}')} %.", "",
-              f"*Served together*: every request answered in full and at least {search.get('min_together')} of the "
-              f"{n} in the server at once (the capacity comparable across arms). *Any order*: every request answered "
-              "in full, even one after the other (the proxy queues requests on a slot holding their prefix when "
-              "the pool cannot hold them together).", ""]
+    lines += [
+        f"Host caches {search.get('host_cache', 'off')}. Prompts of {search.get('prompt_tokens')} tokens, "
+        f"common prefix {search.get('shared_tokens')} tokens. Lower bound (one prompt plus its generation) "
+        f"{search.get('lower')} cells; `-c` searched from {search['grid'][0]} to {search['grid'][1]} in steps "
+        f"of {search.get('step')}, a fresh arm per probe. llama.cpp rounds the pool up to a multiple of 256 "
+        "cells: figures are the cells allocated.",
+        "",
+        f"In theory: {ideal.get('unshared_cells')} cells with every prompt held whole, "
+        f"{ideal.get('shared_cells')} with the common prefix held once: a saving of "
+        f"{_n(ideal.get('saving_pct'), '{:.1f}')} %.",
+        "",
+        f"*Served together*: every request answered in full and at least {search.get('min_together')} of the "
+        f"{n} in the server at once (the capacity comparable across arms). *Any order*: every request answered "
+        "in full, even one after the other (the proxy queues requests on a slot holding their prefix when "
+        "the pool cannot hold them together).",
+        "",
+    ]
     rows = []
     for name, a in arms.items():
         anyo = a.get("any_order") or {}
-        rows.append([name, _n(a.get("min_cells")), _n(a.get("min_ctx")), _n(a.get("max_failed_cells")),
-                     _n(a.get("saving_vs_legacy_pct"), "{:.1f} %"), _n(anyo.get("min_cells")),
-                     _n(anyo.get("saving_vs_legacy_pct"), "{:.1f} %"), str(len(a.get("probes", []))),
-                     str(a.get("started", "-"))])
-    lines += _table(["arm", "smallest pool, together (cells)", "at -c", "largest failed (cells)", "saving vs legacy",
-                     "smallest pool, any order", "saving vs legacy", "probes", "arms started"], rows)
+        rows.append(
+            [
+                name,
+                _n(a.get("min_cells")),
+                _n(a.get("min_ctx")),
+                _n(a.get("max_failed_cells")),
+                _n(a.get("saving_vs_legacy_pct"), "{:.1f} %"),
+                _n(anyo.get("min_cells")),
+                _n(anyo.get("saving_vs_legacy_pct"), "{:.1f} %"),
+                str(len(a.get("probes", []))),
+                str(a.get("started", "-")),
+            ]
+        )
+    lines += _table(
+        [
+            "arm",
+            "smallest pool, together (cells)",
+            "at -c",
+            "largest failed (cells)",
+            "saving vs legacy",
+            "smallest pool, any order",
+            "saving vs legacy",
+            "probes",
+            "arms started",
+        ],
+        rows,
+    )
     for name, a in arms.items():
         for label, part in (("together", a), ("any order", a.get("any_order") or {})):
             if part.get("failed_above_cells"):
-                lines += ["", f"**{name}, {label}: not monotone.** Larger pools failed "
-                          f"({', '.join(str(c) for c in part['failed_above_cells'])} cells) than the smallest that "
-                          "passed: the binary search assumes they do not, so this figure is where the search "
-                          "ended, not necessarily the smallest pool that passes."]
-    lines += ["", "Probes in order (reused: same pool as an earlier probe, not run again; at once: most requests "
-              "in the server at one time):", ""]
+                lines += [
+                    "",
+                    f"**{name}, {label}: not monotone.** Larger pools failed "
+                    f"({', '.join(str(c) for c in part['failed_above_cells'])} cells) than the smallest that "
+                    "passed: the binary search assumes they do not, so this figure is where the search "
+                    "ended, not necessarily the smallest pool that passes.",
+                ]
+    lines += [
+        "",
+        "Probes in order (reused: same pool as an earlier probe, not run again; at once: most requests "
+        "in the server at one time):",
+        "",
+    ]
     prow = []
     for name, a in arms.items():
         for p in a.get("probes", []):
-            prow.append([name, str(p["ctx"]), _n(p.get("cells")), "served" if p["ok"] else "failed",
-                         _n(p.get("together")), "yes" if p.get("reused") else "", _n(p.get("ttft_max_s"), "{:.2f}"),
-                         _n(p.get("prompt_n")), _n(p.get("cache_n")), _n(p.get("kv_cells_used")),
-                         ", ".join(f"{k} {v}" for k, v in sorted((p.get("routes") or {}).items())),
-                         str(p.get("reason", "")).replace("|", "/")])
-    lines += _table(["arm", "-c", "cells", "verdict", "at once", "reused", "max TTFT", "prompt_n", "cache_n",
-                     "KV used after", "routes", "reason"], prow)
+            prow.append(
+                [
+                    name,
+                    str(p["ctx"]),
+                    _n(p.get("cells")),
+                    "served" if p["ok"] else "failed",
+                    _n(p.get("together")),
+                    "yes" if p.get("reused") else "",
+                    _n(p.get("ttft_max_s"), "{:.2f}"),
+                    _n(p.get("prompt_n")),
+                    _n(p.get("cache_n")),
+                    _n(p.get("kv_cells_used")),
+                    ", ".join(f"{k} {v}" for k, v in sorted((p.get("routes") or {}).items())),
+                    str(p.get("reason", "")).replace("|", "/"),
+                ]
+            )
+    lines += _table(
+        [
+            "arm",
+            "-c",
+            "cells",
+            "verdict",
+            "at once",
+            "reused",
+            "max TTFT",
+            "prompt_n",
+            "cache_n",
+            "KV used after",
+            "routes",
+            "reason",
+        ],
+        prow,
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -317,7 +540,10 @@ def _charts(report: dict[str, Any], out_dir: Path) -> tuple[list[Path], str]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return [], "Charts skipped: matplotlib is not installed (it is not a dependency; `pip install matplotlib`)."
+        return (
+            [],
+            "Charts skipped: matplotlib is not installed (it is not a dependency; `pip install matplotlib`).",
+        )
     arms = report["arms"]
     names = list(arms)
     paths = []
@@ -339,8 +565,12 @@ def _charts(report: dict[str, Any], out_dir: Path) -> tuple[list[Path], str]:
         fig, ax = plt.subplots(figsize=(max(7, len(groups) * 1.2), 4))
         width = 0.8 / max(1, len(names))
         for k, n in enumerate(names):
-            ax.bar([g + k * width for g in range(len(groups))],
-                   [arms[n]["groups"].get(gr, {}).get("ttft_p50_s") or 0 for gr in groups], width, label=n)
+            ax.bar(
+                [g + k * width for g in range(len(groups))],
+                [arms[n]["groups"].get(gr, {}).get("ttft_p50_s") or 0 for gr in groups],
+                width,
+                label=n,
+            )
         ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], groups, rotation=20)
         ax.set_ylabel("TTFT p50 (s)")
         ax.legend()

@@ -76,14 +76,30 @@ class ManifestEntry:
     path: str = CHAT_PATH
 
     def to_line(self) -> str:
-        return orjson.dumps({"t": round(self.t, 6), "id": self.id, "session": self.session, "group": self.group,
-                             "via": self.via, "path": self.path, "body": self.body}).decode()
+        return orjson.dumps(
+            {
+                "t": round(self.t, 6),
+                "id": self.id,
+                "session": self.session,
+                "group": self.group,
+                "via": self.via,
+                "path": self.path,
+                "body": self.body,
+            }
+        ).decode()
 
     @classmethod
     def from_line(cls, line: str) -> ManifestEntry:
         d = json.loads(line)
-        return cls(float(d["t"]), str(d["id"]), str(d.get("session", "")), str(d.get("group", "")),
-                   str(d.get("via", "front")), dict(d["body"]), str(d.get("path", CHAT_PATH)))
+        return cls(
+            float(d["t"]),
+            str(d["id"]),
+            str(d.get("session", "")),
+            str(d.get("group", "")),
+            str(d.get("via", "front")),
+            dict(d["body"]),
+            str(d.get("path", CHAT_PATH)),
+        )
 
 
 def write_manifest(path: Path, entries: Iterable[ManifestEntry]) -> None:
@@ -119,8 +135,10 @@ class Progress:
         self.errors += 0 if result.ok else 1
         pct = 100 * self.done // max(1, self.total)
         ttft = f"{result.ttft_s:.2f}s" if result.ttft_s is not None else "-"
-        line = (f"[bench {self.label}] {self.done}/{self.total} done, {self.errors} errors, "
-                f"{time.monotonic() - self.started:.0f}s, last {result.id} ttft {ttft}")
+        line = (
+            f"[bench {self.label}] {self.done}/{self.total} done, {self.errors} errors, "
+            f"{time.monotonic() - self.started:.0f}s, last {result.id} ttft {ttft}"
+        )
         if self.tty:
             self.stream.write("\r" + line.ljust(100))
             if self.done == self.total:
@@ -129,7 +147,9 @@ class Progress:
             self.stream.write(line + "\n")
             self._last_pct = pct
         if not result.ok and result.error:
-            self.stream.write(("\n" if self.tty else "") + f"[bench {self.label}] {result.id}: {result.error}\n")
+            self.stream.write(
+                ("\n" if self.tty else "") + f"[bench {self.label}] {result.id}: {result.error}\n"
+            )
         self.stream.flush()
 
 
@@ -146,7 +166,9 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any], r
     started = time.perf_counter()
     timings: dict[str, Any] | None = None
     try:
-        async with session.post(url, data=orjson.dumps(body), headers={"Content-Type": "application/json"}) as resp:
+        async with session.post(
+            url, data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+        ) as resp:
             result.status = resp.status
             result.route = resp.headers.get("X-Radix-Route")
             if resp.status != 200:
@@ -207,13 +229,22 @@ def _int(value: Any) -> int | None:
 
 
 def _session(timeout_s: float) -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=10),
-                                 connector=aiohttp.TCPConnector(limit=0))
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=10),
+        connector=aiohttp.TCPConnector(limit=0),
+    )
 
 
-async def run_workload(workload: Workload, front_url: str, server_url: str | None = None, *,
-                       overrides: dict[str, Any] | None = None, manifest: Path | None = None,
-                       label: str = "", timeout_s: float = 900.0) -> list[RequestResult]:
+async def run_workload(
+    workload: Workload,
+    front_url: str,
+    server_url: str | None = None,
+    *,
+    overrides: dict[str, Any] | None = None,
+    manifest: Path | None = None,
+    label: str = "",
+    timeout_s: float = 900.0,
+) -> list[RequestResult]:
     """Send every request once its dependencies finished, at most ``workload.concurrency`` at once.
 
     ``via == "server"`` requests go to ``server_url`` (the arm's llama-server), the others to
@@ -250,8 +281,14 @@ async def run_workload(workload: Workload, front_url: str, server_url: str | Non
     return list(results)
 
 
-async def replay_manifest(entries: list[ManifestEntry], url: str, *, speed: float = 1.0, label: str = "replay",
-                          timeout_s: float = 900.0) -> list[RequestResult]:
+async def replay_manifest(
+    entries: list[ManifestEntry],
+    url: str,
+    *,
+    speed: float = 1.0,
+    label: str = "replay",
+    timeout_s: float = 900.0,
+) -> list[RequestResult]:
     """Send each entry at its recorded time (divided by ``speed``) to ``url``, whatever its ``via``."""
     front = base_url(url)
     progress = Progress(label, len(entries))

@@ -12,11 +12,20 @@ from proxy.cli.options import BUILD_BACKENDS
 
 
 @click.command()
-@click.option("--variant", type=click.Choice(["patched", "stock"]), default="patched", show_default=True,
-              help="patched: with the /kvctl patch series; "
-                   "stock: the same source unpatched, for comparisons.")
-@click.option("--backend", type=click.Choice(BUILD_BACKENDS), default="cpu", show_default=True,
-              envvar="RADIX_BUILD_BACKEND")
+@click.option(
+    "--variant",
+    type=click.Choice(["patched", "stock"]),
+    default="patched",
+    show_default=True,
+    help="patched: with the /kvctl patch series; stock: the same source unpatched, for comparisons.",
+)
+@click.option(
+    "--backend",
+    type=click.Choice(BUILD_BACKENDS),
+    default="cpu",
+    show_default=True,
+    envvar="RADIX_BUILD_BACKEND",
+)
 @click.option("--cmake-arg", "cmake_args", multiple=True, help="Extra CMake argument (repeatable).")
 @click.option("--fault-injection", is_flag=True, help="Build the test-only import fault injection in.")
 @click.option("--jobs", "-j", type=int, default=os.cpu_count() or 2, show_default=True)
@@ -25,8 +34,9 @@ def build(variant: str, backend: str, cmake_args: tuple[str, ...], fault_injecti
     """Build llama-server from the pinned source (cached by content hash) and print its path."""
     from proxy.native.build import BuildSpec, build_server
 
-    spec = BuildSpec(variant=variant, backend=backend, cmake_args=cmake_args,
-                     fault_injection=fault_injection, jobs=jobs)
+    spec = BuildSpec(
+        variant=variant, backend=backend, cmake_args=cmake_args, fault_injection=fault_injection, jobs=jobs
+    )
     click.echo(build_server(spec))
 
 

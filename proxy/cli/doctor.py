@@ -37,7 +37,9 @@ PINNED_COMMIT = LLAMA_CPP.commit
 SERVER_FLAGS = "-np 4 -kvu --cache-ram 0 -sps 0 --kvctl --kvctl-dir /dev/shm/radix"
 
 
-async def check_server(url: str, kvctl_key: str | None, shm_dir: Path | None, tokenizer_cache: Path) -> list[Check]:
+async def check_server(
+    url: str, kvctl_key: str | None, shm_dir: Path | None, tokenizer_cache: Path
+) -> list[Check]:
     """Check one llama-server for use behind the proxy; every problem comes with its fix."""
     import aiohttp
 
@@ -49,7 +51,9 @@ async def check_server(url: str, kvctl_key: str | None, shm_dir: Path | None, to
         return await _doctor(backend, kvctl_key, shm_dir, tokenizer_cache)
 
 
-async def _doctor(backend: Any, kvctl_key: str | None, shm_dir: Path | None, tokenizer_cache: Path) -> list[Check]:
+async def _doctor(
+    backend: Any, kvctl_key: str | None, shm_dir: Path | None, tokenizer_cache: Path
+) -> list[Check]:
     import aiohttp
 
     from proxy.core.payload import KvLayout
@@ -60,11 +64,21 @@ async def _doctor(backend: Any, kvctl_key: str | None, shm_dir: Path | None, tok
     try:
         await backend.get_json("/health")
     except aiohttp.ClientError as exc:
-        add(Check("reachable", "fail", f"cannot reach {backend.url}: {exc}",
-                  "start llama-server, or fix --backend-url (scheme, host and port of the server itself)"))
+        add(
+            Check(
+                "reachable",
+                "fail",
+                f"cannot reach {backend.url}: {exc}",
+                "start llama-server, or fix --backend-url (scheme, host and port of the server itself)",
+            )
+        )
         return checks
     except RadixError as exc:
-        add(Check("reachable", "fail", f"/health: {exc.message}", "wait until the model is loaded, then rerun"))
+        add(
+            Check(
+                "reachable", "fail", f"/health: {exc.message}", "wait until the model is loaded, then rerun"
+            )
+        )
         return checks
     add(Check("reachable", "ok", f"{backend.url} /health ok"))
 
@@ -78,18 +92,42 @@ async def _doctor(backend: Any, kvctl_key: str | None, shm_dir: Path | None, tok
     if PINNED_COMMIT in build:
         add(Check("build", "ok", f"{build} (the commit the patch series targets)"))
     else:
-        add(Check("build", "warn", f"build {build or '?'}, not the pinned llama.cpp commit {PINNED_COMMIT}",
-                  "use the server `radixctl build` prints (pinned source plus the /kvctl patch series)"))
+        add(
+            Check(
+                "build",
+                "warn",
+                f"build {build or '?'}, not the pinned llama.cpp commit {PINNED_COMMIT}",
+                "use the server `radixctl build` prints (pinned source plus the /kvctl patch series)",
+            )
+        )
     n_slots = int(props.get("total_slots", 0))
-    add(Check("slots", "ok" if n_slots > 1 else "warn", f"{n_slots} slot(s) (-np)",
-              "" if n_slots > 1 else "start it with -np 4 (or more): one slot serves one request at a time"))
+    add(
+        Check(
+            "slots",
+            "ok" if n_slots > 1 else "warn",
+            f"{n_slots} slot(s) (-np)",
+            "" if n_slots > 1 else "start it with -np 4 (or more): one slot serves one request at a time",
+        )
+    )
     media = [k for k, v in (props.get("modalities") or {}).items() if v]
     if media:
-        add(Check("multimodal", "fail", f"a multimodal projector is loaded ({', '.join(media)})",
-                  "drop --mmproj: KV that is moved or shared must come from text tokens only"))
+        add(
+            Check(
+                "multimodal",
+                "fail",
+                f"a multimodal projector is loaded ({', '.join(media)})",
+                "drop --mmproj: KV that is moved or shared must come from text tokens only",
+            )
+        )
     if props.get("is_sleeping"):
-        add(Check("sleeping", "warn", "the server is sleeping (it dropped all KV)",
-                  "remove --sleep-idle-seconds"))
+        add(
+            Check(
+                "sleeping",
+                "warn",
+                "the server is sleeping (it dropped all KV)",
+                "remove --sleep-idle-seconds",
+            )
+        )
     model_path = Path(str(props.get("model_path", "")))
 
     # 3. /kvctl: the patch, its flags and capabilities
@@ -99,24 +137,51 @@ async def _doctor(backend: Any, kvctl_key: str | None, shm_dir: Path | None, tok
     except RadixError as exc:
         text, code = exc.message, getattr(exc, "backend_status", 0)
         if code == 401:
-            add(Check("kvctl", "fail", "/kvctl/caps answered 401: the server wants a key",
-                      "pass --kvctl-key: the server's --kvctl-key, or its --api-key when it has no --kvctl-key"))
+            add(
+                Check(
+                    "kvctl",
+                    "fail",
+                    "/kvctl/caps answered 401: the server wants a key",
+                    "pass --kvctl-key: the server's --kvctl-key, or its --api-key when it has no --kvctl-key",
+                )
+            )
         elif code == 404:
-            add(Check("kvctl", "fail", "/kvctl/caps answered 404: a stock llama-server, or a patched one "
-                      "started without --kvctl",
-                      f"run the patched llama-server (`radixctl build` prints its path) with {SERVER_FLAGS}"))
+            add(
+                Check(
+                    "kvctl",
+                    "fail",
+                    "/kvctl/caps answered 404: a stock llama-server, or a patched one "
+                    "started without --kvctl",
+                    f"run the patched llama-server (`radixctl build` prints its path) with {SERVER_FLAGS}",
+                )
+            )
         else:
-            add(Check("kvctl", "fail", f"/kvctl/caps failed: {text}",
-                      f"run the patched llama-server (`radixctl build`) with {SERVER_FLAGS}"))
+            add(
+                Check(
+                    "kvctl",
+                    "fail",
+                    f"/kvctl/caps failed: {text}",
+                    f"run the patched llama-server (`radixctl build`) with {SERVER_FLAGS}",
+                )
+            )
     if caps is not None:
-        add(Check("kvctl", "ok", "patched server, /kvctl on: -kvu, --cache-ram 0, -sps 0, no context shift, "
-                  "--cache-reuse 0 and no SWA/recurrent/draft/multimodal are enforced by --kvctl at startup"))
+        add(
+            Check(
+                "kvctl",
+                "ok",
+                "patched server, /kvctl on: -kvu, --cache-ram 0, -sps 0, no context shift, "
+                "--cache-reuse 0 and no SWA/recurrent/draft/multimodal are enforced by --kvctl at startup",
+            )
+        )
         checks += _caps_checks(caps, shm_dir, KvLayout)
         for route in ("slots", "cells"):
             try:
                 got = await backend.kv_get(route)
-                detail = (f"{len(got.get('slots', []))} slots, {len(got.get('owners', []))} resident owners"
-                          if route == "slots" else f"{got.get('used')} of {got.get('n_cells')} cells used")
+                detail = (
+                    f"{len(got.get('slots', []))} slots, {len(got.get('owners', []))} resident owners"
+                    if route == "slots"
+                    else f"{got.get('used')} of {got.get('n_cells')} cells used"
+                )
                 add(Check(f"/kvctl/{route}", "ok", detail))
             except RadixError as exc:
                 add(Check(f"/kvctl/{route}", "fail", str(exc), "update the patch series (`radixctl build`)"))
@@ -126,8 +191,14 @@ async def _doctor(backend: Any, kvctl_key: str | None, shm_dir: Path | None, tok
         rendered = await backend.apply_template({"messages": [{"role": "user", "content": "hi"}]}, {})
         add(Check("chat template", "ok", f"/apply-template renders ({len(rendered)} chars)"))
     except (RadixError, KeyError) as exc:
-        add(Check("chat template", "fail", f"/apply-template failed: {exc}",
-                  "give the server a chat template (--chat-template or --jinja with a template file)"))
+        add(
+            Check(
+                "chat template",
+                "fail",
+                f"/apply-template failed: {exc}",
+                "give the server a chat template (--chat-template or --jinja with a template file)",
+            )
+        )
 
     # 5. tokenizer parity (add_special and parse_special, as the chat path tokenizes)
     checks.append(await _parity_check(backend, model_path, tokenizer_cache))
@@ -138,45 +209,99 @@ def _caps_checks(caps: dict[str, Any], shm_dir: Path | None, layout_cls: Any) ->
     out: list[Check] = []
     version = caps.get("format_version")
     if version != FORMAT_VERSION:
-        out.append(Check("payload format", "fail",
-                         f"payload format_version {version}, the proxy reads {FORMAT_VERSION}",
-                         "use the patch series of this proxy version (`radixctl build`)"))
+        out.append(
+            Check(
+                "payload format",
+                "fail",
+                f"payload format_version {version}, the proxy reads {FORMAT_VERSION}",
+                "use the patch series of this proxy version (`radixctl build`)",
+            )
+        )
     try:
         layout = layout_cls.from_caps(dict(caps["compat"]))
-        out.append(Check("KV layout", "ok", f"{layout.bytes_per_token} bytes per token, "
-                         f"{caps['compat'].get('n_layer')} layers, v_trans {caps['compat'].get('v_trans')}"))
+        out.append(
+            Check(
+                "KV layout",
+                "ok",
+                f"{layout.bytes_per_token} bytes per token, "
+                f"{caps['compat'].get('n_layer')} layers, v_trans {caps['compat'].get('v_trans')}",
+            )
+        )
     except (KeyError, ValueError, TypeError, RadixError) as exc:
-        out.append(Check("KV layout", "fail", f"the proxy cannot read this server's KV layout: {exc}",
-                         "use f16 (default) or another K/V type the payload format supports (--cache-type-k/v)"))
+        out.append(
+            Check(
+                "KV layout",
+                "fail",
+                f"the proxy cannot read this server's KV layout: {exc}",
+                "use f16 (default) or another K/V type the payload format supports (--cache-type-k/v)",
+            )
+        )
     if caps.get("sharing"):
         owners = caps.get("owner_ids") or [0, 0]
-        out.append(Check("sharing", "ok", f"resident sharing available ({owners[1] - owners[0]} owner sequences)"))
+        out.append(
+            Check("sharing", "ok", f"resident sharing available ({owners[1] - owners[0]} owner sequences)")
+        )
     else:
-        out.append(Check("sharing", "warn", f"resident sharing off: {'; '.join(caps.get('reasons') or ['?'])}",
-                         "drop --kvctl-owners 0 to allow route S (routes A and H work without it)"))
+        out.append(
+            Check(
+                "sharing",
+                "warn",
+                f"resident sharing off: {'; '.join(caps.get('reasons') or ['?'])}",
+                "drop --kvctl-owners 0 to allow route S (routes A and H work without it)",
+            )
+        )
     n_ctx_slot = int(caps.get("n_ctx_slot") or 0)
-    out.append(Check("context", "ok" if n_ctx_slot >= 2048 else "warn",
-                     f"{n_ctx_slot} tokens per slot, {caps.get('n_cells')} cells in the pool",
-                     "" if n_ctx_slot >= 2048 else "raise -c: prompts longer than a slot are refused"))
+    out.append(
+        Check(
+            "context",
+            "ok" if n_ctx_slot >= 2048 else "warn",
+            f"{n_ctx_slot} tokens per slot, {caps.get('n_cells')} cells in the pool",
+            "" if n_ctx_slot >= 2048 else "raise -c: prompts longer than a slot are refused",
+        )
+    )
     theirs = caps.get("dir")
     if not theirs:
-        out.append(Check("payload dir", "warn", "no --kvctl-dir: KV travels inline over HTTP (base64/msgpack, "
-                         "at most 64 MiB per move, two extra copies)",
-                         "start the server with --kvctl-dir /dev/shm/radix and the proxy with --shm-dir /dev/shm/radix"))
+        out.append(
+            Check(
+                "payload dir",
+                "warn",
+                "no --kvctl-dir: KV travels inline over HTTP (base64/msgpack, "
+                "at most 64 MiB per move, two extra copies)",
+                "start the server with --kvctl-dir /dev/shm/radix and the proxy with --shm-dir /dev/shm/radix",
+            )
+        )
     elif shm_dir is not None and Path(theirs).resolve() != shm_dir.resolve():
-        out.append(Check("payload dir", "warn", f"the server's --kvctl-dir is {theirs}, --shm-dir is {shm_dir}: "
-                         "the proxy would fall back to inline payloads (slower)",
-                         f"give the proxy --shm-dir {theirs} (or the server --kvctl-dir {shm_dir})"))
+        out.append(
+            Check(
+                "payload dir",
+                "warn",
+                f"the server's --kvctl-dir is {theirs}, --shm-dir is {shm_dir}: "
+                "the proxy would fall back to inline payloads (slower)",
+                f"give the proxy --shm-dir {theirs} (or the server --kvctl-dir {shm_dir})",
+            )
+        )
     elif not os.path.isdir(theirs) or not os.access(theirs, os.W_OK):
-        out.append(Check("payload dir", "warn", f"the server's --kvctl-dir {theirs} is not a writable directory "
-                         "here (another host?): payloads will go inline",
-                         f"run the proxy on the server's host with --shm-dir {theirs}"))
+        out.append(
+            Check(
+                "payload dir",
+                "warn",
+                f"the server's --kvctl-dir {theirs} is not a writable directory "
+                "here (another host?): payloads will go inline",
+                f"run the proxy on the server's host with --shm-dir {theirs}",
+            )
+        )
     else:
         hint = "" if shm_dir is not None else f" (give the proxy --shm-dir {theirs})"
         out.append(Check("payload dir", "ok", f"payload files through {theirs}{hint}"))
     if caps.get("fault_injection"):
-        out.append(Check("fault injection", "warn", "a test build with import fault injection",
-                         "use the normal build (`radixctl build` without --fault-injection)"))
+        out.append(
+            Check(
+                "fault injection",
+                "warn",
+                "a test build with import fault injection",
+                "use the normal build (`radixctl build` without --fault-injection)",
+            )
+        )
     return out
 
 
@@ -185,28 +310,48 @@ async def _parity_check(backend: Any, model_path: Path, cache: Path) -> Check:
     from proxy.tokenizer import probe
 
     if not model_path.is_file():
-        return Check("tokenizer", "warn", f"the model file {model_path} is not readable here: the proxy will "
-                     "tokenize through the server's /tokenize (one more HTTP call per request)",
-                     "run the proxy where the model file is at the same path")
+        return Check(
+            "tokenizer",
+            "warn",
+            f"the model file {model_path} is not readable here: the proxy will "
+            "tokenize through the server's /tokenize (one more HTTP call per request)",
+            "run the proxy where the model file is at the same path",
+        )
 
     async def remote(text: str) -> list[int]:
         return list(await backend.tokenize(text, add_special=True, parse_special=True))
 
     found = await probe(model_path, cache, remote)
     if found.parity is None:
-        return Check("tokenizer", "warn", f"no local tokenizer for this model ({found.error}): the proxy will use "
-                     "the server's /tokenize (slower, same tokens)",
-                     "nothing to change; or report the model's tokenizer")
+        return Check(
+            "tokenizer",
+            "warn",
+            f"no local tokenizer for this model ({found.error}): the proxy will use "
+            "the server's /tokenize (slower, same tokens)",
+            "nothing to change; or report the model's tokenizer",
+        )
     result = found.parity
     if result.ok:
-        return Check("tokenizer", "ok", f"local tokenizer identical to the server's on {result.checked} texts "
-                     "(add_special, parse_special)")
-    first = (f"first difference in {result.mismatches[0].text[:60]!r}: local {result.mismatches[0].local[:12]} "
-             f"vs server {result.mismatches[0].remote[:12]}" if result.mismatches else "; ".join(result.errors[:2]))
-    return Check("tokenizer", "fail", f"local tokenizer differs from the server's on {len(result.mismatches)} of "
-                 f"{result.checked} texts ({len(result.errors)} errors); {first}",
-                 "nothing breaks: the proxy then tokenizes through the server's /tokenize (slower); report the "
-                 "mismatch with the model's name")
+        return Check(
+            "tokenizer",
+            "ok",
+            f"local tokenizer identical to the server's on {result.checked} texts "
+            "(add_special, parse_special)",
+        )
+    first = (
+        f"first difference in {result.mismatches[0].text[:60]!r}: local {result.mismatches[0].local[:12]} "
+        f"vs server {result.mismatches[0].remote[:12]}"
+        if result.mismatches
+        else "; ".join(result.errors[:2])
+    )
+    return Check(
+        "tokenizer",
+        "fail",
+        f"local tokenizer differs from the server's on {len(result.mismatches)} of "
+        f"{result.checked} texts ({len(result.errors)} errors); {first}",
+        "nothing breaks: the proxy then tokenizes through the server's /tokenize (slower); report the "
+        "mismatch with the model's name",
+    )
 
 
 def format_doctor(url: str, checks: list[Check]) -> str:
@@ -218,7 +363,9 @@ def format_doctor(url: str, checks: list[Check]) -> str:
             lines.append(f"        {' ' * width}  fix: {c.fix}")
     fails = sum(c.status == "fail" for c in checks)
     warns = sum(c.status == "warn" for c in checks)
-    lines.append(f"result: {fails} problem(s), {warns} warning(s)" if fails or warns else "result: ready for the proxy")
+    lines.append(
+        f"result: {fails} problem(s), {warns} warning(s)" if fails or warns else "result: ready for the proxy"
+    )
     return "\n".join(lines)
 
 
@@ -226,11 +373,20 @@ def format_doctor(url: str, checks: list[Check]) -> str:
 
 
 @click.command()
-@click.option("--backend-url", "backends", multiple=True, required=True,
-              help="llama-server base URL to check (repeatable).")
+@click.option(
+    "--backend-url",
+    "backends",
+    multiple=True,
+    required=True,
+    help="llama-server base URL to check (repeatable).",
+)
 @click.option("--kvctl-key", envvar="RADIX_KVCTL_KEY", help="Key for the server's /kvctl API.")
-@click.option("--shm-dir", type=click.Path(file_okay=False, path_type=Path), envvar="RADIX_SHM_DIR",
-              help="The --shm-dir the proxy will be given (checked against the server's --kvctl-dir).")
+@click.option(
+    "--shm-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="RADIX_SHM_DIR",
+    help="The --shm-dir the proxy will be given (checked against the server's --kvctl-dir).",
+)
 @json_option
 @fail_cleanly
 def doctor(backends: tuple[str, ...], kvctl_key: str | None, shm_dir: Path | None, as_json: bool) -> None:
@@ -244,9 +400,22 @@ def doctor(backends: tuple[str, ...], kvctl_key: str | None, shm_dir: Path | Non
         results[url] = asyncio.run(check_server(url, kvctl_key, shm_dir, cache_root() / "tokenizers"))
     failed = any(c.status == "fail" for checks in results.values() for c in checks)
     if as_json:
-        click.echo(json.dumps({"ok": not failed, "servers": [
-            {"url": url, "ok": not any(c.status == "fail" for c in checks), "checks": [asdict(c) for c in checks]}
-            for url, checks in results.items()]}, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    "ok": not failed,
+                    "servers": [
+                        {
+                            "url": url,
+                            "ok": not any(c.status == "fail" for c in checks),
+                            "checks": [asdict(c) for c in checks],
+                        }
+                        for url, checks in results.items()
+                    ],
+                },
+                indent=2,
+            )
+        )
     else:
         click.echo("\n\n".join(format_doctor(url, checks) for url, checks in results.items()))
     if failed:

@@ -24,18 +24,26 @@ from proxy.errors import ConfigError
 
 
 def _fetch(url: str, path: str, key: str | None) -> Any:
-    req = urllib.request.Request(url.rstrip("/") + path, headers={"Authorization": f"Bearer {key}"} if key else {})
+    req = urllib.request.Request(
+        url.rstrip("/") + path, headers={"Authorization": f"Bearer {key}"} if key else {}
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as err:
         if err.code == 401:
-            raise ConfigError(f"{url}{path} answered 401: the proxy has an admin key",
-                              fix="pass --admin-key (or set RADIX_ADMIN_KEY) to the proxy's --admin-key") from err
-        raise ConfigError(f"{url}{path} answered {err.code}: {err.read()[:200].decode(errors='replace')}",
-                          fix="check --url: it must point at the proxy, not at a llama-server") from err
+            raise ConfigError(
+                f"{url}{path} answered 401: the proxy has an admin key",
+                fix="pass --admin-key (or set RADIX_ADMIN_KEY) to the proxy's --admin-key",
+            ) from err
+        raise ConfigError(
+            f"{url}{path} answered {err.code}: {err.read()[:200].decode(errors='replace')}",
+            fix="check --url: it must point at the proxy, not at a llama-server",
+        ) from err
     except (urllib.error.URLError, OSError) as err:
-        raise ConfigError(f"cannot reach the proxy at {url}: {err}", fix="start it (`make run`) or fix --url") from err
+        raise ConfigError(
+            f"cannot reach the proxy at {url}: {err}", fix="start it (`make run`) or fix --url"
+        ) from err
 
 
 def _wait(seconds: float) -> None:
@@ -68,7 +76,7 @@ def snippet(text: str | None, width: int = 28, tail: bool = False) -> str:
         return "-"
     flat = text.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
     if len(flat) > width:
-        flat = "…" + flat[-(width - 1):] if tail else flat[: width - 1] + "…"
+        flat = "…" + flat[-(width - 1) :] if tail else flat[: width - 1] + "…"
     return f'"{flat}"'
 
 
@@ -87,8 +95,9 @@ def why_text(d: dict[str, Any]) -> str:
     if not at:
         where = "nothing cached starts like it"
     else:
-        where = div.get("source") or ("host" if (d.get("host_match") or 0) >= (d.get("best_slot_match") or 0)
-                                      else "slot")
+        where = div.get("source") or (
+            "host" if (d.get("host_match") or 0) >= (d.get("best_slot_match") or 0) else "slot"
+        )
     if "request" not in div:
         return f"@{at} ({where})"
     if not at:
@@ -99,14 +108,34 @@ def why_text(d: dict[str, Any]) -> str:
     return text
 
 
-ROUTE_HEADER = ["time", "request", "route", "predicted", "cached", "prefilled", "ttft", "server/slot",
-                "why not longer (first divergent token)"]
+ROUTE_HEADER = [
+    "time",
+    "request",
+    "route",
+    "predicted",
+    "cached",
+    "prefilled",
+    "ttft",
+    "server/slot",
+    "why not longer (first divergent token)",
+]
 
 
 def route_rows(decisions: list[dict[str, Any]]) -> list[list[Any]]:
-    return [[time.strftime("%H:%M:%S", time.localtime(d["time"])), d["request_id"], d["route"],
-             d["predicted_cached"], d["cached"], d["prefilled"], _ms(d.get("ttft_s")),
-             f"{d['server']}/{d['slot']}", why_text(d)] for d in decisions]
+    return [
+        [
+            time.strftime("%H:%M:%S", time.localtime(d["time"])),
+            d["request_id"],
+            d["route"],
+            d["predicted_cached"],
+            d["cached"],
+            d["prefilled"],
+            _ms(d.get("ttft_s")),
+            f"{d['server']}/{d['slot']}",
+            why_text(d),
+        ]
+        for d in decisions
+    ]
 
 
 def _preview_text(p: dict[str, str] | None, width: int = 48) -> str:
@@ -130,8 +159,10 @@ def format_tree(data: dict[str, Any]) -> str:
     ]
     if not data["top"]:
         return "\n".join(lines + ["(the tree is empty)"])
-    rows = [[p["length"], p["hits"], human_bytes(p["bytes"]), _preview_text(p.get("preview"), 70)]
-            for p in data["top"]]
+    rows = [
+        [p["length"], p["hits"], human_bytes(p["bytes"]), _preview_text(p.get("preview"), 70)]
+        for p in data["top"]
+    ]
     return "\n".join(lines) + table(rows, ["tokens", "hits", "size", "prefix (start … end)"])
 
 
@@ -140,24 +171,50 @@ def format_slots(data: dict[str, Any]) -> str:
     for srv in data["servers"]:
         for s in srv["slots"]:
             idle = f"{s['idle_s']:.0f}s" if s.get("idle_s") is not None else None
-            rows.append([srv["server"], s["id"], "busy" if s["busy"] else "idle", s["n_tokens"],
-                         s.get("n_cells"), idle, _preview_text(s.get("preview"), 60)])
+            rows.append(
+                [
+                    srv["server"],
+                    s["id"],
+                    "busy" if s["busy"] else "idle",
+                    s["n_tokens"],
+                    s.get("n_cells"),
+                    idle,
+                    _preview_text(s.get("preview"), 60),
+                ]
+            )
         for r in srv.get("residents", []):
             sharers = ",".join(f"{k}:{v}" for k, v in (r.get("sharers") or {}).items()) or None
-            resident_rows.append([srv["server"], r["owner"], r["n_tokens"], r.get("n_cells"), r.get("hits"),
-                                  sharers, _preview_text(r.get("preview"), 60)])
+            resident_rows.append(
+                [
+                    srv["server"],
+                    r["owner"],
+                    r["n_tokens"],
+                    r.get("n_cells"),
+                    r.get("hits"),
+                    sharers,
+                    _preview_text(r.get("preview"), 60),
+                ]
+            )
         pool = srv.get("pool")
         if pool:
             shared = int(pool.get("logical", 0)) - int(pool.get("used", 0))
-            pools.append(f"{srv['server']} ({srv['url']}): {pool.get('used')} of {pool.get('n_cells')} cells used, "
-                         f"slots {pool.get('slot')}, owners {pool.get('owner')} ({pool.get('owner_only')} owner-only), "
-                         f"logical {pool.get('logical')} ({shared} shared)")
+            pools.append(
+                f"{srv['server']} ({srv['url']}): {pool.get('used')} of {pool.get('n_cells')} cells used, "
+                f"slots {pool.get('slot')}, owners {pool.get('owner')} ({pool.get('owner_only')} owner-only), "
+                f"logical {pool.get('logical')} ({shared} shared)"
+            )
         errors += srv.get("errors", [])
     out = table(rows, ["server", "slot", "state", "tokens", "cells", "idle", "holds (start … end)"])
     out += "\n\nresident entries: "
-    out += ("\n" + table(resident_rows, ["server", "owner", "tokens", "cells", "hits", "slots:cells",
-                                          "holds (start … end)"])
-            if resident_rows else "none")
+    out += (
+        "\n"
+        + table(
+            resident_rows,
+            ["server", "owner", "tokens", "cells", "hits", "slots:cells", "holds (start … end)"],
+        )
+        if resident_rows
+        else "none"
+    )
     if pools:
         out += "\n\nKV pool:\n" + "\n".join("  " + p for p in pools)
     if errors:
@@ -169,31 +226,53 @@ def format_stats(d: dict[str, Any]) -> str:
     t = d["tree"]
     routes = ", ".join(f"{r} {n}" for r, n in d["by_route"].items()) or "none yet"
     ttft = ", ".join(f"{r} {_ms(v)}" for r, v in d.get("ttft_mean_s_by_route", {}).items()) or "-"
-    moves = ", ".join(f"{k} {human_bytes(v['bytes'])} in {v['seconds']:.2f}s" for k, v in d["kv_moves"].items())
+    moves = ", ".join(
+        f"{k} {human_bytes(v['bytes'])} in {v['seconds']:.2f}s" for k, v in d["kv_moves"].items()
+    )
     fallbacks = ", ".join(f"{c} {n}" for c, n in d["fallbacks"].items() if n) or "none"
     lines = [
         ("uptime", f"{d['uptime_s']:.0f}s"),
-        ("requests", f"{d['requests']} ({routes}); errors 4xx {d['errors']['4xx']}, 5xx {d['errors']['5xx']}"),
-        ("prompt tokens", f"{d['prompt_tokens']}: cached {d['cached_tokens']} "
-                          f"({d['hit_ratio']:.1%}), prefilled {d['prefilled_tokens']}, "
-                          f"predicted cached {d['predicted_cached_tokens']}"),
+        (
+            "requests",
+            f"{d['requests']} ({routes}); errors 4xx {d['errors']['4xx']}, 5xx {d['errors']['5xx']}",
+        ),
+        (
+            "prompt tokens",
+            f"{d['prompt_tokens']}: cached {d['cached_tokens']} "
+            f"({d['hit_ratio']:.1%}), prefilled {d['prefilled_tokens']}, "
+            f"predicted cached {d['predicted_cached_tokens']}",
+        ),
         ("cached by route", ", ".join(f"{r} {n}" for r, n in d["cached_by_route"].items()) or "-"),
         ("mean TTFT", ttft),
-        ("host tree", f"{t['nodes']} nodes ({t['leaves']} terminal), {human_bytes(t['bytes'])} of "
-                      f"{human_bytes(t['budget_bytes'])}, {t['unique_tokens']} unique / {t['logical_tokens']} "
-                      f"logical tokens (dedup {d['dedup_ratio']:.2f}x)"),
+        (
+            "host tree",
+            f"{t['nodes']} nodes ({t['leaves']} terminal), {human_bytes(t['bytes'])} of "
+            f"{human_bytes(t['budget_bytes'])}, {t['unique_tokens']} unique / {t['logical_tokens']} "
+            f"logical tokens (dedup {d['dedup_ratio']:.2f}x)",
+        ),
         ("host traffic", f"saves {t['saves']}, loads {t['loads']}, evictions {t['evictions']}"),
         ("KV moves", moves),
         ("fallbacks", fallbacks),
     ]
     for server, pool in (d.get("pool") or {}).items():
-        lines.append((f"pool {server}", "unanswered" if pool is None else
-                      f"{pool.get('used')} of {pool.get('n_cells')} cells used, owners {pool.get('owner')}, "
-                      f"logical {pool.get('logical')}"))
+        lines.append(
+            (
+                f"pool {server}",
+                "unanswered"
+                if pool is None
+                else f"{pool.get('used')} of {pool.get('n_cells')} cells used, owners {pool.get('owner')}, "
+                f"logical {pool.get('logical')}",
+            )
+        )
     for server, r in (d.get("resident") or {}).items():
         if r is not None:
-            lines.append((f"resident {server}", f"{r['entries']} entries ({r['tokens']} tokens, {r['pinned']} pinned), "
-                          f"admitted {r['admitted']}, evicted {r['evicted']}, hits {r['hits']}"))
+            lines.append(
+                (
+                    f"resident {server}",
+                    f"{r['entries']} entries ({r['tokens']} tokens, {r['pinned']} pinned), "
+                    f"admitted {r['admitted']}, evicted {r['evicted']}, hits {r['hits']}",
+                )
+            )
     lines.append(("tokenizer", d["tokenizer"]))
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)

@@ -24,62 +24,110 @@ def _on_off(ctx: click.Context, param: click.Parameter, value: str) -> bool:
 # ---- the proxy (serve, up) -------------------------------------------------------------------
 
 host_option = click.option(
-    "--host", default="127.0.0.1", show_default=True, envvar="RADIX_HOST",
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    envvar="RADIX_HOST",
     help="Address the proxy listens on.",
 )
 port_option = click.option("--port", default=8080, show_default=True, envvar="RADIX_PORT", help="Proxy port.")
 cache_ram_option = click.option(
-    "--cache-ram", "cache_ram_mib", default=4096, show_default=True, envvar="RADIX_CACHE_RAM",
+    "--cache-ram",
+    "cache_ram_mib",
+    default=4096,
+    show_default=True,
+    envvar="RADIX_CACHE_RAM",
     help="Host radix tree budget in MiB (payload plus metadata).",
 )
 shm_dir_option = click.option(
-    "--shm-dir", type=click.Path(file_okay=False, path_type=Path), envvar="RADIX_SHM_DIR",
+    "--shm-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="RADIX_SHM_DIR",
     help="Shared-memory directory for KV payload files (same host as the server).",
 )
 min_restore_tokens_option = click.option(
-    "--min-restore-tokens", default=64, show_default=True, envvar="RADIX_MIN_RESTORE_TOKENS",
+    "--min-restore-tokens",
+    default=64,
+    show_default=True,
+    envvar="RADIX_MIN_RESTORE_TOKENS",
     help="A host restore shorter than this is prefilled instead.",
 )
 kvctl_key_option = click.option(
-    "--kvctl-key", envvar="RADIX_KVCTL_KEY", help="Key for the servers' /kvctl API.",
+    "--kvctl-key",
+    envvar="RADIX_KVCTL_KEY",
+    help="Key for the servers' /kvctl API.",
 )
 kv_share_option = click.option(
-    "--cache-kv-share", "kv_share", type=click.Choice(["on", "off"]), default="off", show_default=True,
-    envvar="RADIX_CACHE_KV_SHARE", callback=_on_off,
+    "--cache-kv-share",
+    "kv_share",
+    type=click.Choice(["on", "off"]),
+    default="off",
+    show_default=True,
+    envvar="RADIX_CACHE_KV_SHARE",
+    callback=_on_off,
     help="Resident KV sharing (route S): prefixes held once in the server's pool.",
 )
 kv_share_min_tokens_option = click.option(
-    "--cache-kv-share-min-tokens", "kv_share_min_tokens", default=32, show_default=True,
-    envvar="RADIX_CACHE_KV_SHARE_MIN_TOKENS", help="Shortest prefix recorded or attached.",
+    "--cache-kv-share-min-tokens",
+    "kv_share_min_tokens",
+    default=32,
+    show_default=True,
+    envvar="RADIX_CACHE_KV_SHARE_MIN_TOKENS",
+    help="Shortest prefix recorded or attached.",
 )
 kv_share_max_entries_option = click.option(
-    "--cache-kv-share-max-entries", "kv_share_max_entries", default=0, show_default=True,
-    envvar="RADIX_CACHE_KV_SHARE_MAX_ENTRIES", help="Resident entries (0: min(64, owner ids)).",
+    "--cache-kv-share-max-entries",
+    "kv_share_max_entries",
+    default=0,
+    show_default=True,
+    envvar="RADIX_CACHE_KV_SHARE_MAX_ENTRIES",
+    help="Resident entries (0: min(64, owner ids)).",
 )
 kv_share_cells_option = click.option(
-    "--cache-kv-share-cells", "kv_share_cells", default=0, show_default=True,
-    envvar="RADIX_CACHE_KV_SHARE_CELLS", help="Owner cell budget B (0: half the pool).",
+    "--cache-kv-share-cells",
+    "kv_share_cells",
+    default=0,
+    show_default=True,
+    envvar="RADIX_CACHE_KV_SHARE_CELLS",
+    help="Owner cell budget B (0: half the pool).",
 )
 kv_share_headroom_option = click.option(
-    "--cache-kv-share-headroom", "kv_share_headroom", default=0, show_default=True,
+    "--cache-kv-share-headroom",
+    "kv_share_headroom",
+    default=0,
+    show_default=True,
     envvar="RADIX_CACHE_KV_SHARE_HEADROOM",
     help="Free cells R kept for requests (0: min(n_ubatch, max(1, pool/8))).",
 )
 kv_share_route_option = click.option(
-    "--cache-kv-share-route", "kv_share_route", type=click.Choice(["longest", "share"]), default="longest",
-    show_default=True, envvar="RADIX_CACHE_KV_SHARE_ROUTE",
+    "--cache-kv-share-route",
+    "kv_share_route",
+    type=click.Choice(["longest", "share"]),
+    default="longest",
+    show_default=True,
+    envvar="RADIX_CACHE_KV_SHARE_ROUTE",
     help="longest: longest executable prefix (ties A > S > H); share: A or S first.",
 )
 admin_key_option = click.option(
-    "--admin-key", envvar="RADIX_ADMIN_KEY", help="Key for the proxy's /radix admin API.",
+    "--admin-key",
+    envvar="RADIX_ADMIN_KEY",
+    help="Key for the proxy's /radix admin API.",
 )
 record_option = click.option(
-    "--record", "record_path", type=click.Path(dir_okay=False, path_type=Path), envvar="RADIX_RECORD",
+    "--record",
+    "record_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="RADIX_RECORD",
     help="Append every completion request to this manifest (replay: radixctl bench replay).",
 )
 max_body_option = click.option(
-    "--max-body", "max_body_mib", default=8, show_default=True, envvar="RADIX_MAX_BODY",
-    type=click.IntRange(1, 1024), help="Largest request body in MiB (larger ones get 413).",
+    "--max-body",
+    "max_body_mib",
+    default=8,
+    show_default=True,
+    envvar="RADIX_MAX_BODY",
+    type=click.IntRange(1, 1024),
+    help="Largest request body in MiB (larger ones get 413).",
 )
 
 
@@ -92,60 +140,101 @@ def _isolation_sources(ctx: click.Context, param: click.Parameter, value: str) -
 
 
 cache_isolation_option = click.option(
-    "--cache-isolation", "cache_isolation", default="field,header,api-key", show_default=True,
-    envvar="RADIX_CACHE_ISOLATION", callback=_isolation_sources,
+    "--cache-isolation",
+    "cache_isolation",
+    default="field,header,api-key",
+    show_default=True,
+    envvar="RADIX_CACHE_ISOLATION",
+    callback=_isolation_sources,
     help="Where a request's cache-isolation key comes from (comma list): field (body cache_salt), header "
-         "(X-Cache-Salt), api-key (Authorization: Bearer); none: one cache for all. Requests with different "
-         "keys never reuse each other's KV.",
+    "(X-Cache-Salt), api-key (Authorization: Bearer); none: one cache for all. Requests with different "
+    "keys never reuse each other's KV.",
 )
 cache_info_option = click.option(
-    "--cache-info", "cache_info", type=click.Choice(["on", "off"]), default="on", show_default=True,
-    envvar="RADIX_CACHE_INFO", callback=_on_off,
+    "--cache-info",
+    "cache_info",
+    type=click.Choice(["on", "off"]),
+    default="on",
+    show_default=True,
+    envvar="RADIX_CACHE_INFO",
+    callback=_on_off,
     help="Tell clients how much of their prompt was cached (X-Radix-* headers, timings). Turn off when "
-         "clients do not trust each other: it is an exact oracle for other tenants' prompts.",
+    "clients do not trust each other: it is an exact oracle for other tenants' prompts.",
 )
 max_queue_option = click.option(
-    "--max-queue", "max_queue", default=0, show_default=True, envvar="RADIX_MAX_QUEUE", type=click.IntRange(0),
+    "--max-queue",
+    "max_queue",
+    default=0,
+    show_default=True,
+    envvar="RADIX_MAX_QUEUE",
+    type=click.IntRange(0),
     help="Requests that may wait for a slot; more get 429 with Retry-After (0: four per slot).",
 )
 queue_timeout_option = click.option(
-    "--queue-timeout", "queue_timeout_s", default=60.0, show_default=True, envvar="RADIX_QUEUE_TIMEOUT",
-    type=click.FloatRange(0.1), help="Seconds a request may wait for a slot before a 503 with Retry-After.",
+    "--queue-timeout",
+    "queue_timeout_s",
+    default=60.0,
+    show_default=True,
+    envvar="RADIX_QUEUE_TIMEOUT",
+    type=click.FloatRange(0.1),
+    help="Seconds a request may wait for a slot before a 503 with Retry-After.",
 )
 backend_read_timeout_option = click.option(
-    "--backend-read-timeout", "backend_read_timeout_s", default=600.0, show_default=True,
-    envvar="RADIX_BACKEND_READ_TIMEOUT", type=click.FloatRange(1),
+    "--backend-read-timeout",
+    "backend_read_timeout_s",
+    default=600.0,
+    show_default=True,
+    envvar="RADIX_BACKEND_READ_TIMEOUT",
+    type=click.FloatRange(1),
     help="Seconds without a byte from llama-server before a completion is cut (a long prefill sends none).",
 )
 shutdown_grace_option = click.option(
-    "--shutdown-grace", "shutdown_grace_s", default=30.0, show_default=True, envvar="RADIX_SHUTDOWN_GRACE",
-    type=click.FloatRange(0), help="On SIGTERM/Ctrl-C, seconds in-flight requests get to finish (a second "
-    "signal exits at once).",
+    "--shutdown-grace",
+    "shutdown_grace_s",
+    default=30.0,
+    show_default=True,
+    envvar="RADIX_SHUTDOWN_GRACE",
+    type=click.FloatRange(0),
+    help="On SIGTERM/Ctrl-C, seconds in-flight requests get to finish (a second signal exits at once).",
 )
 admin_show_text_option = click.option(
-    "--admin-show-text", is_flag=True, envvar="RADIX_ADMIN_SHOW_TEXT",
+    "--admin-show-text",
+    is_flag=True,
+    envvar="RADIX_ADMIN_SHOW_TEXT",
     help="Show prompt text (previews, divergences) in the /radix admin API; token counts only otherwise.",
 )
 log_level_option = click.option(
-    "--log-level", default="info", show_default=True, envvar="RADIX_LOG_LEVEL",
+    "--log-level",
+    default="info",
+    show_default=True,
+    envvar="RADIX_LOG_LEVEL",
     type=click.Choice(["debug", "info", "warning", "error"]),
 )
 
 # ---- a model to serve (up, bench arms) --------------------------------------------------------
 
 model_option = click.option(
-    "--model", "-m", "model_arg", default=None, envvar="RADIX_MODEL",
+    "--model",
+    "-m",
+    "model_arg",
+    default=None,
+    envvar="RADIX_MODEL",
     help="GGUF path (default: SmolLM2-135M-Instruct from its wheel).",
 )
 
 # ---- reaching a running proxy (routes, tree, slots, stats) -----------------------------------
 
 url_option = click.option(
-    "--url", default="http://127.0.0.1:8080", show_default=True, envvar="RADIX_URL",
+    "--url",
+    default="http://127.0.0.1:8080",
+    show_default=True,
+    envvar="RADIX_URL",
     help="The proxy's base URL.",
 )
 proxy_admin_key_option = click.option(
-    "--admin-key", envvar="RADIX_ADMIN_KEY", help="The proxy's --admin-key, if it has one.",
+    "--admin-key",
+    envvar="RADIX_ADMIN_KEY",
+    help="The proxy's --admin-key, if it has one.",
 )
 
 # ---- output (inspect commands, doctor) ----------------------------------------------------------

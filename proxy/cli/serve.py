@@ -61,8 +61,14 @@ log = logging.getLogger("radix")
 
 
 @click.command()
-@click.option("--backend-url", "backends", multiple=True, required=True, envvar="RADIX_BACKENDS",
-              help="Patched llama-server base URL (repeatable; env: space-separated).")
+@click.option(
+    "--backend-url",
+    "backends",
+    multiple=True,
+    required=True,
+    envvar="RADIX_BACKENDS",
+    help="Patched llama-server base URL (repeatable; env: space-separated).",
+)
 @host_option
 @port_option
 @cache_ram_option
@@ -94,14 +100,30 @@ def serve(backends: tuple[str, ...], **kw: Any) -> None:
 
 @click.command()
 @model_option
-@click.option("--server-port", type=int, default=0, envvar="RADIX_SERVER_PORT",
-              help="llama-server port (0: a free one).")
+@click.option(
+    "--server-port",
+    type=int,
+    default=0,
+    envvar="RADIX_SERVER_PORT",
+    help="llama-server port (0: a free one).",
+)
 @click.option("--parallel", "-np", "n_parallel", default=4, show_default=True, envvar="RADIX_PARALLEL")
-@click.option("--ctx-size", "-c", default=16384, show_default=True, envvar="RADIX_CTX_SIZE",
-              help="Total KV pool in tokens (shared by all slots).")
+@click.option(
+    "--ctx-size",
+    "-c",
+    default=16384,
+    show_default=True,
+    envvar="RADIX_CTX_SIZE",
+    help="Total KV pool in tokens (shared by all slots).",
+)
 @click.option("--threads", "-t", type=int, default=None, envvar="RADIX_THREADS")
-@click.option("--build-backend", type=click.Choice(BUILD_BACKENDS), default="cpu", show_default=True,
-              envvar="RADIX_BUILD_BACKEND")
+@click.option(
+    "--build-backend",
+    type=click.Choice(BUILD_BACKENDS),
+    default="cpu",
+    show_default=True,
+    envvar="RADIX_BUILD_BACKEND",
+)
 @click.option("--server-arg", "server_args", multiple=True, help="Extra llama-server argument (repeatable).")
 @host_option
 @port_option
@@ -127,20 +149,41 @@ def serve(backends: tuple[str, ...], **kw: Any) -> None:
 @record_option
 @log_level_option
 @fail_cleanly
-def up(model_arg: str | None, server_port: int, n_parallel: int, ctx_size: int, threads: int | None,
-       build_backend: str, server_args: tuple[str, ...], **kw: Any) -> None:
+def up(
+    model_arg: str | None,
+    server_port: int,
+    n_parallel: int,
+    ctx_size: int,
+    threads: int | None,
+    build_backend: str,
+    server_args: tuple[str, ...],
+    **kw: Any,
+) -> None:
     """Build and fetch what is missing, start llama-server and the proxy, serve until Ctrl-C."""
-    up_forever(model_arg=model_arg, server_port=server_port, n_parallel=n_parallel, ctx_size=ctx_size,
-           threads=threads, build_backend=build_backend, server_args=server_args, proxy_kw=kw)
+    up_forever(
+        model_arg=model_arg,
+        server_port=server_port,
+        n_parallel=n_parallel,
+        ctx_size=ctx_size,
+        threads=threads,
+        build_backend=build_backend,
+        server_args=server_args,
+        proxy_kw=kw,
+    )
 
 
-async def serve_forever(config: Config, on_ready: Callable[[Runtime], None] | None = None,
-                        background: Callable[[], Coroutine[Any, Any, None]] | None = None,
-                        on_force: Callable[[], None] | None = None) -> None:
+async def serve_forever(
+    config: Config,
+    on_ready: Callable[[Runtime], None] | None = None,
+    background: Callable[[], Coroutine[Any, Any, None]] | None = None,
+    on_force: Callable[[], None] | None = None,
+) -> None:
     """Serve until SIGINT or SIGTERM. The first signal stops taking requests (queued ones get
     503 at once), gives in-flight ones ``--shutdown-grace`` seconds, then the app's cleanup
     drains the saves (bounded) and closes everything; a second signal exits at once."""
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     app = build_app(config)
     runner = await start_site(app, config.host, config.port, shutdown_timeout=config.shutdown_grace_s)
     stop = asyncio.Event()
@@ -152,8 +195,10 @@ async def serve_forever(config: Config, on_ready: Callable[[Runtime], None] | No
             if on_force is not None:
                 on_force()
             os._exit(130)
-        log.info("shutting down: no new requests; in-flight ones get %g s (a second signal exits now)",
-                 config.shutdown_grace_s)
+        log.info(
+            "shutting down: no new requests; in-flight ones get %g s (a second signal exits now)",
+            config.shutdown_grace_s,
+        )
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -172,8 +217,17 @@ async def serve_forever(config: Config, on_ready: Callable[[Runtime], None] | No
         await runner.cleanup()
 
 
-def up_forever(*, model_arg: str | None, server_port: int, n_parallel: int, ctx_size: int, threads: int | None,
-               build_backend: str, server_args: tuple[str, ...], proxy_kw: dict[str, Any]) -> None:
+def up_forever(
+    *,
+    model_arg: str | None,
+    server_port: int,
+    n_parallel: int,
+    ctx_size: int,
+    threads: int | None,
+    build_backend: str,
+    server_args: tuple[str, ...],
+    proxy_kw: dict[str, Any],
+) -> None:
     host, port = proxy_kw["host"], proxy_kw["port"]
     check_port_free(host, port, "proxy")
     model = resolve_model(model_arg)
@@ -183,23 +237,41 @@ def up_forever(*, model_arg: str | None, server_port: int, n_parallel: int, ctx_
     # A /kvctl key per run unless one was given: to the server in a 0600 file, to the proxy in memory.
     if not proxy_kw.get("kvctl_key"):
         proxy_kw["kvctl_key"] = secrets.token_urlsafe(32)
-    spec = ServerSpec(binary=binary, model=model, port=server_port or free_port(), n_parallel=n_parallel,
-                      ctx_size=ctx_size, threads=threads, kvctl_dir=shm_dir, kvctl_key=proxy_kw.get("kvctl_key"),
-                      extra_args=server_args)
+    spec = ServerSpec(
+        binary=binary,
+        model=model,
+        port=server_port or free_port(),
+        n_parallel=n_parallel,
+        ctx_size=ctx_size,
+        threads=threads,
+        kvctl_dir=shm_dir,
+        kvctl_key=proxy_kw.get("kvctl_key"),
+        extra_args=server_args,
+    )
     server = ServerProcess(spec, cache_root() / "logs" / f"llama-server-{spec.port}.log")
     say(f"starting llama-server on {spec.url} (log: {server.log_path})")
     server.start()
-    config = Config(backends=(spec.url,), shm_dir=shm_dir, tokenizer_cache=cache_root() / "tokenizers", **proxy_kw)
+    config = Config(
+        backends=(spec.url,), shm_dir=shm_dir, tokenizer_cache=cache_root() / "tokenizers", **proxy_kw
+    )
 
     def ready(runtime: Runtime) -> None:
         base = f"http://{config.host}:{config.port}/v1"
         say(f"proxy ready. OpenAI base URL: {base}   (tokenizer: {runtime.tokenizer_note})")
-        say("try:\n  curl " + base + "/chat/completions -H 'Content-Type: application/json' \\\n"
-            "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Say hello\"}], \"max_tokens\": 32}'")
+        say(
+            "try:\n  curl " + base + "/chat/completions -H 'Content-Type: application/json' \\\n"
+            '    -d \'{"messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 32}\''
+        )
 
     try:
-        asyncio.run(serve_forever(config, on_ready=ready, background=lambda: supervise(server),
-                                  on_force=lambda: server.stop(grace=0)))
+        asyncio.run(
+            serve_forever(
+                config,
+                on_ready=ready,
+                background=lambda: supervise(server),
+                on_force=lambda: server.stop(grace=0),
+            )
+        )
     except KeyboardInterrupt:
         pass
     finally:
@@ -219,8 +291,12 @@ async def supervise(server: ServerProcess, poll_s: float = 0.5, max_backoff_s: f
         if server.alive():
             continue
         code = server.proc.returncode if server.proc is not None else None
-        log.error("llama-server exited (code %s); restarting in %.0f s. Log tail:\n%s", code, backoff,
-                  server.log_tail(10))
+        log.error(
+            "llama-server exited (code %s); restarting in %.0f s. Log tail:\n%s",
+            code,
+            backoff,
+            server.log_tail(10),
+        )
         await asyncio.sleep(backoff)
         try:
             server.spawn()  # in the loop's (main) thread: the child's death signal follows this thread
@@ -242,4 +318,3 @@ def _remove_payloads(shm_dir: Path) -> None:
 def _default_shm_dir(port: int) -> Path:
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     return base / f"radix-{os.getuid()}-{port}"
-

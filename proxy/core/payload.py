@@ -67,7 +67,9 @@ class KvLayout:
             raise PayloadError(f"layout: n_layer {self.n_layer} out of range")
         for name in ("k_types", "k_row_bytes", "v_types", "v_row_bytes", "v_el_bytes", "n_embd_v_gqa"):
             if len(getattr(self, name)) != self.n_layer:
-                raise PayloadError(f"layout: {name} has {len(getattr(self, name))} entries, not {self.n_layer}")
+                raise PayloadError(
+                    f"layout: {name} has {len(getattr(self, name))} entries, not {self.n_layer}"
+                )
         if min(self.k_row_bytes) <= 0 or min(self.v_row_bytes) <= 0:
             raise PayloadError("layout: row sizes must be positive")
         for il in range(self.n_layer):
@@ -144,7 +146,9 @@ class KvSegment:
     def __post_init__(self) -> None:
         d = self.data
         if d.dtype != np.uint8 or d.ndim != 2 or d.shape[1] != self.layout.bytes_per_token:
-            raise PayloadError(f"segment data must be uint8 (n, {self.layout.bytes_per_token}), got {d.dtype} {d.shape}")
+            raise PayloadError(
+                f"segment data must be uint8 (n, {self.layout.bytes_per_token}), got {d.dtype} {d.shape}"
+            )
         if self.p0 < 0:
             raise PayloadError(f"segment p0 {self.p0} < 0")
         if d.shape[0] and d.strides[1] != 1:
@@ -222,7 +226,9 @@ class _Reader:
 
     def need(self, n_bytes: int, what: str) -> None:
         if self.off + n_bytes > len(self.raw):
-            raise PayloadError(f"truncated payload: {what} needs {n_bytes} bytes at {self.off}, have {len(self.raw)}")
+            raise PayloadError(
+                f"truncated payload: {what} needs {n_bytes} bytes at {self.off}, have {len(self.raw)}"
+            )
 
 
 def parse_blob(buf: Buffer, expect: KvLayout | None = None) -> KvSegment:
@@ -367,7 +373,9 @@ def _gather(layout: KvLayout, n: int, order: np.ndarray | None, k: list[_Part], 
 
 def blob_size(layout: KvLayout, n: int) -> int:
     """Exact byte size of a blob holding n cells of this layout."""
-    per_layer_heads = layout.n_layer * (_ROW_HEAD.size + (_TRANS_HEAD.size if layout.v_trans else _ROW_HEAD.size))
+    per_layer_heads = layout.n_layer * (
+        _ROW_HEAD.size + (_TRANS_HEAD.size if layout.v_trans else _ROW_HEAD.size)
+    )
     return _HEAD.size + n * _CELL.itemsize + _DATA_HEAD.size + per_layer_heads + n * layout.bytes_per_token
 
 

@@ -152,8 +152,9 @@ def _base_plan(idle: list[SlotView], a_slot: SlotView, route: Route, base: int, 
     return Plan(Route.PREFILL, _victim_slot(idle).slot_id, 0, None, 0, 0, 0)
 
 
-def _mixed_plan(idle: list[SlotView], a_slot: SlotView, route: Route, base: int, owner: int | None,
-                h: int) -> Plan:
+def _mixed_plan(
+    idle: list[SlotView], a_slot: SlotView, route: Route, base: int, owner: int | None, h: int
+) -> Plan:
     if route == Route.S:
         return Plan(Route.SH, _victim_slot(idle).slot_id, base, owner, base, h, h)
     return Plan(Route.AH, a_slot.slot_id, base, None, base, h, h)

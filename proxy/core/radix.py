@@ -75,11 +75,30 @@ class PrefixInfo:
 
 
 class _Node:
-    __slots__ = ("uid", "parent", "tokens", "start", "segment", "children", "pins", "own_pins",
-                 "last_used", "hits", "alive", "ns")
+    __slots__ = (
+        "uid",
+        "parent",
+        "tokens",
+        "start",
+        "segment",
+        "children",
+        "pins",
+        "own_pins",
+        "last_used",
+        "hits",
+        "alive",
+        "ns",
+    )
 
-    def __init__(self, uid: int, parent: _Node | None, tokens: np.ndarray, start: int,
-                 segment: KvSegment | None, clock: int) -> None:
+    def __init__(
+        self,
+        uid: int,
+        parent: _Node | None,
+        tokens: np.ndarray,
+        start: int,
+        segment: KvSegment | None,
+        clock: int,
+    ) -> None:
         self.uid = uid
         self.parent = parent
         self.tokens = tokens  # int32 edge tokens, positions [start, end)
@@ -302,11 +321,19 @@ class RadixTree:
     def stats(self) -> TreeStats:
         pinned = sum(1 for n in self._iter_nodes() if n.pins > 0)
         return TreeStats(
-            nodes=self._nodes, leaves=self._leaves, unique_tokens=self._unique,
-            logical_tokens=self._logical, bytes=self._bytes, budget_bytes=self.budget_bytes,
-            pinned_nodes=pinned, saves=self._saves, saved_tokens=self._saved_tokens,
-            loads=self._loads, loaded_tokens=self._loaded_tokens,
-            evictions=self._evictions, evicted_tokens=self._evicted_tokens,
+            nodes=self._nodes,
+            leaves=self._leaves,
+            unique_tokens=self._unique,
+            logical_tokens=self._logical,
+            bytes=self._bytes,
+            budget_bytes=self.budget_bytes,
+            pinned_nodes=pinned,
+            saves=self._saves,
+            saved_tokens=self._saved_tokens,
+            loads=self._loads,
+            loaded_tokens=self._loaded_tokens,
+            evictions=self._evictions,
+            evicted_tokens=self._evicted_tokens,
         )
 
     def top_prefixes(self, k: int, head_tokens: int = 16) -> list[PrefixInfo]:
@@ -331,8 +358,9 @@ class RadixTree:
         root = self._roots[ns] = self._new_root(ns)
         return root
 
-    def _new_node(self, parent: _Node | None, tokens: np.ndarray, start: int,
-                  segment: KvSegment | None) -> _Node:
+    def _new_node(
+        self, parent: _Node | None, tokens: np.ndarray, start: int, segment: KvSegment | None
+    ) -> _Node:
         self._uid += 1
         return _Node(self._uid, parent, tokens, start, segment, self._clock)
 
@@ -407,8 +435,9 @@ class RadixTree:
         Both halves view the same segment buffer (no copy); tokens are copied (small)."""
         assert node.parent is not None and node.segment is not None and node.start < at < node.end
         cut = at - node.start
-        upper = self._new_node(node.parent, node.tokens[:cut].copy(), node.start,
-                               node.segment.slice(node.start, at))
+        upper = self._new_node(
+            node.parent, node.tokens[:cut].copy(), node.start, node.segment.slice(node.start, at)
+        )
         upper.pins, upper.last_used, upper.hits = node.pins, node.last_used, node.hits
         node.parent.children[int(node.tokens[0])] = upper
         node.segment = node.segment.slice(at, node.end)
@@ -500,7 +529,9 @@ class RadixTree:
         """Recompute everything from the links; raise AssertionError naming what broke."""
         assert "" in self._roots, "the default namespace has no root"
         for ns, root in self._roots.items():
-            assert root.alive and root.parent is None and len(root.tokens) == 0 and root.ns == ns, "root malformed"
+            assert root.alive and root.parent is None and len(root.tokens) == 0 and root.ns == ns, (
+                "root malformed"
+            )
         heap_keys = {(lu, uid) for lu, uid, _ in self._heap}
         nodes = leaves = unique = logical = nbytes = 0
         stack = list(self._roots.values())
@@ -519,7 +550,9 @@ class RadixTree:
         actual = (nodes, leaves, unique, logical, nbytes)
         assert counted == actual, f"counters (nodes, leaves, unique, logical, bytes) {counted} != {actual}"
         has_victim = any(self._evictable(n) for n in self._iter_nodes())
-        assert nbytes <= self.budget_bytes or not has_victim, f"{nbytes} bytes over budget {self.budget_bytes}"
+        assert nbytes <= self.budget_bytes or not has_victim, (
+            f"{nbytes} bytes over budget {self.budget_bytes}"
+        )
 
     def _check_node(self, node: _Node, heap_keys: set[tuple[int, int]]) -> None:
         name = f"node {node.uid} [{node.start},{node.end})"

@@ -77,8 +77,10 @@ class ResidentIndex:
         return tuple(out)
 
     def has(self, tokens: np.ndarray, ns: str = "") -> bool:
-        return any(e.ns == ns and e.n == len(tokens) and common_prefix(e.tokens, tokens) == e.n
-                   for e in self.entries.values())
+        return any(
+            e.ns == ns and e.n == len(tokens) and common_prefix(e.tokens, tokens) == e.n
+            for e in self.entries.values()
+        )
 
     def free_owner(self) -> int | None:
         if len(self.entries) >= self.max_entries:
@@ -92,17 +94,23 @@ class ResidentIndex:
         return [e.owner_id for e in candidates]
 
     def stats(self) -> ResidentStats:
-        return ResidentStats(len(self.entries), sum(e.n for e in self.entries.values()),
-                             sum(1 for e in self.entries.values() if e.pins), self.admitted, self.evicted,
-                             self.hits)
+        return ResidentStats(
+            len(self.entries),
+            sum(e.n for e in self.entries.values()),
+            sum(1 for e in self.entries.values() if e.pins),
+            self.admitted,
+            self.evicted,
+            self.hits,
+        )
 
     # ---- mutations (one synchronous step each) ---------------------------------------
 
     def add(self, owner_id: int, tokens: np.ndarray, source_slot: int, now: float, ns: str = "") -> None:
         if owner_id in self.entries or owner_id not in self.owner_ids:
             raise ValueError(f"owner {owner_id} is taken or out of range")
-        self.entries[owner_id] = ResidentEntry(owner_id, tokens.copy(), now, sharers={source_slot: len(tokens)},
-                                               ns=ns)
+        self.entries[owner_id] = ResidentEntry(
+            owner_id, tokens.copy(), now, sharers={source_slot: len(tokens)}, ns=ns
+        )
         self.admitted += 1
 
     def remove(self, owner_id: int) -> None:
@@ -144,4 +152,6 @@ class ResidentIndex:
             assert owner_id == entry.owner_id and owner_id in self.owner_ids, f"bad owner id {owner_id}"
             assert entry.pins >= 0, f"owner {owner_id} has negative pins"
             assert entry.n > 0, f"owner {owner_id} holds nothing"
-            assert all(0 < m <= entry.n for m in entry.sharers.values()), f"owner {owner_id} sharers out of range"
+            assert all(0 < m <= entry.n for m in entry.sharers.values()), (
+                f"owner {owner_id} sharers out of range"
+            )

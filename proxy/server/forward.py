@@ -81,9 +81,17 @@ def sse_error(message: str, code: int = 502) -> bytes:
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
-async def forward_completion(request: web.Request, body: dict[str, Any], lease: Lease, arrived: float,
-                             outcome: Outcome, *, show: bool, buffer_bytes: int,
-                             on_upstream_done: Callable[[], None]) -> web.StreamResponse:
+async def forward_completion(
+    request: web.Request,
+    body: dict[str, Any],
+    lease: Lease,
+    arrived: float,
+    outcome: Outcome,
+    *,
+    show: bool,
+    buffer_bytes: int,
+    on_upstream_done: Callable[[], None],
+) -> web.StreamResponse:
     backend = lease.server.backend
     headers = {**forward_headers(request), "Content-Type": "application/json"}
     started = False
@@ -98,10 +106,16 @@ async def forward_completion(request: web.Request, body: dict[str, Any], lease: 
                 on_upstream_done()
                 if outcome.timings is not None and show:
                     extra["X-Radix-Cached-Tokens"] = str(outcome.timings.get("cache_n", 0))
-                return web.Response(body=raw if show else strip_cache_info_raw(raw), status=up.status,
-                                    headers=extra, content_type=up.content_type or "application/json")
-            stream = web.StreamResponse(status=up.status, headers={**extra, "Content-Type": "text/event-stream",
-                                                                    "Cache-Control": "no-cache"})
+                return web.Response(
+                    body=raw if show else strip_cache_info_raw(raw),
+                    status=up.status,
+                    headers=extra,
+                    content_type=up.content_type or "application/json",
+                )
+            stream = web.StreamResponse(
+                status=up.status,
+                headers={**extra, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
+            )
             await stream.prepare(request)
             started = True
             await _relay(request, up, stream, arrived, outcome, show, buffer_bytes, on_upstream_done)
@@ -112,8 +126,16 @@ async def forward_completion(request: web.Request, body: dict[str, Any], lease: 
         raise
 
 
-async def _relay(request: web.Request, up: aiohttp.ClientResponse, stream: web.StreamResponse, arrived: float,
-                 outcome: Outcome, show: bool, buffer_bytes: int, on_upstream_done: Callable[[], None]) -> None:
+async def _relay(
+    request: web.Request,
+    up: aiohttp.ClientResponse,
+    stream: web.StreamResponse,
+    arrived: float,
+    outcome: Outcome,
+    show: bool,
+    buffer_bytes: int,
+    on_upstream_done: Callable[[], None],
+) -> None:
     """Server -> bounded buffer -> client, the two sides at their own pace."""
     queue: asyncio.Queue[bytes | None] = asyncio.Queue()
     buffered = 0

@@ -27,9 +27,15 @@ from proxy.errors import BadRequest
 
 # Read-only paths passed to the first server unchanged (method, path).
 READ_ONLY = {
-    ("GET", "/v1/models"), ("GET", "/models"), ("GET", "/props"), ("GET", "/v1/health"),
-    ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/apply-template"),
-    ("POST", "/v1/chat/completions/input_tokens"), ("POST", "/chat/completions/input_tokens"),
+    ("GET", "/v1/models"),
+    ("GET", "/models"),
+    ("GET", "/props"),
+    ("GET", "/v1/health"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("POST", "/apply-template"),
+    ("POST", "/v1/chat/completions/input_tokens"),
+    ("POST", "/chat/completions/input_tokens"),
     ("POST", "/v1/messages/count_tokens"),
 }
 # Paths llama-server serves that the proxy refuses, and why (the rest get a plain 404).
@@ -78,8 +84,10 @@ def check_one_answer(body: dict[str, Any]) -> None:
 def prompt_token_ids(prompt: list[Any], n_vocab: int, n_ctx_slot: int) -> np.ndarray:
     """A prompt given as token ids, checked before it is iterated."""
     if len(prompt) >= n_ctx_slot:
-        raise BadRequest(f"the request exceeds the available context size: {len(prompt)} prompt tokens, "
-                         f"{n_ctx_slot} per slot")
+        raise BadRequest(
+            f"the request exceeds the available context size: {len(prompt)} prompt tokens, "
+            f"{n_ctx_slot} per slot"
+        )
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         raise BadRequest("'prompt' must be a string or an array of token ids")
     ids = np.asarray(prompt, dtype=np.int64)

@@ -27,7 +27,14 @@ from proxy.errors import FallbackCause
 ROUTES = tuple(r.value for r in Route)
 # The reference implementation's per-path families; a mixed route (A+H, S+H) counts under
 # h, the host restore being the part that reached furthest.
-SHARE_PATHS = {Route.A: "a", Route.S: "s", Route.H: "h", Route.AH: "h", Route.SH: "h", Route.PREFILL: "prefill"}
+SHARE_PATHS = {
+    Route.A: "a",
+    Route.S: "s",
+    Route.H: "h",
+    Route.AH: "h",
+    Route.SH: "h",
+    Route.PREFILL: "prefill",
+}
 FALLBACK_CAUSES = tuple(c.value for c in FallbackCause)
 DIRECTIONS = ("export", "import")
 REJECT_REASONS = ("queue_full", "queue_timeout", "shutting_down")
@@ -75,92 +82,187 @@ class Metrics:
         self.started = time.time()
         ns = "radix"
         # ---- per request (coordinator.record) ------------------------------------------
-        self.requests = Counter(f"{ns}_requests", "Completion requests by route and server",
-                                ["route", "server"], registry=registry)
-        self.request_errors = Counter(f"{ns}_request_errors", "Requests answered with an error, by status class",
-                                      ["status"], registry=registry)
-        self.ttft = Histogram(f"{ns}_ttft_seconds",
-                              "Time from arrival to the first byte of the answer (whole answer when not streamed)",
-                              ["route", "server"], buckets=_LATENCY_BUCKETS, registry=registry)
-        self.e2e = Histogram(f"{ns}_request_seconds", "End-to-end request time", ["route", "server"],
-                             buckets=_LATENCY_BUCKETS, registry=registry)
+        self.requests = Counter(
+            f"{ns}_requests",
+            "Completion requests by route and server",
+            ["route", "server"],
+            registry=registry,
+        )
+        self.request_errors = Counter(
+            f"{ns}_request_errors",
+            "Requests answered with an error, by status class",
+            ["status"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            f"{ns}_ttft_seconds",
+            "Time from arrival to the first byte of the answer (whole answer when not streamed)",
+            ["route", "server"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            f"{ns}_request_seconds",
+            "End-to-end request time",
+            ["route", "server"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
         # By server only: the route is chosen when the slot is granted, i.e. when the wait ends.
-        self.queue_length = Gauge(f"{ns}_queue_length", "Requests waiting: for a free slot, or for a request in "
-                                  "flight that holds their prefix (fan-out)", registry=registry)
-        self.rejected = Counter(f"{ns}_rejected_requests", "Requests refused by admission, by reason",
-                                ["reason"], registry=registry)
-        self.queue_wait = Histogram(f"{ns}_queue_wait_seconds", "Wait for a free slot", ["server"],
-                                    buckets=_LATENCY_BUCKETS, registry=registry)
-        self.prompt_tokens = Counter(f"{ns}_prompt_tokens", "Prompt tokens of steered requests", registry=registry)
-        self.cached_tokens = Counter(f"{ns}_cached_tokens", "Prompt tokens the server reused (timings.cache_n)",
-                                     registry=registry)
-        self.prefilled_tokens = Counter(f"{ns}_prefilled_tokens", "Prompt tokens the server computed "
-                                        "(timings.prompt_n)", registry=registry)
-        self.predicted_cached = Counter(f"{ns}_predicted_cached_tokens", "Prompt tokens the plan expected to reuse",
-                                        registry=registry)
-        self.route_tokens = Counter(f"{ns}_route_tokens", "Prompt tokens the server reused (timings.cache_n), "
-                                    "by route", ["route"], registry=registry)
+        self.queue_length = Gauge(
+            f"{ns}_queue_length",
+            "Requests waiting: for a free slot, or for a request in flight that holds their prefix (fan-out)",
+            registry=registry,
+        )
+        self.rejected = Counter(
+            f"{ns}_rejected_requests",
+            "Requests refused by admission, by reason",
+            ["reason"],
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            f"{ns}_queue_wait_seconds",
+            "Wait for a free slot",
+            ["server"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            f"{ns}_prompt_tokens", "Prompt tokens of steered requests", registry=registry
+        )
+        self.cached_tokens = Counter(
+            f"{ns}_cached_tokens", "Prompt tokens the server reused (timings.cache_n)", registry=registry
+        )
+        self.prefilled_tokens = Counter(
+            f"{ns}_prefilled_tokens",
+            "Prompt tokens the server computed (timings.prompt_n)",
+            registry=registry,
+        )
+        self.predicted_cached = Counter(
+            f"{ns}_predicted_cached_tokens", "Prompt tokens the plan expected to reuse", registry=registry
+        )
+        self.route_tokens = Counter(
+            f"{ns}_route_tokens",
+            "Prompt tokens the server reused (timings.cache_n), by route",
+            ["route"],
+            registry=registry,
+        )
         # ---- KV moves --------------------------------------------------------------------
-        self.fallbacks = Counter(f"{ns}_fallbacks", "KV moves that failed and fell back to prefill, by cause",
-                                 ["cause"], registry=registry)
-        self.kv_move_bytes = Counter(f"{ns}_kv_move_bytes", "Bytes moved between server and host "
-                                     "(export: KV data; import: payload with headers)", ["direction"],
-                                     registry=registry)
-        self.kv_move_seconds = Counter(f"{ns}_kv_move_seconds", "Time spent in KV moves",
-                                       ["direction"], registry=registry)
+        self.fallbacks = Counter(
+            f"{ns}_fallbacks",
+            "KV moves that failed and fell back to prefill, by cause",
+            ["cause"],
+            registry=registry,
+        )
+        self.kv_move_bytes = Counter(
+            f"{ns}_kv_move_bytes",
+            "Bytes moved between server and host (export: KV data; import: payload with headers)",
+            ["direction"],
+            registry=registry,
+        )
+        self.kv_move_seconds = Counter(
+            f"{ns}_kv_move_seconds", "Time spent in KV moves", ["direction"], registry=registry
+        )
         # ---- host radix tree ---------------------------------------------------------------
         self.tree_nodes = Gauge(f"{ns}_host_tree_nodes", "Nodes in the host radix tree", registry=registry)
-        self.tree_leaves = Gauge(f"{ns}_host_tree_leaves", "Terminal nodes (leaves) of the host radix tree",
-                                 registry=registry)
-        self.tree_bytes = Gauge(f"{ns}_host_tree_bytes", "Bytes held by the host radix tree (KV plus metadata)",
-                                registry=registry)
-        self.tree_budget = Gauge(f"{ns}_host_tree_budget_bytes", "Byte budget of the host radix tree",
-                                 registry=registry)
-        self.tree_unique = Gauge(f"{ns}_host_tree_unique_tokens", "Token positions stored (each shared prefix once)",
-                                 registry=registry)
-        self.tree_logical = Gauge(f"{ns}_host_tree_logical_tokens", "Prompt tokens servable from the tree "
-                                  "(sum of leaf depths)", registry=registry)
-        self.tree_saves = Counter(f"{ns}_host_saves", "Exports inserted into the host tree", registry=registry)
-        self.tree_saved_tokens = Counter(f"{ns}_host_saved_tokens", "New tokens stored in the host tree",
-                                         registry=registry)
+        self.tree_leaves = Gauge(
+            f"{ns}_host_tree_leaves", "Terminal nodes (leaves) of the host radix tree", registry=registry
+        )
+        self.tree_bytes = Gauge(
+            f"{ns}_host_tree_bytes", "Bytes held by the host radix tree (KV plus metadata)", registry=registry
+        )
+        self.tree_budget = Gauge(
+            f"{ns}_host_tree_budget_bytes", "Byte budget of the host radix tree", registry=registry
+        )
+        self.tree_unique = Gauge(
+            f"{ns}_host_tree_unique_tokens",
+            "Token positions stored (each shared prefix once)",
+            registry=registry,
+        )
+        self.tree_logical = Gauge(
+            f"{ns}_host_tree_logical_tokens",
+            "Prompt tokens servable from the tree (sum of leaf depths)",
+            registry=registry,
+        )
+        self.tree_saves = Counter(
+            f"{ns}_host_saves", "Exports inserted into the host tree", registry=registry
+        )
+        self.tree_saved_tokens = Counter(
+            f"{ns}_host_saved_tokens", "New tokens stored in the host tree", registry=registry
+        )
         self.tree_loads = Counter(f"{ns}_host_loads", "Host restores into a slot", registry=registry)
-        self.tree_loaded_tokens = SyncedCounter(Counter(f"{ns}_host_loaded_tokens", "Tokens restored from the host "
-                                                        "tree into slots", registry=registry))
-        self.tree_evictions = SyncedCounter(Counter(f"{ns}_host_evictions", "Leaves evicted from the host tree",
-                                                    registry=registry))
-        self.tree_evicted_tokens = SyncedCounter(Counter(f"{ns}_host_evicted_tokens",
-                                                         "Tokens evicted from the host tree", registry=registry))
+        self.tree_loaded_tokens = SyncedCounter(
+            Counter(
+                f"{ns}_host_loaded_tokens", "Tokens restored from the host tree into slots", registry=registry
+            )
+        )
+        self.tree_evictions = SyncedCounter(
+            Counter(f"{ns}_host_evictions", "Leaves evicted from the host tree", registry=registry)
+        )
+        self.tree_evicted_tokens = SyncedCounter(
+            Counter(f"{ns}_host_evicted_tokens", "Tokens evicted from the host tree", registry=registry)
+        )
         # ---- resident prefixes (route S; filled by the resident index when it lands) ----------
-        self.resident_entries = Gauge(f"{ns}_resident_entries", "Resident prefixes held by owner sequences",
-                                      ["server"], registry=registry)
-        self.resident_cells = Gauge(f"{ns}_resident_cells", "KV cells held by resident prefixes",
-                                    ["server"], registry=registry)
-        self.resident_pinned = Gauge(f"{ns}_resident_pinned", "Resident prefixes pinned by an attach in flight",
-                                     ["server"], registry=registry)
+        self.resident_entries = Gauge(
+            f"{ns}_resident_entries",
+            "Resident prefixes held by owner sequences",
+            ["server"],
+            registry=registry,
+        )
+        self.resident_cells = Gauge(
+            f"{ns}_resident_cells", "KV cells held by resident prefixes", ["server"], registry=registry
+        )
+        self.resident_pinned = Gauge(
+            f"{ns}_resident_pinned",
+            "Resident prefixes pinned by an attach in flight",
+            ["server"],
+            registry=registry,
+        )
         self.resident_evictions = {}
         self.resident_admitted = {}
-        evictions = Counter(f"{ns}_resident_evictions", "Resident prefixes released (budget, headroom, entries)",
-                            ["server"], registry=registry)
-        admitted = Counter(f"{ns}_resident_admitted", "Prefixes published as resident", ["server"],
-                           registry=registry)
+        evictions = Counter(
+            f"{ns}_resident_evictions",
+            "Resident prefixes released (budget, headroom, entries)",
+            ["server"],
+            registry=registry,
+        )
+        admitted = Counter(
+            f"{ns}_resident_admitted", "Prefixes published as resident", ["server"], registry=registry
+        )
         for server in servers:
             self.resident_evictions[server] = SyncedCounter(evictions.labels(server))
             self.resident_admitted[server] = SyncedCounter(admitted.labels(server))
         self.share_path_requests = {
-            path: Counter(f"kv_share_path_{path}_requests", f"Requests served on path {path}", registry=registry)
-            for path in ("a", "s", "h", "prefill")}
+            path: Counter(
+                f"kv_share_path_{path}_requests", f"Requests served on path {path}", registry=registry
+            )
+            for path in ("a", "s", "h", "prefill")
+        }
         self.share_path_tokens = {
-            path: Counter(f"kv_share_path_{path}_tokens", f"Prompt tokens reused on path {path} (cache_n)",
-                          registry=registry)
-            for path in ("a", "s", "h", "prefill")}
+            path: Counter(
+                f"kv_share_path_{path}_tokens",
+                f"Prompt tokens reused on path {path} (cache_n)",
+                registry=registry,
+            )
+            for path in ("a", "s", "h", "prefill")
+        }
         # ---- servers -------------------------------------------------------------------------
-        self.backend_up = Gauge(f"{ns}_backend_up", "1 when the server answered the last /kvctl/cells read",
-                                ["server"], registry=registry)
-        self.pool = {field: Gauge(name, _POOL_HELP[field], ["server"], registry=registry)
-                     for field, name in POOL_FIELDS.items()}
-        self.tokenizer_fallback = Gauge(f"{ns}_tokenizer_server_fallback",
-                                        "1 when the server's /tokenize is used because the local tokenizer is "
-                                        "unavailable or differed from the server's", registry=registry)
+        self.backend_up = Gauge(
+            f"{ns}_backend_up",
+            "1 when the server answered the last /kvctl/cells read",
+            ["server"],
+            registry=registry,
+        )
+        self.pool = {
+            field: Gauge(name, _POOL_HELP[field], ["server"], registry=registry)
+            for field, name in POOL_FIELDS.items()
+        }
+        self.tokenizer_fallback = Gauge(
+            f"{ns}_tokenizer_server_fallback",
+            "1 when the server's /tokenize is used because the local tokenizer is "
+            "unavailable or differed from the server's",
+            registry=registry,
+        )
 
         for server in servers:
             self.queue_wait.labels(server)

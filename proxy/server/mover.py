@@ -32,8 +32,14 @@ INLINE_LIMIT = 64 << 20  # the server's limit on an inline (in-body) payload
 
 
 class KvMover:
-    def __init__(self, backend: Backend, layout: KvLayout, compat: dict[str, Any], shm_dir: Path | None,
-                 metrics: Metrics) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        layout: KvLayout,
+        compat: dict[str, Any],
+        shm_dir: Path | None,
+        metrics: Metrics,
+    ) -> None:
         self.backend = backend
         self.layout = layout
         self.compat = compat
@@ -79,10 +85,17 @@ class KvMover:
         p1 = len(tokens)
         n = sum(s.n for s in segments)
         if n != p1 - p0 or (segments and segments[0].p0 != p0):
-            raise KvMoveError(FallbackCause.VERIFY, f"segments cover {n} tokens from {segments[0].p0 if segments else p0}, "
-                              f"need [{p0},{p1})")
-        body: dict[str, Any] = {"slot": slot, "p0": p0, "p1": p1, "tokens": [int(t) for t in tokens],
-                                "compat": self.compat}
+            raise KvMoveError(
+                FallbackCause.VERIFY,
+                f"segments cover {n} tokens from {segments[0].p0 if segments else p0}, need [{p0},{p1})",
+            )
+        body: dict[str, Any] = {
+            "slot": slot,
+            "p0": p0,
+            "p1": p1,
+            "tokens": [int(t) for t in tokens],
+            "compat": self.compat,
+        }
         name = self._new_name() if self.shm_dir else None
         size = blob_size(self.layout, n)
         try:
@@ -98,9 +111,15 @@ class KvMover:
                 buf = bytearray(size)
                 await asyncio.to_thread(write_blob, segments, buf)
                 body["segments"] = [{"data": bytes(buf)}]
-            await self.backend.kv_post("import", body, cause=FallbackCause.IMPORT, timeout_s=move_timeout_s(size))
+            await self.backend.kv_post(
+                "import", body, cause=FallbackCause.IMPORT, timeout_s=move_timeout_s(size)
+            )
         except OSError as exc:
-            cause = FallbackCause.NO_SPACE if exc.errno in (errno.ENOSPC, errno.EDQUOT) else FallbackCause.TRANSPORT
+            cause = (
+                FallbackCause.NO_SPACE
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                else FallbackCause.TRANSPORT
+            )
             raise KvMoveError(cause, f"could not write import payload: {exc}") from exc
         finally:
             if name is not None:

@@ -20,15 +20,18 @@ log = logging.getLogger("radix")
 POOL_TIMEOUT_S = 2.0
 
 
-async def server_json(server: ServerState, what: str, call: Awaitable[Any],
-                       timeout_s: float = POOL_TIMEOUT_S) -> tuple[Any, str | None]:
+async def server_json(
+    server: ServerState, what: str, call: Awaitable[Any], timeout_s: float = POOL_TIMEOUT_S
+) -> tuple[Any, str | None]:
     try:
         return await asyncio.wait_for(call, timeout_s), None
     except (RadixError, aiohttp.ClientError, TimeoutError) as exc:
         return None, f"{server.name} {what}: {exc or type(exc).__name__}"
 
 
-async def refresh_pool_gauges(runtime: Runtime, timeout_s: float = POOL_TIMEOUT_S) -> dict[str, dict[str, Any] | None]:
+async def refresh_pool_gauges(
+    runtime: Runtime, timeout_s: float = POOL_TIMEOUT_S
+) -> dict[str, dict[str, Any] | None]:
     """Read every server's GET /kvctl/cells (concurrently) into the kv_cache_*_cells gauges.
 
     A server that does not answer within ``timeout_s`` keeps its last counts and gets
@@ -80,10 +83,12 @@ def cache_summary(runtime: Runtime) -> str:
     m = runtime.metrics
     fallbacks = ",".join(f"{c}:{int(m.value('radix_fallbacks_total', cause=c))}" for c in FALLBACK_CAUSES)
     dedup = s.logical_tokens / s.unique_tokens if s.unique_tokens else 0.0
-    return (f"cache terminal_nodes={s.leaves} nodes={s.nodes} host_bytes={s.bytes} budget_bytes={s.budget_bytes} "
-            f"unique_tokens={s.unique_tokens} logical_tokens={s.logical_tokens} dedup={dedup:.2f} "
-            f"saves={s.saves} loads={s.loads} evictions={s.evictions} evicted_tokens={s.evicted_tokens} "
-            f"fallbacks={fallbacks}")
+    return (
+        f"cache terminal_nodes={s.leaves} nodes={s.nodes} host_bytes={s.bytes} budget_bytes={s.budget_bytes} "
+        f"unique_tokens={s.unique_tokens} logical_tokens={s.logical_tokens} dedup={dedup:.2f} "
+        f"saves={s.saves} loads={s.loads} evictions={s.evictions} evicted_tokens={s.evicted_tokens} "
+        f"fallbacks={fallbacks}"
+    )
 
 
 async def summary_loop(runtime: Runtime, interval_s: float = 60.0) -> None:

@@ -28,8 +28,15 @@ class Recorder:
         now = time.monotonic()
         if self._start is None:
             self._start = now
-        line = {"t": round(now - self._start, 6), "id": f"rec{next(self._ids)}", "session": session,
-                "group": "recorded", "via": "front", "path": path, "body": body}
+        line = {
+            "t": round(now - self._start, 6),
+            "id": f"rec{next(self._ids)}",
+            "session": session,
+            "group": "recorded",
+            "via": "front",
+            "path": path,
+            "body": body,
+        }
         self._handle.write(orjson.dumps(line).decode() + "\n")
 
     def close(self) -> None:

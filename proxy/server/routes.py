@@ -52,7 +52,9 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
     body = await parse_json(await request.read())
     recorder = request.app[RUNTIME].recorder
     if recorder is not None:
-        recorder.record(request.path, orjson.loads(orjson.dumps(body)), request.headers.get("X-Session-Id", ""))
+        recorder.record(
+            request.path, orjson.loads(orjson.dumps(body)), request.headers.get("X-Session-Id", "")
+        )
     check_one_answer(body)
     return body
 
@@ -82,7 +84,9 @@ async def completion(request: web.Request) -> web.StreamResponse:
         server = runtime.coordinator.servers[0]
         tokens = prompt_token_ids(prompt, runtime.n_vocab, server.n_ctx_slot)
     elif isinstance(prompt, list) and len(prompt) > 1:
-        raise BadRequest("several prompts in one request are not supported through the proxy: send one per request")
+        raise BadRequest(
+            "several prompts in one request are not supported through the proxy: send one per request"
+        )
     else:
         raise BadRequest("'prompt' must be a string or an array of token ids")
     return await _steered(request, body, tokens)
@@ -106,15 +110,27 @@ async def _steered(request: web.Request, body: dict[str, Any], tokens: np.ndarra
             elif body.get("cache_prompt") is not False:
                 body["cache_prompt"] = True
             body["id_slot"] = lease.slot.slot_id
-            return await forward_completion(request, body, lease, arrived, outcome, show=config.cache_info,
-                                            buffer_bytes=config.stream_buffer_bytes, on_upstream_done=done)
+            return await forward_completion(
+                request,
+                body,
+                lease,
+                arrived,
+                outcome,
+                show=config.cache_info,
+                buffer_bytes=config.stream_buffer_bytes,
+                on_upstream_done=done,
+            )
         except NotStarted as exc:
             outcome.status = 502
             coord.server_down(lease.server, str(exc))
             if attempt == 2:
                 raise BackendError(f"llama-server failed before answering, twice: {exc}") from exc
-            log.warning("request %s: %s failed before answering (%s); retrying once", lease.request_id,
-                        lease.server.name, exc)
+            log.warning(
+                "request %s: %s failed before answering (%s); retrying once",
+                lease.request_id,
+                lease.server.name,
+                exc,
+            )
         finally:
             done()
     raise AssertionError("unreachable")
@@ -152,8 +168,15 @@ async def health(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     if runtime.health is not None:
         await runtime.health.check_all()
-    servers = [{"name": s.name, "url": s.backend.url, "status": "ok" if s.healthy else "down",
-                **({"reason": s.down_reason} if not s.healthy else {})} for s in runtime.coordinator.servers]
+    servers = [
+        {
+            "name": s.name,
+            "url": s.backend.url,
+            "status": "ok" if s.healthy else "down",
+            **({"reason": s.down_reason} if not s.healthy else {}),
+        }
+        for s in runtime.coordinator.servers
+    ]
     up = sum(s["status"] == "ok" for s in servers)
     status = "ok" if up == len(servers) else ("degraded" if up else "error")
     return web.json_response({"status": status, "servers": servers}, status=200 if up else 503)
@@ -162,8 +185,9 @@ async def health(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     await refresh_metrics(runtime)
-    return web.Response(body=generate_latest(runtime.metrics.registry),
-                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return web.Response(
+        body=generate_latest(runtime.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )
 
 
 async def forward_plain(request: web.Request) -> web.StreamResponse:
@@ -175,12 +199,17 @@ async def forward_plain(request: web.Request) -> web.StreamResponse:
     data, headers = await request.read(), forward_headers(request)
 
     async def call(backend: Backend) -> web.Response:
-        async with backend.session.request(request.method, backend.url + request.path_qs, data=data,
-                                           headers=headers) as up:
+        async with backend.session.request(
+            request.method, backend.url + request.path_qs, data=data, headers=headers
+        ) as up:
             raw = await up.read()
             # llama-server's permissive CORS headers are not passed on: the proxy grants no origin.
-            kept = {k: v for k, v in up.headers.items()
-                    if k.lower() not in HOP_HEADERS | {"content-encoding"} and not k.lower().startswith("access-control-")}
+            kept = {
+                k: v
+                for k, v in up.headers.items()
+                if k.lower() not in HOP_HEADERS | {"content-encoding"}
+                and not k.lower().startswith("access-control-")
+            }
             return web.Response(body=raw, status=up.status, headers=kept)
 
     return await runtime.on_any_server(call)

@@ -25,8 +25,14 @@ T = TypeVar("T")
 class Runtime:
     """What the request handlers share; built by ``startup.create_runtime``, owned by the app."""
 
-    def __init__(self, config: Config, session: aiohttp.ClientSession, coordinator: Coordinator,
-                 metrics: Metrics, recorder: Recorder | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        session: aiohttp.ClientSession,
+        coordinator: Coordinator,
+        metrics: Metrics,
+        recorder: Recorder | None = None,
+    ) -> None:
         self.config = config
         self.session = session
         self.coordinator = coordinator

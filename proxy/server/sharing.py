@@ -23,8 +23,9 @@ log = logging.getLogger("radix")
 
 
 class Sharing:
-    def __init__(self, backend: Backend, index: ResidentIndex, *, budget_cells: int, headroom: int,
-                 min_tokens: int) -> None:
+    def __init__(
+        self, backend: Backend, index: ResidentIndex, *, budget_cells: int, headroom: int, min_tokens: int
+    ) -> None:
         self.backend = backend
         self.index = index
         self.budget_cells = budget_cells
@@ -42,12 +43,16 @@ class Sharing:
         if entry is None or m > entry.n:
             raise KvMoveError(FallbackCause.ATTACH, f"owner {owner_id} is not known to hold {m} tokens")
         # Bound to the tokens the index files under this owner: the server refuses (409) if it holds others.
-        await self.backend.kv_post("attach", {"owner": owner_id, "slot": slot_id, "m": m,
-                                              "expect_sha256": tokens_sha256(entry.tokens[:m])},
-                                   cause=FallbackCause.ATTACH)
+        await self.backend.kv_post(
+            "attach",
+            {"owner": owner_id, "slot": slot_id, "m": m, "expect_sha256": tokens_sha256(entry.tokens[:m])},
+            cause=FallbackCause.ATTACH,
+        )
         self.index.attached(owner_id, slot_id, m, time.monotonic())
 
-    async def record(self, slot_id: int, slot_tokens: np.ndarray, lengths: Iterable[int], ns: str = "") -> int:
+    async def record(
+        self, slot_id: int, slot_tokens: np.ndarray, lengths: Iterable[int], ns: str = ""
+    ) -> int:
         """Publish ``[0,n)`` of the slot for each length worth sharing, in namespace ``ns``;
         returns entries added."""
         added = 0
@@ -64,9 +69,11 @@ class Sharing:
             if owner is None:
                 return added
             before = int((await self.cells())["owner"])
-            await self.backend.kv_post("publish", {"slot": slot_id, "owner": owner, "n": n,
-                                                   "expect_sha256": tokens_sha256(slot_tokens[:n])},
-                                       cause=FallbackCause.PUBLISH)
+            await self.backend.kv_post(
+                "publish",
+                {"slot": slot_id, "owner": owner, "n": n, "expect_sha256": tokens_sha256(slot_tokens[:n])},
+                cause=FallbackCause.PUBLISH,
+            )
             self.index.add(owner, slot_tokens[:n], slot_id, time.monotonic(), ns)
             added += 1
             if not await self._within_budget(owner, before):
@@ -87,8 +94,12 @@ class Sharing:
                     return True
         finally:
             self.index.unpin(new_owner)
-        log.info("resident: owner %d grew owner cells by %d past the budget %d; released", new_owner,
-                 owner_cells - before, self.budget_cells)
+        log.info(
+            "resident: owner %d grew owner cells by %d past the budget %d; released",
+            new_owner,
+            owner_cells - before,
+            self.budget_cells,
+        )
         await self._release(new_owner)
         return False
 

@@ -29,17 +29,25 @@ from proxy.tokenizer import CORPUS, probe
 log = logging.getLogger("radix")
 
 
-async def create_runtime(config: Config, session: aiohttp.ClientSession, registry: CollectorRegistry,
-                         recorder: Recorder | None = None) -> Runtime:
+async def create_runtime(
+    config: Config,
+    session: aiohttp.ClientSession,
+    registry: CollectorRegistry,
+    recorder: Recorder | None = None,
+) -> Runtime:
     """Connect to every server, check them, and build the coordinator and tokenizer."""
     names = tuple(f"s{i}" for i in range(len(config.backends)))
     metrics = Metrics(registry, names)
-    servers = [await _connect(config, name, url, session, metrics)
-               for name, url in zip(names, config.backends, strict=True)]
+    servers = [
+        await _connect(config, name, url, session, metrics)
+        for name, url in zip(names, config.backends, strict=True)
+    ]
     prints = {s.mover.compat.get("fingerprint") for s in servers}
     if len(prints) != 1:
-        raise ConfigError("the servers run different models or KV layouts",
-                          fix="put one model (and one KV type) behind one proxy")
+        raise ConfigError(
+            "the servers run different models or KV layouts",
+            fix="put one model (and one KV type) behind one proxy",
+        )
     tree = RadixTree(config.cache_bytes)
     runtime = Runtime(config, session, Coordinator(config, servers, tree, metrics), metrics, recorder)
     await _setup_tokenizer(runtime)
@@ -54,43 +62,67 @@ async def _n_vocab(backend: Backend) -> int:
         n = (entry.get("meta") or {}).get("n_vocab")
         if isinstance(n, int) and n > 0:
             return n
-    raise ConfigError("llama-server's /v1/models does not report n_vocab", fix="run the pinned llama-server build")
+    raise ConfigError(
+        "llama-server's /v1/models does not report n_vocab", fix="run the pinned llama-server build"
+    )
 
 
-async def _connect(config: Config, name: str, url: str, session: aiohttp.ClientSession,
-                   metrics: Metrics) -> ServerState:
+async def _connect(
+    config: Config, name: str, url: str, session: aiohttp.ClientSession, metrics: Metrics
+) -> ServerState:
     backend = Backend(url, session, config.kvctl_key, read_timeout_s=config.backend_read_timeout_s)
     try:
         caps = await backend.caps()
     except aiohttp.ClientError as exc:
-        raise ConfigError(f"cannot reach llama-server at {url}: {exc}", fix="start it, or fix --backend-url") from exc
+        raise ConfigError(
+            f"cannot reach llama-server at {url}: {exc}", fix="start it, or fix --backend-url"
+        ) from exc
     except RadixError as exc:
-        raise ConfigError(f"{url} has no usable /kvctl API ({exc.message})",
-                          fix="run the patched llama-server (`radixctl build`) with --kvctl -kvu --cache-ram 0 "
-                          "-sps 0, and pass --kvctl-key if it has one") from exc
+        raise ConfigError(
+            f"{url} has no usable /kvctl API ({exc.message})",
+            fix="run the patched llama-server (`radixctl build`) with --kvctl -kvu --cache-ram 0 "
+            "-sps 0, and pass --kvctl-key if it has one",
+        ) from exc
     compat = dict(caps["compat"])
     layout = KvLayout.from_caps(compat)
     shm = _usable_shm(config.shm_dir, caps.get("dir"))
     slots_info = await backend.slots(tokens=True)
-    slots = [SlotState(int(s["id"]), np.asarray(s.get("tokens", []), dtype=np.int32)
-                       if int(s.get("pos_max", -1)) + 1 == len(s.get("tokens", [])) else np.zeros(0, np.int32))
-             for s in slots_info["slots"]]
+    slots = [
+        SlotState(
+            int(s["id"]),
+            np.asarray(s.get("tokens", []), dtype=np.int32)
+            if int(s.get("pos_max", -1)) + 1 == len(s.get("tokens", []))
+            else np.zeros(0, np.int32),
+        )
+        for s in slots_info["slots"]
+    ]
     n_ctx_slot = int(caps.get("n_ctx_slot") or caps.get("n_ctx") or 0)
     mover = KvMover(backend, layout, compat, shm, metrics)
     sharing = await _sharing(config, name, backend, caps) if config.kv_share else None
-    log.info("%s: %s, %d slots, %d cells, payloads %s%s", name, url, len(slots), int(caps.get("n_cells", 0)),
-             f"via {shm}" if shm else "inline", ", resident sharing on" if sharing else "")
+    log.info(
+        "%s: %s, %d slots, %d cells, payloads %s%s",
+        name,
+        url,
+        len(slots),
+        int(caps.get("n_cells", 0)),
+        f"via {shm}" if shm else "inline",
+        ", resident sharing on" if sharing else "",
+    )
     return ServerState(name, backend, mover, slots, n_ctx_slot, sharing)
 
 
 async def _sharing(config: Config, name: str, backend: Backend, caps: dict[str, Any]) -> Sharing:
     if not caps.get("sharing"):
         reasons = "; ".join(caps.get("reasons") or ["the server does not offer owner sequences"])
-        raise ConfigError(f"{name} cannot share resident KV: {reasons}",
-                          fix="start llama-server with --kvctl-owners N (N > 0), or use --cache-kv-share off")
+        raise ConfigError(
+            f"{name} cannot share resident KV: {reasons}",
+            fix="start llama-server with --kvctl-owners N (N > 0), or use --cache-kv-share off",
+        )
     n_cells = int(caps["n_cells"])
     props = await backend.get_json("/props")
-    n_ubatch = int(props.get("n_ubatch") or (props.get("default_generation_settings") or {}).get("n_ubatch") or 512)
+    n_ubatch = int(
+        props.get("n_ubatch") or (props.get("default_generation_settings") or {}).get("n_ubatch") or 512
+    )
     first, end = caps["owner_ids"]
     index = ResidentIndex(range(int(first), int(end)), config.kv_share_max_entries)
     budget = config.kv_share_cells or n_cells // 2
@@ -98,9 +130,16 @@ async def _sharing(config: Config, name: str, backend: Backend, caps: dict[str, 
     # Owners left by an earlier proxy would hold cells nobody accounts for.
     for owner in range(int(first), int(end)):
         await backend.kv_post("release", {"owner": owner}, cause=FallbackCause.RELEASE)
-    log.info("%s: resident sharing: %d entries, budget %d cells, headroom %d cells", name, index.max_entries,
-             budget, headroom)
-    return Sharing(backend, index, budget_cells=budget, headroom=headroom, min_tokens=config.kv_share_min_tokens)
+    log.info(
+        "%s: resident sharing: %d entries, budget %d cells, headroom %d cells",
+        name,
+        index.max_entries,
+        budget,
+        headroom,
+    )
+    return Sharing(
+        backend, index, budget_cells=budget, headroom=headroom, min_tokens=config.kv_share_min_tokens
+    )
 
 
 def _usable_shm(mine: Path | None, theirs: str | None) -> Path | None:
@@ -131,5 +170,7 @@ async def _setup_tokenizer(runtime: Runtime) -> None:
     elif result.parity is None:
         log.warning("tokenizer: using the server's /tokenize: %s", result.error)
     else:
-        log.warning("tokenizer: local tokenizer differs from the server on %d texts; using the server's",
-                    result.mismatches)
+        log.warning(
+            "tokenizer: local tokenizer differs from the server on %d texts; using the server's",
+            result.mismatches,
+        )

@@ -87,4 +87,3 @@ __all__ = [
     "split_special",
     "supported_pre_types",
 ]
-

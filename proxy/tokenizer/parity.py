@@ -78,7 +78,7 @@ CORPUS: tuple[str, ...] = (
     "mixed   \t \u00a0 whitespace\u3000ideographic\u2003em\u2009thin\u202fnarrow\u200bzwsp\u0085nel",
     "vertical\x0btab\x0cformfeed",
     "def fibonacci(n: int) -> int:\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
-    "#include <stdio.h>\nint main(void) {\n\tprintf(\"%d\\n\", 42);\n\treturn 0;\n}\n",
+    '#include <stdio.h>\nint main(void) {\n\tprintf("%d\\n", 42);\n\treturn 0;\n}\n',
     "const f = async (x) => { await fetch(`/api/${x}?q=1&r=2`); return x ?? null; }; // ok\n",
     "SELECT id, name FROM users WHERE age >= 18 AND name LIKE '%son' ORDER BY id DESC LIMIT 10;",
     "<html><body><div class=\"a b\" id='c'>&nbsp;&amp;</div></body></html>",
@@ -215,8 +215,9 @@ class ProbeResult:
         return f"server ({self.mismatches} corpus mismatches)"
 
 
-async def probe(model_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str],
-                remote: RemoteTokenize) -> ProbeResult:
+async def probe(
+    model_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str], remote: RemoteTokenize
+) -> ProbeResult:
     """Build the local tokenizer of the GGUF at ``model_path`` and keep it only if it tokenizes
     :data:`CORPUS` (plus every special token text) exactly as ``remote`` does.
 

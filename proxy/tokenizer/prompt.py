@@ -292,4 +292,3 @@ class PromptTokenizer:
         if chunk:
             out.append(" ".join(chunk))
         return out
-

@@ -67,16 +67,53 @@ _FAM_QWEN2 = _PreFamily("qwen2", (_RE_QWEN2,))
 
 _PRE_FAMILIES: dict[str, _PreFamily] = {}
 for _names, _fam in (
-    (("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0",
-      "mellum", "modern-bert", "jina-v1-en", "jina-v2-code", "roberta-bpe", "mpt", "olmo", "jais",
-      "trillion", "granite-docling", "exaone4"), _FAM_GPT2),
-    (("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b", "mellum2"),
-     _FAM_STARCODER),
-    (("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-      "jina-v5-nano"), _FAM_LLAMA3),
+    (
+        (
+            "gpt-2",
+            "phi-2",
+            "jina-es",
+            "jina-de",
+            "gigachat",
+            "jina-v2-es",
+            "jina-v2-de",
+            "a.x-4.0",
+            "mellum",
+            "modern-bert",
+            "jina-v1-en",
+            "jina-v2-code",
+            "roberta-bpe",
+            "mpt",
+            "olmo",
+            "jais",
+            "trillion",
+            "granite-docling",
+            "exaone4",
+        ),
+        _FAM_GPT2,
+    ),
+    (
+        ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b", "mellum2"),
+        _FAM_STARCODER,
+    ),
+    (
+        (
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "jina-v5-nano",
+        ),
+        _FAM_LLAMA3,
+    ),
     (("dbrx", "smaug-bpe"), _FAM_DBRX),
-    (("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open"),
-     _FAM_QWEN2),
+    (
+        ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open"),
+        _FAM_QWEN2,
+    ),
 ):
     for _n in _names:
         _PRE_FAMILIES[_n] = _fam
@@ -93,22 +130,77 @@ def supported_pre_types() -> list[str]:
 _TT_NORMAL, _TT_UNKNOWN, _TT_CONTROL, _TT_USER_DEFINED, _TT_UNUSED, _TT_BYTE = 1, 2, 3, 4, 5, 6
 
 # Texts llama.cpp marks CONTROL when found (EOT/EOM/FIM auto-detection and the EOG list).
-_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
-              "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
+_EOT_TEXTS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "<｜end▁of▁sentence｜>",
+    "<end_of_utterance>",
+)
 _EOM_TEXTS = ("<|eom_id|>",)
-_FIM_PRE_TEXTS = ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
-                  "<|code_prefix|>", "<|prefix|>")
-_FIM_SUF_TEXTS = ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
-                  "<|code_suffix|>", "<|suffix|>")
-_FIM_MID_TEXTS = ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
-                  "<|code_middle|>", "<|middle|>")
+_FIM_PRE_TEXTS = (
+    "<|fim_prefix|>",
+    "<fim-prefix>",
+    "<fim_prefix>",
+    "<｜fim▁begin｜>",
+    "<PRE>",
+    "▁<PRE>",
+    "<|code_prefix|>",
+    "<|prefix|>",
+)
+_FIM_SUF_TEXTS = (
+    "<|fim_suffix|>",
+    "<fim-suffix>",
+    "<fim_suffix>",
+    "<｜fim▁hole｜>",
+    "<SUF>",
+    "▁<SUF>",
+    "<|code_suffix|>",
+    "<|suffix|>",
+)
+_FIM_MID_TEXTS = (
+    "<|fim_middle|>",
+    "<fim-middle>",
+    "<fim_middle>",
+    "<｜fim▁end｜>",
+    "<MID>",
+    "▁<MID>",
+    "<|code_middle|>",
+    "<|middle|>",
+)
 _FIM_PAD_TEXTS = ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]")
 _FIM_REP_TEXTS = ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")
 _FIM_SEP_TEXTS = ("<|file_sep|>",)
-_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-              "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-              "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-              "<｜end▁of▁sentence｜>", "[e~[")
+_EOG_TEXTS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "[EOS]",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
+    "<｜end▁of▁sentence｜>",
+    "[e~[",
+)
 _GPT_OSS_USER_DEFINED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 # (GGUF key of the id, candidate texts): auto-detection only runs when the key is absent.
 _AUTODETECT = (
@@ -130,8 +222,16 @@ _AUTODETECT_DEPRECATED = {
 #: Every text llama.cpp may promote to a special token by its text; probed by :func:`check_parity`.
 SPECIAL_CANDIDATE_TEXTS: tuple[str, ...] = tuple(
     dict.fromkeys(
-        _EOT_TEXTS + _EOM_TEXTS + _FIM_PRE_TEXTS + _FIM_SUF_TEXTS + _FIM_MID_TEXTS + _FIM_PAD_TEXTS
-        + _FIM_REP_TEXTS + _FIM_SEP_TEXTS + _EOG_TEXTS + _GPT_OSS_USER_DEFINED
+        _EOT_TEXTS
+        + _EOM_TEXTS
+        + _FIM_PRE_TEXTS
+        + _FIM_SUF_TEXTS
+        + _FIM_MID_TEXTS
+        + _FIM_PAD_TEXTS
+        + _FIM_REP_TEXTS
+        + _FIM_SEP_TEXTS
+        + _EOG_TEXTS
+        + _GPT_OSS_USER_DEFINED
     )
 )
 
@@ -220,8 +320,16 @@ def _read_gguf_vocab(reader: Any) -> GGUFVocab:
         raise UnsupportedTokenizerError("vocab adds BOS/EOS but has no such token")
     name = _field_value(reader, "general.name") or ""
     vocab = GGUFVocab(
-        model=model, pre=pre, tokens=list(tokens), token_types=token_types[:n], merges=list(merges),
-        bos_id=bos_id, eos_id=eos_id, add_bos=add_bos, add_eos=add_eos, general_name=str(name),
+        model=model,
+        pre=pre,
+        tokens=list(tokens),
+        token_types=token_types[:n],
+        merges=list(merges),
+        bos_id=bos_id,
+        eos_id=eos_id,
+        add_bos=add_bos,
+        add_eos=add_eos,
+        general_name=str(name),
     )
     present_keys = {k for k in reader.fields if k.startswith("tokenizer.ggml.")}
     vocab.specials = _llama_specials(vocab, present_keys)
@@ -306,8 +414,11 @@ def _hf_from_vocab(vocab: GGUFVocab) -> Tokenizer:
     if missing:
         in_merges = {t for pair in merges for t in pair}
         unk = next(
-            (s.text for s in sorted(vocab.specials, key=lambda s: s.id)
-             if s.text not in in_merges and token_to_id.get(s.text) == s.id),
+            (
+                s.text
+                for s in sorted(vocab.specials, key=lambda s: s.id)
+                if s.text not in in_merges and token_to_id.get(s.text) == s.id
+            ),
             None,
         )
         if unk is None:
@@ -316,8 +427,12 @@ def _hf_from_vocab(vocab: GGUFVocab) -> Tokenizer:
             )
     try:
         bpe = models.BPE(
-            vocab=token_to_id, merges=merges, ignore_merges=fam.ignore_merges, fuse_unk=False,
-            byte_fallback=False, unk_token=unk,
+            vocab=token_to_id,
+            merges=merges,
+            ignore_merges=fam.ignore_merges,
+            fuse_unk=False,
+            byte_fallback=False,
+            unk_token=unk,
         )
     except Exception as e:  # tokenizers raises plain Exception subclasses
         raise UnsupportedTokenizerError(f"cannot build BPE model: {e}") from e
@@ -325,8 +440,9 @@ def _hf_from_vocab(vocab: GGUFVocab) -> Tokenizer:
     tok.pre_tokenizer = build_pre_tokenizer(vocab.pre)
     tok.decoder = decoders.ByteLevel()
     added = [
-        AddedToken(s.text, single_word=False, lstrip=s.lstrip, rstrip=s.rstrip, normalized=False,
-                   special=s.control)
+        AddedToken(
+            s.text, single_word=False, lstrip=s.lstrip, rstrip=s.rstrip, normalized=False, special=s.control
+        )
         for s in sorted(vocab.specials, key=lambda s: s.id)
     ]
     if added:
@@ -465,4 +581,3 @@ def load_tokenizer(gguf_path: str | os.PathLike[str], cache_dir: str | os.PathLi
             os.unlink(tmp)
         raise
     return tok
-

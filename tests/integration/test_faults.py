@@ -34,28 +34,45 @@ from tests.helpers import ProxyThread, Reply, ServerFactory, chat_body, get, pos
 
 pytestmark = pytest.mark.integration
 
-FAST = {"health_interval_s": 0.2, "health_timeout_s": 1.0, "queue_timeout_s": 60.0, "min_restore_tokens": 32,
-        "cache_ram_mib": 128}
-DOC = ("The turbine log for unit seven shows pressure rising through the night shift, the valve audit "
-       "found two sensors out of calibration, and the copper lattice in the inverter was replaced. ") * 4
+FAST = {
+    "health_interval_s": 0.2,
+    "health_timeout_s": 1.0,
+    "queue_timeout_s": 60.0,
+    "min_restore_tokens": 32,
+    "cache_ram_mib": 128,
+}
+DOC = (
+    "The turbine log for unit seven shows pressure rising through the night shift, the valve audit "
+    "found two sensors out of calibration, and the copper lattice in the inverter was replaced. "
+) * 4
 
 
 def messages(question: str) -> list[dict[str, str]]:
-    return [{"role": "system", "content": f"Maintenance notes:\n{DOC}"}, {"role": "user", "content": question}]
+    return [
+        {"role": "system", "content": f"Maintenance notes:\n{DOC}"},
+        {"role": "user", "content": question},
+    ]
 
 
 def start_proxy(*servers: ServerProcess, **over: Any) -> ProxyThread:
     spec = servers[0].spec
     assert spec.kvctl_dir is not None
-    config = Config(backends=tuple(s.url for s in servers), port=free_port(), shm_dir=spec.kvctl_dir,
-                    kvctl_key=spec.kvctl_key, **{**FAST, **over})
+    config = Config(
+        backends=tuple(s.url for s in servers),
+        port=free_port(),
+        shm_dir=spec.kvctl_dir,
+        kvctl_key=spec.kvctl_key,
+        **{**FAST, **over},
+    )
     return ProxyThread(config).start()
 
 
 def settled(proxy: ProxyThread) -> None:
     proxy.settle()
     proxy.call(lambda rt: rt.coordinator.tree.check_invariants())
-    busy = proxy.call(lambda rt: [(sv.name, s.slot_id) for sv in rt.coordinator.servers for s in sv.slots if s.busy])
+    busy = proxy.call(
+        lambda rt: [(sv.name, s.slot_id) for sv in rt.coordinator.servers for s in sv.slots if s.busy]
+    )
     assert busy == []
 
 
@@ -77,7 +94,8 @@ def lone_server(start_server: ServerFactory, patched_bin: Path) -> ServerProcess
 
 
 def test_a_killed_server_is_restarted_on_its_port_and_nothing_is_lost(
-        lone_server: ServerProcess, work_dir: Path) -> None:
+    lone_server: ServerProcess, work_dir: Path
+) -> None:
     proxy = start_proxy(lone_server)
     again: ServerProcess | None = None
     try:
@@ -90,8 +108,13 @@ def test_a_killed_server_is_restarted_on_its_port_and_nothing_is_lost(
         wait_for(lambda: get(f"{proxy.url}/health").status == 503, 10, "/health to say 503")
         # A request sent while the server is dead waits (bounded) for it to come back.
         result: dict[str, Reply] = {}
-        sender = threading.Thread(target=lambda: result.update(
-            r=post(f"{proxy.url}/v1/chat/completions", chat_body(messages("Which valve?"), 8), timeout=120)))
+        sender = threading.Thread(
+            target=lambda: result.update(
+                r=post(
+                    f"{proxy.url}/v1/chat/completions", chat_body(messages("Which valve?"), 8), timeout=120
+                )
+            )
+        )
         sender.start()
         time.sleep(1.0)
         again = restart(lone_server, work_dir)
@@ -102,7 +125,10 @@ def test_a_killed_server_is_restarted_on_its_port_and_nothing_is_lost(
         settled(proxy)
         # The host tree outlived the server: the notes come back from it, not from a prefill.
         warm = post(f"{proxy.url}/v1/chat/completions", chat_body(messages("Which sensors?"), 8))
-        assert warm.status == 200 and warm.headers["X-Radix-Route"] in ("A", "H", "A+H"), (warm.headers, proxy.call(lambda rt: [d.summary() for d in rt.coordinator.log.decisions]))
+        assert warm.status == 200 and warm.headers["X-Radix-Route"] in ("A", "H", "A+H"), (
+            warm.headers,
+            proxy.call(lambda rt: [d.summary() for d in rt.coordinator.log.decisions]),
+        )
         assert warm.body["timings"]["cache_n"] > 100, warm.body["timings"]
         settled(proxy)
     finally:
@@ -122,8 +148,10 @@ def test_two_servers_one_killed_no_request_fails(start_server: ServerFactory, pa
         a.proc.wait(10)
         # Sent at once, before the health check noticed: a request routed to the dead server is
         # retried on the other one; none gets a 5xx.
-        statuses = [post(f"{proxy.url}/v1/chat/completions", chat_body(messages(f"Question {i}?"), 4)).status
-                    for i in range(6)]
+        statuses = [
+            post(f"{proxy.url}/v1/chat/completions", chat_body(messages(f"Question {i}?"), 4)).status
+            for i in range(6)
+        ]
         assert statuses == [200] * 6
         health = get(f"{proxy.url}/health")
         assert health.status == 200 and health.body["status"] == "degraded"
@@ -154,20 +182,23 @@ def test_a_server_dying_mid_stream_ends_the_stream_cleanly(lone_server: ServerPr
         proxy.stop()
 
 
-def test_a_burst_far_past_the_queue_is_answered_or_refused_fast(start_server: ServerFactory,
-                                                              patched_bin: Path) -> None:
+def test_a_burst_far_past_the_queue_is_answered_or_refused_fast(
+    start_server: ServerFactory, patched_bin: Path
+) -> None:
     server = start_server(patched_bin)  # 4 slots
     proxy = start_proxy(server, max_queue=8)
 
     async def burst() -> list[tuple[int, str | None, bool]]:
         timeout = aiohttp.ClientTimeout(total=180)
         async with aiohttp.ClientSession(timeout=timeout) as session:
+
             async def one(i: int) -> tuple[int, str | None, bool]:
                 body = chat_body([{"role": "user", "content": f"Say {i}."}], 1)
                 async with session.post(f"{proxy.url}/v1/chat/completions", json=body) as resp:
                     data = await resp.json()
                     ok = resp.status != 200 or bool(data["choices"][0]["message"])
                     return resp.status, resp.headers.get("Retry-After"), ok
+
             return await asyncio.gather(*(one(i) for i in range(300)))
 
     try:
@@ -189,8 +220,10 @@ def _slow_stream(port: int, question: str, out: dict[str, Any]) -> None:
     sock = socket.create_connection(("127.0.0.1", port), timeout=120)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     body = json.dumps({**chat_body(messages(question), 160, top_logprobs=10), "stream": True}).encode()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body
+    )
     data = b""
     while chunk := sock.recv(512):
         data += chunk
@@ -204,15 +237,24 @@ def test_slow_readers_do_not_hold_slots(start_server: ServerFactory, patched_bin
     proxy = start_proxy(server)
     try:
         outs: list[dict[str, Any]] = [{} for _ in range(2)]
-        readers = [threading.Thread(target=_slow_stream, args=(proxy.config.port, f"Report {i} on every unit.",
-                                                               outs[i])) for i in range(2)]
+        readers = [
+            threading.Thread(
+                target=_slow_stream, args=(proxy.config.port, f"Report {i} on every unit.", outs[i])
+            )
+            for i in range(2)
+        ]
         for t in readers:
             t.start()
-        wait_for(lambda: proxy.call(lambda rt: rt.coordinator.servers[0].busy_count()) == 2, 60, "both leased")
+        wait_for(
+            lambda: proxy.call(lambda rt: rt.coordinator.servers[0].busy_count()) == 2, 60, "both leased"
+        )
         # The server finishes long before the slow clients have read the answer: the slots
         # are saved and released then, and another request is served meanwhile.
-        wait_for(lambda: proxy.call(lambda rt: rt.coordinator.servers[0].busy_count()) == 0, 120,
-                 "slots released while clients still read")
+        wait_for(
+            lambda: proxy.call(lambda rt: rt.coordinator.servers[0].busy_count()) == 0,
+            120,
+            "slots released while clients still read",
+        )
         assert any(t.is_alive() for t in readers), "the readers were not slow enough to show anything"
         quick = post(f"{proxy.url}/v1/chat/completions", chat_body([{"role": "user", "content": "Hi."}], 2))
         assert quick.status == 200
@@ -226,7 +268,9 @@ def test_slow_readers_do_not_hold_slots(start_server: ServerFactory, patched_bin
         proxy.stop()
 
 
-def test_a_stopped_server_makes_requests_fail_fast_and_it_is_used_again_after(lone_server: ServerProcess) -> None:
+def test_a_stopped_server_makes_requests_fail_fast_and_it_is_used_again_after(
+    lone_server: ServerProcess,
+) -> None:
     proxy = start_proxy(lone_server, backend_read_timeout_s=3.0, queue_timeout_s=3.0)
     assert lone_server.proc is not None
     pid = lone_server.proc.pid
@@ -253,9 +297,28 @@ def test_a_stopped_server_makes_requests_fail_fast_and_it_is_used_again_after(lo
 
 
 def _up(port: int, server_port: int) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "up", "--port", str(port), "--server-port",
-                             str(server_port), "-t", "2", "-c", "4096", "-np", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "up",
+            "--port",
+            str(port),
+            "--server-port",
+            str(server_port),
+            "-t",
+            "2",
+            "-c",
+            "4096",
+            "-np",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
     def serving() -> bool:
         assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
         return _listening(port) and get(f"http://127.0.0.1:{port}/health", timeout=2).status == 200
@@ -296,9 +359,12 @@ def test_up_restarts_a_killed_server_and_stops_gracefully(patched_bin: Path, mod
         assert post(f"{url}/v1/chat/completions", chat_body(messages("Which unit?"), 4)).status == 200
         # SIGTERM while a long answer streams: it completes, then everything stops.
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        conn.request("POST", "/v1/chat/completions",
-                     json.dumps({**chat_body(messages("Write a report on every unit."), 48), "stream": True}),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps({**chat_body(messages("Write a report on every unit."), 48), "stream": True}),
+            {"Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         assert resp.readline().startswith(b"data: ")
         proc.send_signal(signal.SIGTERM)
@@ -335,8 +401,11 @@ def test_a_server_back_with_another_kv_type_is_kept_out(lone_server: ServerProce
         lone_server.proc.wait(10)
         spec = dataclasses.replace(lone_server.spec, extra_args=("-ctk", "q8_0"))
         other = ServerProcess(spec, work_dir / f"server-{spec.port}-q8.log").start(timeout=180)
-        wait_for(lambda: "another model or KV layout" in json.dumps(get(f"{proxy.url}/health").body), 30,
-                 "the server to be kept out")
+        wait_for(
+            lambda: "another model or KV layout" in json.dumps(get(f"{proxy.url}/health").body),
+            30,
+            "the server to be kept out",
+        )
         health = get(f"{proxy.url}/health")
         assert health.status == 503
         reply = post(f"{proxy.url}/v1/chat/completions", chat_body(messages("Which valve?"), 4), timeout=120)
@@ -348,8 +417,9 @@ def test_a_server_back_with_another_kv_type_is_kept_out(lone_server: ServerProce
             other.stop()
 
 
-def test_a_full_payload_dir_falls_back_and_keeps_serving(start_server: ServerFactory, patched_bin: Path,
-                                                        tmp_path: Path) -> None:
+def test_a_full_payload_dir_falls_back_and_keeps_serving(
+    start_server: ServerFactory, patched_bin: Path, tmp_path: Path
+) -> None:
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
     tiny = tmp_path / "tiny"
@@ -366,8 +436,12 @@ def test_a_full_payload_dir_falls_back_and_keeps_serving(start_server: ServerFac
             again = post(f"{proxy.url}/v1/chat/completions", chat_body(messages("Which valve?"), 4))
             assert again.status == 200
             settled(proxy)
-            fallbacks = proxy.call(lambda rt: sum(rt.metrics.value("radix_fallbacks_total", cause=c)
-                                                  for c in ("export", "no_space", "transport")))
+            fallbacks = proxy.call(
+                lambda rt: sum(
+                    rt.metrics.value("radix_fallbacks_total", cause=c)
+                    for c in ("export", "no_space", "transport")
+                )
+            )
             assert fallbacks > 0  # the saves did not fit: counted, not crashed
             assert get(f"{proxy.url}/health").status == 200
         finally:

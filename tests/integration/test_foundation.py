@@ -26,10 +26,17 @@ from tests.helpers import post
 
 
 def chat(url: str, content: str, max_tokens: int = 16, **extra: object) -> dict:
-    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, **extra}
-    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    body = {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
+    req = urllib.request.Request(
+        f"{url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=120) as resp:
         return dict(json.loads(resp.read()))
 
@@ -87,7 +94,8 @@ def test_patch_that_does_not_apply_names_itself(tmp_path: Path, monkeypatch: pyt
     patches = tmp_path / "patches"
     patches.mkdir()
     (patches / "0001-broken.patch").write_text(
-        "--- a/README.md\n+++ b/README.md\n@@ -1,3 +1,3 @@\n-this line is not there\n+x\n context\n context\n")
+        "--- a/README.md\n+++ b/README.md\n@@ -1,3 +1,3 @@\n-this line is not there\n+x\n context\n context\n"
+    )
     monkeypatch.setenv("RADIX_CACHE_DIR", str(cache))
     monkeypatch.setenv("RADIX_PATCH_DIR", str(patches))
     with pytest.raises(BuildError, match="0001-broken.patch") as info:
@@ -96,9 +104,16 @@ def test_patch_that_does_not_apply_names_itself(tmp_path: Path, monkeypatch: pyt
     assert not list((cache / "bin").glob("*")) if (cache / "bin").exists() else True
 
 
-def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "proxy.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+def _cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "proxy.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_up_with_missing_model_says_cause_and_fix() -> None:
@@ -120,9 +135,25 @@ def test_up_with_port_in_use_says_cause_and_fix() -> None:
 def test_up_serves_through_the_proxy_and_stops_cleanly(patched_bin: Path, model_path: Path) -> None:
     """What `make run` does: build/fetch (cached here), serve, answer, stop on SIGTERM."""
     port, server_port = free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "up", "--port", str(port),
-                             "--server-port", str(server_port), "-t", "2", "-c", "4096"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "up",
+            "--port",
+            str(port),
+            "--server-port",
+            str(server_port),
+            "-t",
+            "2",
+            "-c",
+            "4096",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
@@ -133,8 +164,10 @@ def test_up_serves_through_the_proxy_and_stops_cleanly(patched_bin: Path, model_
                         break
             except OSError:
                 time.sleep(0.5)
-        reply = post(f"http://127.0.0.1:{port}/v1/chat/completions",
-                     {"messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8})
+        reply = post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8},
+        )
         assert reply.status == 200 and reply.headers["X-Radix-Route"] == "prefill"
         assert reply.body["choices"][0]["message"]["content"]
     finally:
@@ -151,7 +184,7 @@ def _patch_body(text: str) -> str:
     lines = text.rstrip().splitlines()
     if len(lines) >= 2 and lines[-2] == "-- ":
         lines = lines[:-2]
-    return "\n".join(lines[next(i for i, line in enumerate(lines) if line.startswith("diff --git")):])
+    return "\n".join(lines[next(i for i, line in enumerate(lines) if line.startswith("diff --git")) :])
 
 
 def test_patch_checkout_and_export_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -170,8 +203,11 @@ def test_patch_checkout_and_export_round_trip(tmp_path: Path, monkeypatch: pytes
     assert len(log.splitlines()) == len(originals) + 1
     (tree / "tools" / "server" / "README-radix.txt").write_text("a new file\n")
     subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A"], cwd=tree, check=True)
-    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "server : note"],
-                   cwd=tree, check=True)
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "server : note"],
+        cwd=tree,
+        check=True,
+    )
     written = workflow.export(tree)
     assert len(written) == len(originals) + 1
     for path in written[:-1]:

@@ -35,13 +35,15 @@ from tests.helpers import NEAR_TIE_NATS, Reply, ServerFactory, chat_body, reques
 
 # Story text: greedy continuations of N_PREDICT tokens without an early end of text, and no
 # near-tie at the first tokens (measured), so that comparisons see every generated token.
-PROMPT = ("The following is a short story for children, written in simple words. "
-          "Bob was a small orange cat who lived in a little blue house by the sea with an old fisherman "
-          "named Tom. Every day Tom went out in his boat, and every evening Bob waited for him on the steps, "
-          "watching the waves. The neighbours said Bob was the smartest cat in the village, because he always "
-          "knew when a storm was coming. He liked warm bread, the smell of rope and salt, and the sound of the "
-          "gulls over the harbour. One morning, after a long night of wind and rain, Bob walked down to the "
-          "beach alone. The sand was cold and wet, and")
+PROMPT = (
+    "The following is a short story for children, written in simple words. "
+    "Bob was a small orange cat who lived in a little blue house by the sea with an old fisherman "
+    "named Tom. Every day Tom went out in his boat, and every evening Bob waited for him on the steps, "
+    "watching the waves. The neighbours said Bob was the smartest cat in the village, because he always "
+    "knew when a storm was coming. He liked warm bread, the smell of rope and salt, and the sound of the "
+    "gulls over the harbour. One morning, after a long night of wind and rain, Bob walked down to the "
+    "beach alone. The sand was cold and wet, and"
+)
 SUFFIX = " there, half buried in the sand, Bob found"
 CANARY = "The capital of France is"
 N_PREDICT = 12
@@ -65,8 +67,14 @@ def auth(url: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {KEYS[url]}"} if url in KEYS else {}
 
 
-def call(url: str, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
-         timeout: float = 180) -> Reply:
+def call(
+    url: str,
+    method: str,
+    path: str,
+    body: Any = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 180,
+) -> Reply:
     """One request; on /kvctl without explicit ``headers``, with the server's key."""
     if headers is None and path.startswith("/kvctl"):
         headers = auth(url)
@@ -94,6 +102,7 @@ def assert_error(reply: Reply, status: int, etype: str, *needles: str) -> str:
 
 
 # --- kvctl helpers ----------------------------------------------------------------------------
+
 
 def caps(url: str) -> dict[str, Any]:
     return dict(ok(url, "GET", "/kvctl/caps"))
@@ -129,8 +138,14 @@ def held(url: str, slot: int | None = 0, owner: int | None = None) -> list[int]:
     return list(listing["slots"][slot]["tokens"])
 
 
-def export_body(url: str, p0: int, p1: int, slot: int | None = 0, owner: int | None = None,
-                tokens: list[int] | None = None) -> dict[str, Any]:
+def export_body(
+    url: str,
+    p0: int,
+    p1: int,
+    slot: int | None = 0,
+    owner: int | None = None,
+    tokens: list[int] | None = None,
+) -> dict[str, Any]:
     """An export bound to ``tokens`` (default: what the sequence holds now)."""
     body: dict[str, Any] = {"p0": p0, "p1": p1}
     body.update({"owner": owner} if owner is not None else {"slot": slot})
@@ -140,8 +155,12 @@ def export_body(url: str, p0: int, p1: int, slot: int | None = 0, owner: int | N
 
 
 def publish(url: str, slot: int, owner: int, n: int) -> Any:
-    return ok(url, "POST", "/kvctl/publish", {"slot": slot, "owner": owner, "n": n,
-                                              "expect_sha256": tokens_sha256(held(url, slot)[:n])})
+    return ok(
+        url,
+        "POST",
+        "/kvctl/publish",
+        {"slot": slot, "owner": owner, "n": n, "expect_sha256": tokens_sha256(held(url, slot)[:n])},
+    )
 
 
 def attach(url: str, owner: int, slot: int, m: int | None = None) -> Any:
@@ -163,14 +182,23 @@ def b64(blob: bytes) -> str:
     return base64.b64encode(blob).decode()
 
 
-def import_body(compat: Any, slot: int, p0: int, p1: int, tokens: list[int], blobs: list[bytes],
-                **extra: Any) -> dict[str, Any]:
-    return {"slot": slot, "p0": p0, "p1": p1, "tokens": tokens, "compat": compat,
-            "segments": [{"data": b64(b)} for b in blobs], **extra}
+def import_body(
+    compat: Any, slot: int, p0: int, p1: int, tokens: list[int], blobs: list[bytes], **extra: Any
+) -> dict[str, Any]:
+    return {
+        "slot": slot,
+        "p0": p0,
+        "p1": p1,
+        "tokens": tokens,
+        "compat": compat,
+        "segments": [{"data": b64(b)} for b in blobs],
+        **extra,
+    }
 
 
-def import_(url: str, compat: Any, slot: int, p0: int, p1: int, tokens: list[int],
-            blobs: list[bytes]) -> dict[str, Any]:
+def import_(
+    url: str, compat: Any, slot: int, p0: int, p1: int, tokens: list[int], blobs: list[bytes]
+) -> dict[str, Any]:
     return dict(ok(url, "POST", "/kvctl/import", import_body(compat, slot, p0, p1, tokens, blobs)))
 
 
@@ -183,6 +211,7 @@ def parse_payload(blob: bytes, n_meta: int) -> tuple[int, list[int]]:
 
 
 # --- completions ------------------------------------------------------------------------------
+
 
 @dataclass
 class Completion:
@@ -198,15 +227,25 @@ class Completion:
         return tops[0] - tops[1] if len(tops) > 1 else float("inf")
 
 
-def complete(url: str, prompt: Any, slot: int | None = 0, cache: bool = True, n: int = N_PREDICT,
-             **extra: Any) -> Completion:
-    body = {"prompt": prompt, "cache_prompt": cache, "temperature": 0, "n_predict": n, "n_probs": 3,
-            "return_tokens": True, **extra}
+def complete(
+    url: str, prompt: Any, slot: int | None = 0, cache: bool = True, n: int = N_PREDICT, **extra: Any
+) -> Completion:
+    body = {
+        "prompt": prompt,
+        "cache_prompt": cache,
+        "temperature": 0,
+        "n_predict": n,
+        "n_probs": 3,
+        "return_tokens": True,
+        **extra,
+    }
     if slot is not None:
         body["id_slot"] = slot
     res = ok(url, "POST", "/completion", body)
-    probs = [(p["id"], p["logprob"], [(t["id"], t["logprob"]) for t in p["top_logprobs"]])
-             for p in res["completion_probabilities"]]
+    probs = [
+        (p["id"], p["logprob"], [(t["id"], t["logprob"]) for t in p["top_logprobs"]])
+        for p in res["completion_probabilities"]
+    ]
     return Completion(res["tokens"], probs, res["timings"]["cache_n"], res["timings"]["prompt_n"], res)
 
 
@@ -221,8 +260,10 @@ def assert_same_or_near_tie(got: Completion, ref: Completion, tol: float = NEAR_
     assert got.tokens and ref.tokens
     for i, (x, y) in enumerate(zip(got.tokens, ref.tokens, strict=False)):
         if x != y:
-            assert ref.margin(i) < tol, (f"answers part at token {i} ({x} vs {y}) where the reference's "
-                                         f"top-two margin is {ref.margin(i):.3f} >= {tol}")
+            assert ref.margin(i) < tol, (
+                f"answers part at token {i} ({x} vs {y}) where the reference's "
+                f"top-two margin is {ref.margin(i):.3f} >= {tol}"
+            )
             return
     assert len(got.tokens) == len(ref.tokens)
 
@@ -258,6 +299,7 @@ def off_server(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
 @dataclass
 class Moved:
     """Slot 0 of ``kv_server`` after one completion, its KV exported, and the reference continuation."""
+
     url: str
     dir: Path
     caps: dict[str, Any]
@@ -306,6 +348,7 @@ def moved(kv_server: ServerProcess) -> Moved:
 
 # --- 1. move a slot out and back --------------------------------------------------------------
 
+
 def test_export_erase_import_is_lossless(moved: Moved, stock_server: ServerProcess) -> None:
     url, n = moved.url, moved.n
     meta_bytes = moved.compat["cell_meta_bytes"]
@@ -317,9 +360,17 @@ def test_export_erase_import_is_lossless(moved: Moved, stock_server: ServerProce
     assert ok(url, "POST", "/kvctl/erase", {"slot": 0})["n_erased"] > n
     info = slot_info(url, 0)
     assert (info["n_tokens"], info["n_cells"], info["pos_max"]) == (0, 0, -1)
-    assert_error(call(url, "POST", "/kvctl/export", {"slot": 0, "p0": 0, "p1": n,
-                                                     "expect_sha256": tokens_sha256(moved.tokens)}), 400,
-                 "invalid_request_error", "does not hold")
+    assert_error(
+        call(
+            url,
+            "POST",
+            "/kvctl/export",
+            {"slot": 0, "p0": 0, "p1": n, "expect_sha256": tokens_sha256(moved.tokens)},
+        ),
+        400,
+        "invalid_request_error",
+        "does not hold",
+    )
 
     res = import_(url, moved.compat, 0, 0, n, moved.tokens, [moved.blob])
     assert (res["slot"], res["n_tokens"], res["n_cells"], res["bytes"]) == (0, n, n, len(moved.blob))
@@ -340,6 +391,7 @@ def test_export_erase_import_is_lossless(moved: Moved, stock_server: ServerProce
 
 
 # --- 2. segments ------------------------------------------------------------------------------
+
 
 def test_two_segments_and_import_on_top(moved: Moved) -> None:
     url, n = moved.url, moved.n
@@ -376,14 +428,27 @@ def test_two_segments_and_import_on_top(moved: Moved) -> None:
     assert (moved.dir / "seg1.kv").read_bytes() == s1
     (moved.dir / "both.kv").write_bytes(b"xyz" + s1 + s2)
     erase(url, 0)
-    ok(url, "POST", "/kvctl/import", {
-        "slot": 0, "p0": 0, "p1": n, "tokens": moved.tokens, "compat": moved.compat,
-        "segments": [{"file": "both.kv", "offset": 3, "size": len(s1)},
-                     {"file": "both.kv", "offset": 3 + len(s1), "size": len(s2)}]})
+    ok(
+        url,
+        "POST",
+        "/kvctl/import",
+        {
+            "slot": 0,
+            "p0": 0,
+            "p1": n,
+            "tokens": moved.tokens,
+            "compat": moved.compat,
+            "segments": [
+                {"file": "both.kv", "offset": 3, "size": len(s1)},
+                {"file": "both.kv", "offset": 3 + len(s1), "size": len(s2)},
+            ],
+        },
+    )
     assert export(url, 0, n) == moved.blob
 
 
 # --- 3. owners: publish, attach, release -----------------------------------------------------
+
 
 def test_publish_attach_share_cells(moved: Moved) -> None:
     url, n = moved.url, moved.n
@@ -437,6 +502,7 @@ def test_publish_attach_share_cells(moved: Moved) -> None:
 
 # --- 4. bad input -----------------------------------------------------------------------------
 
+
 @dataclass
 class BadCtx:
     m: Moved
@@ -471,116 +537,354 @@ Case = tuple[str, str, Any, int, str, tuple[str, ...]]  # method, path, body, st
 
 def _bad_magic(b: BadCtx) -> Case:
     blob = b.m.blob
-    return "POST", "/kvctl/import", b.imp(segments=[{"data": b64(b"\0\0\0\0" + blob[4:])}]), 400, \
-        "invalid_request_error", ("magic",)
+    return (
+        "POST",
+        "/kvctl/import",
+        b.imp(segments=[{"data": b64(b"\0\0\0\0" + blob[4:])}]),
+        400,
+        "invalid_request_error",
+        ("magic",),
+    )
 
 
 BAD_CASES: dict[str, Callable[[BadCtx], Case]] = {
-    "import-slot-negative": lambda b: ("POST", "/kvctl/import", b.imp(slot=-1), 400, "invalid_request_error",
-                                       ("slot -1 does not exist",)),
-    "import-slot-n_parallel": lambda b: ("POST", "/kvctl/import", b.imp(slot=4), 400, "invalid_request_error",
-                                         ("slot 4 does not exist",)),
-    "export-slot-n_parallel": lambda b: ("POST", "/kvctl/export", {"slot": 4, "p0": 0, "p1": 1}, 400,
-                                         "invalid_request_error", ("slot 4",)),
-    "erase-slot-n_parallel": lambda b: ("POST", "/kvctl/erase", {"slot": 4}, 400, "invalid_request_error",
-                                        ("slot 4",)),
-    "erase-slot-negative": lambda b: ("POST", "/kvctl/erase", {"slot": -4}, 400, "invalid_request_error",
-                                      ("slot -4",)),
-    "publish-slot-n_parallel": lambda b: ("POST", "/kvctl/publish", {"slot": 4, "owner": 4, "n": 1}, 400,
-                                          "invalid_request_error", ("slot 4",)),
-    "attach-owner-is-a-slot": lambda b: ("POST", "/kvctl/attach", {"owner": 0, "slot": 1}, 400,
-                                         "invalid_request_error", ("owner 0 does not exist",)),
-    "export-range-beyond-sequence": lambda b: ("POST", "/kvctl/export", {"slot": 0, "p0": 0, "p1": b.m.n + 5,
-                                                                        "expect_sha256": "0" * 64},
-                                               400, "invalid_request_error", ("does not hold",)),
-    "import-p1-beyond-slot-context": lambda b: ("POST", "/kvctl/import", b.imp(p1=10 ** 6), 400,
-                                                "invalid_request_error", ("invalid range",)),
-    "import-segments-short-of-p1": lambda b: ("POST", "/kvctl/import",
-                                              b.imp(p1=b.m.n + 1, tokens=b.m.tokens + [1]), 400,
-                                              "invalid_request_error", ("segments cover",)),
-    "import-on-top-of-missing-prefix": lambda b: ("POST", "/kvctl/import",
-                                                  import_body(b.m.compat, 2, 4, b.m.n, b.m.tokens,
-                                                              [export(b.m.url, 4, b.m.n)]),
-                                                  409, "unavailable_error", ("does not hold tokens[0, 4)",)),
-    "import-incompatible-k-types": lambda b: ("POST", "/kvctl/import",
-                                              b.imp(compat=dict(b.m.compat, k_types=[0] * len(b.m.compat["k_types"]))),
-                                              400, "invalid_request_error", ("incompatible",)),
-    "import-incompatible-fingerprint": lambda b: ("POST", "/kvctl/import",
-                                                  b.imp(compat=dict(b.m.compat, fingerprint="0" * 64)), 400,
-                                                  "invalid_request_error", ("incompatible",)),
-    "import-wrong-compat-id": lambda b: ("POST", "/kvctl/import", b.imp(compat="0" * 64), 400,
-                                         "invalid_request_error", ("incompatible",)),
-    "import-unknown-format-version": lambda b: ("POST", "/kvctl/import",
-                                                b.imp(compat=dict(b.m.compat, format_version=99)), 400,
-                                                "invalid_request_error", ("format version",)),
-    "import-no-compat": lambda b: ("POST", "/kvctl/import",
-                                   {k: v for k, v in b.imp().items() if k != "compat"}, 400,
-                                   "invalid_request_error", ("compat",)),
-    "import-truncated-payload": lambda b: ("POST", "/kvctl/import", b.imp(segments=[{"data": b64(b.m.blob[:-1])}]),
-                                           400, "invalid_request_error", ("truncated",)),
+    "import-slot-negative": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(slot=-1),
+        400,
+        "invalid_request_error",
+        ("slot -1 does not exist",),
+    ),
+    "import-slot-n_parallel": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(slot=4),
+        400,
+        "invalid_request_error",
+        ("slot 4 does not exist",),
+    ),
+    "export-slot-n_parallel": lambda b: (
+        "POST",
+        "/kvctl/export",
+        {"slot": 4, "p0": 0, "p1": 1},
+        400,
+        "invalid_request_error",
+        ("slot 4",),
+    ),
+    "erase-slot-n_parallel": lambda b: (
+        "POST",
+        "/kvctl/erase",
+        {"slot": 4},
+        400,
+        "invalid_request_error",
+        ("slot 4",),
+    ),
+    "erase-slot-negative": lambda b: (
+        "POST",
+        "/kvctl/erase",
+        {"slot": -4},
+        400,
+        "invalid_request_error",
+        ("slot -4",),
+    ),
+    "publish-slot-n_parallel": lambda b: (
+        "POST",
+        "/kvctl/publish",
+        {"slot": 4, "owner": 4, "n": 1},
+        400,
+        "invalid_request_error",
+        ("slot 4",),
+    ),
+    "attach-owner-is-a-slot": lambda b: (
+        "POST",
+        "/kvctl/attach",
+        {"owner": 0, "slot": 1},
+        400,
+        "invalid_request_error",
+        ("owner 0 does not exist",),
+    ),
+    "export-range-beyond-sequence": lambda b: (
+        "POST",
+        "/kvctl/export",
+        {"slot": 0, "p0": 0, "p1": b.m.n + 5, "expect_sha256": "0" * 64},
+        400,
+        "invalid_request_error",
+        ("does not hold",),
+    ),
+    "import-p1-beyond-slot-context": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(p1=10**6),
+        400,
+        "invalid_request_error",
+        ("invalid range",),
+    ),
+    "import-segments-short-of-p1": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(p1=b.m.n + 1, tokens=b.m.tokens + [1]),
+        400,
+        "invalid_request_error",
+        ("segments cover",),
+    ),
+    "import-on-top-of-missing-prefix": lambda b: (
+        "POST",
+        "/kvctl/import",
+        import_body(b.m.compat, 2, 4, b.m.n, b.m.tokens, [export(b.m.url, 4, b.m.n)]),
+        409,
+        "unavailable_error",
+        ("does not hold tokens[0, 4)",),
+    ),
+    "import-incompatible-k-types": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(compat=dict(b.m.compat, k_types=[0] * len(b.m.compat["k_types"]))),
+        400,
+        "invalid_request_error",
+        ("incompatible",),
+    ),
+    "import-incompatible-fingerprint": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(compat=dict(b.m.compat, fingerprint="0" * 64)),
+        400,
+        "invalid_request_error",
+        ("incompatible",),
+    ),
+    "import-wrong-compat-id": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(compat="0" * 64),
+        400,
+        "invalid_request_error",
+        ("incompatible",),
+    ),
+    "import-unknown-format-version": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(compat=dict(b.m.compat, format_version=99)),
+        400,
+        "invalid_request_error",
+        ("format version",),
+    ),
+    "import-no-compat": lambda b: (
+        "POST",
+        "/kvctl/import",
+        {k: v for k, v in b.imp().items() if k != "compat"},
+        400,
+        "invalid_request_error",
+        ("compat",),
+    ),
+    "import-truncated-payload": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(segments=[{"data": b64(b.m.blob[:-1])}]),
+        400,
+        "invalid_request_error",
+        ("truncated",),
+    ),
     "import-bad-magic": _bad_magic,
-    "import-tokens-wrong-length": lambda b: ("POST", "/kvctl/import", b.imp(tokens=b.m.tokens[:-1]), 400,
-                                             "invalid_request_error", ("tokens",)),
-    "import-fault-in-normal-build": lambda b: ("POST", "/kvctl/import", b.imp(fault="after_first_segment"), 400,
-                                               "invalid_request_error", ("fault",)),
-    "import-fault-not-a-string": lambda b: ("POST", "/kvctl/import", b.imp(fault=1), 400,
-                                            "invalid_request_error", ("fault",)),
-    "import-file-dotdot": lambda b: ("POST", "/kvctl/import",
-                                     b.imp(segments=[{"file": "../x", "size": len(b.m.blob)}]), 400,
-                                     "invalid_request_error", ("invalid file name",)),
-    "import-file-etc-passwd": lambda b: ("POST", "/kvctl/import",
-                                         b.imp(segments=[{"file": "/etc/passwd", "size": 10}]), 400,
-                                         "invalid_request_error", ("invalid file name",)),
+    "import-tokens-wrong-length": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(tokens=b.m.tokens[:-1]),
+        400,
+        "invalid_request_error",
+        ("tokens",),
+    ),
+    "import-fault-in-normal-build": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(fault="after_first_segment"),
+        400,
+        "invalid_request_error",
+        ("fault",),
+    ),
+    "import-fault-not-a-string": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(fault=1),
+        400,
+        "invalid_request_error",
+        ("fault",),
+    ),
+    "import-file-dotdot": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(segments=[{"file": "../x", "size": len(b.m.blob)}]),
+        400,
+        "invalid_request_error",
+        ("invalid file name",),
+    ),
+    "import-file-etc-passwd": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(segments=[{"file": "/etc/passwd", "size": 10}]),
+        400,
+        "invalid_request_error",
+        ("invalid file name",),
+    ),
     "import-file-absolute-valid-payload": lambda b: (
-        "POST", "/kvctl/import",
+        "POST",
+        "/kvctl/import",
         b.imp(segments=[{"file": str(b.m.dir.parent / f"outside-{b.m.dir.name}.kv"), "size": len(b.m.blob)}]),
-        400, "invalid_request_error", ("invalid file name",)),
-    "import-file-symlink-out": lambda b: ("POST", "/kvctl/import",
-                                          b.imp(segments=[{"file": "link.kv", "size": len(b.m.blob)}]), 400,
-                                          "invalid_request_error", ("link.kv",)),
-    "import-file-beyond-its-size": lambda b: ("POST", "/kvctl/import",
-                                              b.imp(segments=[{"file": "whole.kv", "offset": 8,
-                                                               "size": len(b.m.blob)}]),
-                                              400, "invalid_request_error", ("outside file",)),
-    "export-file-dotdot": lambda b: ("POST", "/kvctl/export", {"slot": 0, "p0": 0, "p1": 1, "file": "../y.kv"},
-                                     400, "invalid_request_error", ("invalid file name",)),
-    "export-file-with-slash": lambda b: ("POST", "/kvctl/export", {"slot": 0, "p0": 0, "p1": 1, "file": "a/b"},
-                                         400, "invalid_request_error", ("invalid file name",)),
-    "export-empty-range": lambda b: ("POST", "/kvctl/export", {"slot": 0, "p0": 3, "p1": 3}, 400,
-                                     "invalid_request_error", ("invalid range [3, 3)",)),
-    "export-slot-and-owner": lambda b: ("POST", "/kvctl/export",
-                                        {"slot": 0, "owner": b.m.caps["owner_ids"][0], "p0": 0, "p1": 1}, 400,
-                                        "invalid_request_error", ("exactly one",)),
-    "export-owner-is-the-scratch": lambda b: ("POST", "/kvctl/export",
-                                              {"owner": b.m.caps["owner_ids"][1], "p0": 0, "p1": 1}, 400,
-                                              "invalid_request_error", ("does not exist",)),
-    "export-p0-not-an-integer": lambda b: ("POST", "/kvctl/export", {"slot": 0, "p0": "0", "p1": 1}, 400,
-                                           "invalid_request_error", ("'p0' must be an integer",)),
-    "import-random-bytes": lambda b: ("POST", "/kvctl/import", b.imp(segments=[{"data": b64(bytes(range(256)) * 4)}]),
-                                      400, "invalid_request_error", ("segment 0",)),
-    "import-invalid-base64": lambda b: ("POST", "/kvctl/import", b.imp(segments=[{"data": "!!!"}]), 400,
-                                        "invalid_request_error", ("segment 0",)),
-    "import-segment-at-wrong-position": lambda b: ("POST", "/kvctl/import", b.imp(p0=1), 400,
-                                                   "invalid_request_error", ("segment 0",)),
-    "import-invalid-token-id": lambda b: ("POST", "/kvctl/import", b.imp(tokens=[-5] + b.m.tokens[1:]), 400,
-                                          "invalid_request_error", ("invalid token id",)),
-    "import-no-segments": lambda b: ("POST", "/kvctl/import", b.imp(segments=[]), 400, "invalid_request_error",
-                                     ("'segments' must be a non-empty array",)),
-    "import-segment-without-data": lambda b: ("POST", "/kvctl/import", b.imp(segments=[{}]), 400,
-                                              "invalid_request_error", ("segment 0 has no data",)),
-    "import-missing-file": lambda b: ("POST", "/kvctl/import", b.imp(segments=[{"file": "no-such.kv", "size": 10}]),
-                                      400, "invalid_request_error", ("no-such.kv",)),
-    "import-file-without-size": lambda b: ("POST", "/kvctl/import", b.imp(segments=[{"file": "whole.kv"}]), 400,
-                                           "invalid_request_error", ("'size'",)),
-    "publish-n-beyond-slot": lambda b: ("POST", "/kvctl/publish",
-                                        {"slot": 0, "owner": b.m.caps["owner_ids"][0], "n": b.m.n + 1,
-                                         "expect_sha256": "0" * 64}, 400,
-                                        "invalid_request_error", (f"invalid n = {b.m.n + 1}",)),
-    "attach-empty-owner": lambda b: ("POST", "/kvctl/attach", {"owner": b.m.caps["owner_ids"][0], "slot": 1,
-                                                               "expect_sha256": "0" * 64}, 400,
-                                     "invalid_request_error", ("holds 0 tokens",)),
-    "release-owner-is-a-slot": lambda b: ("POST", "/kvctl/release", {"owner": 0}, 400, "invalid_request_error",
-                                          ("owner 0 does not exist",)),
+        400,
+        "invalid_request_error",
+        ("invalid file name",),
+    ),
+    "import-file-symlink-out": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(segments=[{"file": "link.kv", "size": len(b.m.blob)}]),
+        400,
+        "invalid_request_error",
+        ("link.kv",),
+    ),
+    "import-file-beyond-its-size": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(segments=[{"file": "whole.kv", "offset": 8, "size": len(b.m.blob)}]),
+        400,
+        "invalid_request_error",
+        ("outside file",),
+    ),
+    "export-file-dotdot": lambda b: (
+        "POST",
+        "/kvctl/export",
+        {"slot": 0, "p0": 0, "p1": 1, "file": "../y.kv"},
+        400,
+        "invalid_request_error",
+        ("invalid file name",),
+    ),
+    "export-file-with-slash": lambda b: (
+        "POST",
+        "/kvctl/export",
+        {"slot": 0, "p0": 0, "p1": 1, "file": "a/b"},
+        400,
+        "invalid_request_error",
+        ("invalid file name",),
+    ),
+    "export-empty-range": lambda b: (
+        "POST",
+        "/kvctl/export",
+        {"slot": 0, "p0": 3, "p1": 3},
+        400,
+        "invalid_request_error",
+        ("invalid range [3, 3)",),
+    ),
+    "export-slot-and-owner": lambda b: (
+        "POST",
+        "/kvctl/export",
+        {"slot": 0, "owner": b.m.caps["owner_ids"][0], "p0": 0, "p1": 1},
+        400,
+        "invalid_request_error",
+        ("exactly one",),
+    ),
+    "export-owner-is-the-scratch": lambda b: (
+        "POST",
+        "/kvctl/export",
+        {"owner": b.m.caps["owner_ids"][1], "p0": 0, "p1": 1},
+        400,
+        "invalid_request_error",
+        ("does not exist",),
+    ),
+    "export-p0-not-an-integer": lambda b: (
+        "POST",
+        "/kvctl/export",
+        {"slot": 0, "p0": "0", "p1": 1},
+        400,
+        "invalid_request_error",
+        ("'p0' must be an integer",),
+    ),
+    "import-random-bytes": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(segments=[{"data": b64(bytes(range(256)) * 4)}]),
+        400,
+        "invalid_request_error",
+        ("segment 0",),
+    ),
+    "import-invalid-base64": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(segments=[{"data": "!!!"}]),
+        400,
+        "invalid_request_error",
+        ("segment 0",),
+    ),
+    "import-segment-at-wrong-position": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(p0=1),
+        400,
+        "invalid_request_error",
+        ("segment 0",),
+    ),
+    "import-invalid-token-id": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(tokens=[-5] + b.m.tokens[1:]),
+        400,
+        "invalid_request_error",
+        ("invalid token id",),
+    ),
+    "import-no-segments": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(segments=[]),
+        400,
+        "invalid_request_error",
+        ("'segments' must be a non-empty array",),
+    ),
+    "import-segment-without-data": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(segments=[{}]),
+        400,
+        "invalid_request_error",
+        ("segment 0 has no data",),
+    ),
+    "import-missing-file": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(segments=[{"file": "no-such.kv", "size": 10}]),
+        400,
+        "invalid_request_error",
+        ("no-such.kv",),
+    ),
+    "import-file-without-size": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(segments=[{"file": "whole.kv"}]),
+        400,
+        "invalid_request_error",
+        ("'size'",),
+    ),
+    "publish-n-beyond-slot": lambda b: (
+        "POST",
+        "/kvctl/publish",
+        {"slot": 0, "owner": b.m.caps["owner_ids"][0], "n": b.m.n + 1, "expect_sha256": "0" * 64},
+        400,
+        "invalid_request_error",
+        (f"invalid n = {b.m.n + 1}",),
+    ),
+    "attach-empty-owner": lambda b: (
+        "POST",
+        "/kvctl/attach",
+        {"owner": b.m.caps["owner_ids"][0], "slot": 1, "expect_sha256": "0" * 64},
+        400,
+        "invalid_request_error",
+        ("holds 0 tokens",),
+    ),
+    "release-owner-is-a-slot": lambda b: (
+        "POST",
+        "/kvctl/release",
+        {"owner": 0},
+        400,
+        "invalid_request_error",
+        ("owner 0 does not exist",),
+    ),
 }
 
 
@@ -611,8 +915,17 @@ def test_busy_slot_is_409(bad: BadCtx) -> None:
     url = m.url
     busy = 3
     erase(url, busy)
-    body = json.dumps({"prompt": PROMPT, "id_slot": busy, "cache_prompt": True, "temperature": 0,
-                       "n_predict": 2000, "ignore_eos": True, "stream": True})
+    body = json.dumps(
+        {
+            "prompt": PROMPT,
+            "id_slot": busy,
+            "cache_prompt": True,
+            "temperature": 0,
+            "n_predict": 2000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    )
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
     conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
@@ -622,10 +935,15 @@ def test_busy_slot_is_409(bad: BadCtx) -> None:
         resp.readline()  # the first streamed chunk: the slot is generating
         assert slot_info(url, busy)["busy"]
         valid = import_body(m.compat, busy, 0, m.n, m.tokens, [m.blob])
-        assert_error(call(url, "POST", "/kvctl/import", valid), 409, "unavailable_error", f"slot {busy} is busy")
-        assert_error(call(url, "POST", "/kvctl/export", {"slot": busy, "p0": 0, "p1": 1,
-                                                         "expect_sha256": "0" * 64}), 409,
-                     "unavailable_error", "busy")
+        assert_error(
+            call(url, "POST", "/kvctl/import", valid), 409, "unavailable_error", f"slot {busy} is busy"
+        )
+        assert_error(
+            call(url, "POST", "/kvctl/export", {"slot": busy, "p0": 0, "p1": 1, "expect_sha256": "0" * 64}),
+            409,
+            "unavailable_error",
+            "busy",
+        )
         assert_error(call(url, "POST", "/kvctl/erase", {"slot": busy}), 409, "unavailable_error", "busy")
         assert slot_info(url, busy)["busy"]
     finally:
@@ -658,8 +976,11 @@ def test_kvctl_key_is_required(keyed_server: ServerProcess, case: str) -> None:
     assert n > 0
 
     headers = KEY_CASES[case]
-    for method, path, body in (("GET", "/kvctl/caps", None), ("GET", "/kvctl/slots", None),
-                               ("POST", "/kvctl/erase", {"slot": 0})):
+    for method, path, body in (
+        ("GET", "/kvctl/caps", None),
+        ("GET", "/kvctl/slots", None),
+        ("POST", "/kvctl/erase", {"slot": 0}),
+    ):
         assert_error(call(url, method, path, body, headers), 401, "authentication_error", "key")
 
     # nothing changed, the key opens the API, and the server answers as before
@@ -670,6 +991,7 @@ def test_kvctl_key_is_required(keyed_server: ServerProcess, case: str) -> None:
 
 
 # --- 5. fault injection: a failed import leaves the slot empty ---------------------------------
+
 
 def test_failed_import_clears_the_slot(fault_server: ServerProcess, stock_server: ServerProcess) -> None:
     url = fault_server.url
@@ -717,15 +1039,24 @@ def test_failed_import_clears_the_slot(fault_server: ServerProcess, stock_server
 
 # --- 6. flag off: no API, stock behaviour ------------------------------------------------------
 
+
 def test_flag_off_is_stock(off_server: ServerProcess, stock_server: ServerProcess) -> None:
     url = off_server.url
     for path in ("/kvctl/caps", "/kvctl/slots", "/kvctl/cells"):
         assert call(url, "GET", path).status == 404, path
-    for path in ("/kvctl/export", "/kvctl/import", "/kvctl/publish", "/kvctl/attach", "/kvctl/release",
-                 "/kvctl/erase"):
+    for path in (
+        "/kvctl/export",
+        "/kvctl/import",
+        "/kvctl/publish",
+        "/kvctl/attach",
+        "/kvctl/release",
+        "/kvctl/erase",
+    ):
         assert call(url, "POST", path, {"slot": 0}).status == 404, path
     # n_cache_reuse is refused only with --kvctl
-    assert call(url, "POST", "/completion", {"prompt": CANARY, "n_predict": 2, "n_cache_reuse": 8}).status == 200
+    assert (
+        call(url, "POST", "/completion", {"prompt": CANARY, "n_predict": 2, "n_cache_reuse": 8}).status == 200
+    )
 
     messages = [{"role": "user", "content": "Write one sentence about rivers."}]
     got = ok(url, "POST", "/v1/chat/completions", chat_body(messages, 16, cache_prompt=False))
@@ -736,9 +1067,26 @@ def test_flag_off_is_stock(off_server: ServerProcess, stock_server: ServerProces
 
 # --- 7. startup refusal -----------------------------------------------------------------------
 
+
 def test_startup_refusal_names_every_reason(patched_bin: Path, model_path: Path, shm_root: Path) -> None:
-    argv = [str(patched_bin), "-m", str(model_path), "--host", "127.0.0.1", "--port", str(free_port()),
-            "-np", "4", "-c", "2048", "-t", "1", "--no-webui", "--kvctl", "--context-shift"]
+    argv = [
+        str(patched_bin),
+        "-m",
+        str(model_path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(free_port()),
+        "-np",
+        "4",
+        "-c",
+        "2048",
+        "-t",
+        "1",
+        "--no-webui",
+        "--kvctl",
+        "--context-shift",
+    ]
     assert not set(PROXY_SERVER_ARGS) & set(argv)
     t0 = time.monotonic()
     try:
@@ -762,26 +1110,32 @@ def test_startup_refusal_names_every_reason(patched_bin: Path, model_path: Path,
 REFUSED = {
     "completion-n_cache_reuse": ("/completion", {"prompt": CANARY, "n_predict": 2, "n_cache_reuse": 8}),
     "completion-lora": ("/completion", {"prompt": CANARY, "n_predict": 2, "lora": [{"id": 0, "scale": 1.0}]}),
-    "chat-n_cache_reuse": ("/v1/chat/completions", {"messages": [{"role": "user", "content": CANARY}],
-                                                    "max_tokens": 2, "n_cache_reuse": 8}),
+    "chat-n_cache_reuse": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": CANARY}], "max_tokens": 2, "n_cache_reuse": 8},
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_cache_reuse_and_lora_are_refused(moved: Moved, case: str) -> None:
     path, body = REFUSED[case]
-    assert_error(call(moved.url, "POST", path, body), 400, "invalid_request_error", "n_cache_reuse", "lora",
-                 "--kvctl")
+    assert_error(
+        call(moved.url, "POST", path, body), 400, "invalid_request_error", "n_cache_reuse", "lora", "--kvctl"
+    )
     plain = {k: v for k, v in body.items() if k not in ("n_cache_reuse", "lora")}
     assert call(moved.url, "POST", path, plain).status == 200
 
 
 def test_lora_adapter_change_is_refused(moved: Moved, off_server: ServerProcess) -> None:
-    assert_error(call(moved.url, "POST", "/lora-adapters", []), 400, "invalid_request_error", "lora", "--kvctl")
+    assert_error(
+        call(moved.url, "POST", "/lora-adapters", []), 400, "invalid_request_error", "lora", "--kvctl"
+    )
     assert call(off_server.url, "POST", "/lora-adapters", []).status == 200
 
 
 # --- 9. transports, owner parts, moves next to a generating slot --------------------------------
+
 
 def call_raw(url: str, path: str, data: bytes, headers: dict[str, str]) -> tuple[int, Any, bytes]:
     """POST with a raw body: (status, headers, raw body), for binary replies."""
@@ -819,21 +1173,40 @@ def test_msgpack_and_octet_stream(moved: Moved) -> None:
     assert reply["data"] == s1 and (reply["size"], reply["p0"], reply["p1"]) == (len(s1), 0, a)
 
     # so does a JSON request that accepts msgpack
-    status, headers, data = call_raw(url, "/kvctl/export", json.dumps(export_body(url, a, n)).encode(),
-                                     {**as_json, "Accept": "application/msgpack"})
+    status, headers, data = call_raw(
+        url,
+        "/kvctl/export",
+        json.dumps(export_body(url, a, n)).encode(),
+        {**as_json, "Accept": "application/msgpack"},
+    )
     assert status == 200 and msgpack.unpackb(data, raw=False)["data"] == s2
 
     # the raw payload, its description in a header
-    status, headers, data = call_raw(url, "/kvctl/export", json.dumps(export_body(url, a, n)).encode(),
-                                     {**as_json, "Accept": "application/octet-stream"})
+    status, headers, data = call_raw(
+        url,
+        "/kvctl/export",
+        json.dumps(export_body(url, a, n)).encode(),
+        {**as_json, "Accept": "application/octet-stream"},
+    )
     assert status == 200 and headers["Content-Type"] == "application/octet-stream" and data == s2
     meta = json.loads(headers["X-Kvctl-Meta"])
-    assert (meta["p0"], meta["p1"], meta["size"], meta["compat_id"]) == (a, n, len(s2), moved.caps["compat_id"])
+    assert (meta["p0"], meta["p1"], meta["size"], meta["compat_id"]) == (
+        a,
+        n,
+        len(s2),
+        moved.caps["compat_id"],
+    )
 
     # a msgpack import of two binary segments, compat given as compat_id
     erase(url, 0)
-    body = {"slot": 0, "p0": 0, "p1": n, "tokens": moved.tokens, "compat": moved.caps["compat_id"],
-            "segments": [{"data": s1}, {"data": s2}]}
+    body = {
+        "slot": 0,
+        "p0": 0,
+        "p1": n,
+        "tokens": moved.tokens,
+        "compat": moved.caps["compat_id"],
+        "segments": [{"data": s1}, {"data": s2}],
+    }
     status, headers, data = call_raw(url, "/kvctl/import", msgpack.packb(body, use_bin_type=True), as_msgpack)
     assert status == 200 and headers["Content-Type"].startswith("application/msgpack")
     assert msgpack.unpackb(data, raw=False)["n_tokens"] == n
@@ -845,7 +1218,9 @@ def test_msgpack_and_octet_stream(moved: Moved) -> None:
     assert export(url, 0, n) == moved.blob
 
     # a msgpack error keeps llama-server's JSON error shape
-    status, _, data = call_raw(url, "/kvctl/import", msgpack.packb({**body, "slot": 9}, use_bin_type=True), as_msgpack)
+    status, _, data = call_raw(
+        url, "/kvctl/import", msgpack.packb({**body, "slot": 9}, use_bin_type=True), as_msgpack
+    )
     assert status == 400 and json.loads(data)["error"]["code"] == 400
 
 
@@ -854,7 +1229,9 @@ def test_malformed_requests(moved: Moved) -> None:
     as_json = {"Content-Type": "application/json"}
     status, _, data = call_raw(url, "/kvctl/import", b"{not json", as_json)
     assert status == 400 and "invalid request" in json.loads(data)["error"]["message"]
-    assert_error(call(url, "POST", "/kvctl/import", [1, 2]), 400, "invalid_request_error", "must be an object")
+    assert_error(
+        call(url, "POST", "/kvctl/import", [1, 2]), 400, "invalid_request_error", "must be an object"
+    )
     assert call(url, "GET", "/kvctl/nothing").status == 404
 
 
@@ -924,8 +1301,17 @@ def test_import_next_to_a_generating_slot(bad: BadCtx) -> None:
     holding_the_moved_kv(m)
     busy = 3
     erase(url, busy)
-    body = json.dumps({"prompt": PROMPT, "id_slot": busy, "cache_prompt": True, "temperature": 0,
-                       "n_predict": 2000, "ignore_eos": True, "stream": True})
+    body = json.dumps(
+        {
+            "prompt": PROMPT,
+            "id_slot": busy,
+            "cache_prompt": True,
+            "temperature": 0,
+            "n_predict": 2000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    )
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
     conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
@@ -953,6 +1339,7 @@ def test_import_next_to_a_generating_slot(bad: BadCtx) -> None:
 
 # --- 10. trust boundary: moves bound to tokens, instance id, keys, browsers ---------------------
 
+
 def test_moves_are_bound_to_tokens(moved: Moved) -> None:
     url, n = moved.url, moved.n
     owner = moved.caps["owner_ids"][0]
@@ -961,32 +1348,63 @@ def test_moves_are_bound_to_tokens(moved: Moved) -> None:
     other = moved.tokens[:-1] + [moved.tokens[-1] ^ 1]
 
     # export, publish and attach naming other tokens: 409, nothing changed
-    for body in ({"slot": 0, "p0": 0, "p1": n, "expect_sha256": tokens_sha256(other)},
-                 {"slot": 0, "p0": n // 2, "p1": n, "expect_sha256": tokens_sha256(moved.tokens[1:])}):
+    for body in (
+        {"slot": 0, "p0": 0, "p1": n, "expect_sha256": tokens_sha256(other)},
+        {"slot": 0, "p0": n // 2, "p1": n, "expect_sha256": tokens_sha256(moved.tokens[1:])},
+    ):
         assert_error(call(url, "POST", "/kvctl/export", body), 409, "invalid_request_error", "expect_sha256")
-    assert_error(call(url, "POST", "/kvctl/publish", {"slot": 0, "owner": owner, "n": n,
-                                                      "expect_sha256": tokens_sha256(other)}),
-                 409, "invalid_request_error", "expect_sha256")
+    assert_error(
+        call(
+            url,
+            "POST",
+            "/kvctl/publish",
+            {"slot": 0, "owner": owner, "n": n, "expect_sha256": tokens_sha256(other)},
+        ),
+        409,
+        "invalid_request_error",
+        "expect_sha256",
+    )
     assert ok(url, "GET", "/kvctl/slots")["owners"] == []
     publish(url, 0, owner, n)
-    for body in ({"owner": owner, "slot": 1, "expect_sha256": tokens_sha256(other)},
-                 {"owner": owner, "slot": 1, "m": 4, "expect_sha256": tokens_sha256(moved.tokens[:5])}):
+    for body in (
+        {"owner": owner, "slot": 1, "expect_sha256": tokens_sha256(other)},
+        {"owner": owner, "slot": 1, "m": 4, "expect_sha256": tokens_sha256(moved.tokens[:5])},
+    ):
         assert_error(call(url, "POST", "/kvctl/attach", body), 409, "invalid_request_error", "expect_sha256")
     assert slot_info(url, 1)["n_tokens"] == 0
-    assert_error(call(url, "POST", "/kvctl/export", {"owner": owner, "p0": 0, "p1": n,
-                                                     "expect_sha256": tokens_sha256(other)}),
-                 409, "invalid_request_error")
+    assert_error(
+        call(
+            url,
+            "POST",
+            "/kvctl/export",
+            {"owner": owner, "p0": 0, "p1": n, "expect_sha256": tokens_sha256(other)},
+        ),
+        409,
+        "invalid_request_error",
+    )
     assert export(url, 0, n) == moved.blob
     assert export(url, 0, n, slot=None, owner=owner) == moved.blob
 
     # missing or malformed: 400
     for expect in (None, "", tokens_sha256(moved.tokens).upper(), 5, "0" * 63):
-        body = {"slot": 0, "p0": 0, "p1": n} if expect is None else {"slot": 0, "p0": 0, "p1": n, "expect_sha256": expect}
+        body = (
+            {"slot": 0, "p0": 0, "p1": n}
+            if expect is None
+            else {"slot": 0, "p0": 0, "p1": n, "expect_sha256": expect}
+        )
         assert_error(call(url, "POST", "/kvctl/export", body), 400, "invalid_request_error", "expect_sha256")
-    assert_error(call(url, "POST", "/kvctl/publish", {"slot": 0, "owner": owner, "n": n}), 400,
-                 "invalid_request_error", "expect_sha256")
-    assert_error(call(url, "POST", "/kvctl/attach", {"owner": owner, "slot": 1}), 400,
-                 "invalid_request_error", "expect_sha256")
+    assert_error(
+        call(url, "POST", "/kvctl/publish", {"slot": 0, "owner": owner, "n": n}),
+        400,
+        "invalid_request_error",
+        "expect_sha256",
+    )
+    assert_error(
+        call(url, "POST", "/kvctl/attach", {"owner": owner, "slot": 1}),
+        400,
+        "invalid_request_error",
+        "expect_sha256",
+    )
     ok(url, "POST", "/kvctl/release", {"owner": owner})
     assert export(url, 0, n) == moved.blob
 
@@ -997,7 +1415,9 @@ def test_instance_id(start_server: ServerFactory, patched_bin: Path, moved: Move
     assert isinstance(first, str) and len(first) == 32 and int(first, 16) >= 0
     assert ok(url, "GET", "/kvctl/slots")["instance"] == first
     assert ok(url, "GET", "/kvctl/cells")["instance"] == first
-    status, _, data = call_raw(url, "/kvctl/erase", msgpack.packb({"slot": 3}), {"Content-Type": "application/msgpack"})
+    status, _, data = call_raw(
+        url, "/kvctl/erase", msgpack.packb({"slot": 3}), {"Content-Type": "application/msgpack"}
+    )
     assert status == 200 and msgpack.unpackb(data, raw=False)["instance"] == first
     err = call(url, "POST", "/kvctl/erase", {"slot": 99})
     assert err.status == 400 and err.body["instance"] == first
@@ -1025,8 +1445,24 @@ def run_refused(argv: list[str], timeout: float = 90) -> str:
 
 
 def base_argv(patched_bin: Path, model_path: Path) -> list[str]:
-    return [str(patched_bin), "-m", str(model_path), "--host", "127.0.0.1", "--port", str(free_port()),
-            "-np", "1", "-c", "1024", "-t", "1", "--no-webui", *PROXY_SERVER_ARGS, "--kvctl"]
+    return [
+        str(patched_bin),
+        "-m",
+        str(model_path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(free_port()),
+        "-np",
+        "1",
+        "-c",
+        "1024",
+        "-t",
+        "1",
+        "--no-webui",
+        *PROXY_SERVER_ARGS,
+        "--kvctl",
+    ]
 
 
 def test_keys(start_server: ServerFactory, patched_bin: Path, model_path: Path, tmp_path: Path) -> None:
@@ -1037,10 +1473,13 @@ def test_keys(start_server: ServerFactory, patched_bin: Path, model_path: Path, 
     empty = tmp_path / "empty"
     empty.write_text(" \n")
     assert "empty key" in run_refused([*base_argv(patched_bin, model_path), "--kvctl-key-file", str(empty)])
-    assert "--kvctl-key-file" in run_refused([*base_argv(patched_bin, model_path), "--kvctl-key-file",
-                                              str(tmp_path / "missing")])
+    assert "--kvctl-key-file" in run_refused(
+        [*base_argv(patched_bin, model_path), "--kvctl-key-file", str(tmp_path / "missing")]
+    )
     # --kvctl-insecure: starts, /kvctl answers without a key
-    open_server = start_server(patched_bin, kvctl_key=None, insecure=True, n_parallel=1, ctx_size=1024, threads=ONE)
+    open_server = start_server(
+        patched_bin, kvctl_key=None, insecure=True, n_parallel=1, ctx_size=1024, threads=ONE
+    )
     assert "--kvctl-insecure" in open_server.spec.argv()
     assert call(open_server.url, "GET", "/kvctl/caps", headers={}).status == 200
     open_server.stop()
@@ -1054,8 +1493,12 @@ def test_keys(start_server: ServerFactory, patched_bin: Path, model_path: Path, 
 
 def test_no_browser_access(moved: Moved) -> None:
     url = moved.url
-    for method, path, body in (("GET", "/kvctl/caps", None), ("POST", "/kvctl/erase", {"slot": 3}),
-                               ("OPTIONS", "/kvctl/erase", None), ("GET", "/kvctl/nothing", None)):
+    for method, path, body in (
+        ("GET", "/kvctl/caps", None),
+        ("POST", "/kvctl/erase", {"slot": 3}),
+        ("OPTIONS", "/kvctl/erase", None),
+        ("GET", "/kvctl/nothing", None),
+    ):
         reply = call(url, method, path, body, headers={**auth(url), "Origin": "http://localhost:3000"})
         assert_error(reply, 403, "permission_error", "browser")
         assert not [h for h in reply.headers if h.lower().startswith("access-control-")], reply.headers
@@ -1064,43 +1507,74 @@ def test_no_browser_access(moved: Moved) -> None:
         assert resp.status == 200
         assert not [h for h in resp.headers if h.lower().startswith("access-control-")]
     # the rest of the server keeps upstream's CORS
-    with urllib.request.urlopen(urllib.request.Request(url + "/health", headers={"Origin": "http://x"})) as resp:
+    with urllib.request.urlopen(
+        urllib.request.Request(url + "/health", headers={"Origin": "http://x"})
+    ) as resp:
         assert resp.headers.get("Access-Control-Allow-Origin")
 
 
 # --- 11. bad input refused before it costs anything ---------------------------------------------
+
 
 def _nan_blob(m: Moved) -> bytes:
     """The moved payload with one f16 K value of layer 0 set to NaN."""
     assert m.compat["k_types"][0] == 1  # f16
     off = 16 + m.n * m.compat["cell_meta_bytes"] + 8 + 12
     blob = bytearray(m.blob)
-    blob[off:off + 2] = struct.pack("<H", 0x7E00)
+    blob[off : off + 2] = struct.pack("<H", 0x7E00)
     return bytes(blob)
 
 
 HARD_CASES: dict[str, Callable[[BadCtx], tuple[bytes, dict[str, str], str]]] = {
     "msgpack-nested-1mb": lambda b: (b"\x91" * (1 << 20), {"Content-Type": "application/msgpack"}, "nested"),
-    "msgpack-nested-map": lambda b: (b"\x81\xa1a" * 4096 + b"\xc0", {"Content-Type": "application/msgpack"},
-                                     "nested"),
-    "json-nested-tokens": lambda b: (json.dumps({**b.imp(), "tokens": None}).replace(
-        "null", "[" * 200000 + "]" * 200000).encode(), {"Content-Type": "application/json"}, "nested"),
-    "msgpack-count-beyond-body": lambda b: (b"\xdd\xff\xff\xff\xff\x01", {"Content-Type": "application/msgpack"},
-                                            "claims more"),
-    "range-beyond-n_ctx_slot": lambda b: (json.dumps(b.imp(p1=10 ** 9, segments=[{"file": "whole.kv",
-                                                                                  "size": 10 ** 12}])).encode(),
-                                          {"Content-Type": "application/json"}, "invalid range"),
-    "too-many-segments": lambda b: (json.dumps(b.imp(p1=2, tokens=b.m.tokens[:2],
-                                                     segments=[{"data": "AAAA"}] * 3)).encode(),
-                                    {"Content-Type": "application/json"}, "3 segments"),
-    "too-many-bytes": lambda b: (json.dumps(b.imp(p1=2, tokens=b.m.tokens[:2], segments=[
-        {"file": "whole.kv", "size": b.m.header_bytes + 2 * b.m.cell_bytes}] * 2)).encode(),
-        {"Content-Type": "application/json"}, "exceed"),
-    "inline-beyond-64mib": lambda b: (msgpack.packb(
-        {**b.imp(p1=4000, tokens=[1] * 4000), "segments": [{"data": bytes(65 << 20)}]}, use_bin_type=True),
-        {"Content-Type": "application/msgpack"}, "inline limit"),
-    "nan-in-f16-kv": lambda b: (json.dumps(b.imp(slot=2, segments=[{"data": b64(_nan_blob(b.m))}])).encode(),
-                                {"Content-Type": "application/json"}, "NaN"),
+    "msgpack-nested-map": lambda b: (
+        b"\x81\xa1a" * 4096 + b"\xc0",
+        {"Content-Type": "application/msgpack"},
+        "nested",
+    ),
+    "json-nested-tokens": lambda b: (
+        json.dumps({**b.imp(), "tokens": None}).replace("null", "[" * 200000 + "]" * 200000).encode(),
+        {"Content-Type": "application/json"},
+        "nested",
+    ),
+    "msgpack-count-beyond-body": lambda b: (
+        b"\xdd\xff\xff\xff\xff\x01",
+        {"Content-Type": "application/msgpack"},
+        "claims more",
+    ),
+    "range-beyond-n_ctx_slot": lambda b: (
+        json.dumps(b.imp(p1=10**9, segments=[{"file": "whole.kv", "size": 10**12}])).encode(),
+        {"Content-Type": "application/json"},
+        "invalid range",
+    ),
+    "too-many-segments": lambda b: (
+        json.dumps(b.imp(p1=2, tokens=b.m.tokens[:2], segments=[{"data": "AAAA"}] * 3)).encode(),
+        {"Content-Type": "application/json"},
+        "3 segments",
+    ),
+    "too-many-bytes": lambda b: (
+        json.dumps(
+            b.imp(
+                p1=2,
+                tokens=b.m.tokens[:2],
+                segments=[{"file": "whole.kv", "size": b.m.header_bytes + 2 * b.m.cell_bytes}] * 2,
+            )
+        ).encode(),
+        {"Content-Type": "application/json"},
+        "exceed",
+    ),
+    "inline-beyond-64mib": lambda b: (
+        msgpack.packb(
+            {**b.imp(p1=4000, tokens=[1] * 4000), "segments": [{"data": bytes(65 << 20)}]}, use_bin_type=True
+        ),
+        {"Content-Type": "application/msgpack"},
+        "inline limit",
+    ),
+    "nan-in-f16-kv": lambda b: (
+        json.dumps(b.imp(slot=2, segments=[{"data": b64(_nan_blob(b.m))}])).encode(),
+        {"Content-Type": "application/json"},
+        "NaN",
+    ),
 }
 
 
@@ -1132,10 +1606,35 @@ def test_kvctl_dir_must_be_private(patched_bin: Path, model_path: Path, shm_root
 # --- 12. fuzz: random bodies on every route -----------------------------------------------------
 
 FUZZ_SECONDS = 30.0
-FIELDS = ["slot", "owner", "p0", "p1", "n", "m", "tokens", "compat", "segments", "file", "offset", "size",
-          "data", "expect_sha256", "fault", "tokens_hash"]
-ROUTES = [("GET", "caps"), ("GET", "slots"), ("GET", "cells"), ("POST", "export"), ("POST", "import"),
-          ("POST", "publish"), ("POST", "attach"), ("POST", "release"), ("POST", "erase")]
+FIELDS = [
+    "slot",
+    "owner",
+    "p0",
+    "p1",
+    "n",
+    "m",
+    "tokens",
+    "compat",
+    "segments",
+    "file",
+    "offset",
+    "size",
+    "data",
+    "expect_sha256",
+    "fault",
+    "tokens_hash",
+]
+ROUTES = [
+    ("GET", "caps"),
+    ("GET", "slots"),
+    ("GET", "cells"),
+    ("POST", "export"),
+    ("POST", "import"),
+    ("POST", "publish"),
+    ("POST", "attach"),
+    ("POST", "release"),
+    ("POST", "erase"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -1149,19 +1648,35 @@ def test_fuzz_routes(fuzz_server: ServerProcess) -> None:
 
     url = fuzz_server.url
     ref = complete(url, CANARY, slot=0, cache=False)
-    scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.integers(-3, 70),
-                        st.floats(allow_nan=False), st.text(max_size=20), st.binary(max_size=64),
-                        st.sampled_from(["whole.kv", "../x", "0" * 64, "after_first_segment"]))
-    values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                           st.dictionaries(st.sampled_from(FIELDS), inner,
-                                                                           max_size=4)), max_leaves=12)
+    scalars = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**40), 2**40),
+        st.integers(-3, 70),
+        st.floats(allow_nan=False),
+        st.text(max_size=20),
+        st.binary(max_size=64),
+        st.sampled_from(["whole.kv", "../x", "0" * 64, "after_first_segment"]),
+    )
+    values = st.recursive(
+        scalars,
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=4), st.dictionaries(st.sampled_from(FIELDS), inner, max_size=4)
+        ),
+        max_leaves=12,
+    )
     bodies = st.dictionaries(st.sampled_from(FIELDS), values, max_size=8)
     deadline = time.monotonic() + FUZZ_SECONDS
     seen: dict[int, int] = {}
 
     @seed(20261129)
-    @settings(max_examples=2000, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=2000,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(route=st.sampled_from(ROUTES), body=bodies, as_msgpack=st.booleans())
     def post_random(route: tuple[str, str], body: dict[str, Any], as_msgpack: bool) -> None:
         if time.monotonic() > deadline:
@@ -1170,9 +1685,16 @@ def test_fuzz_routes(fuzz_server: ServerProcess) -> None:
         if as_msgpack:
             data, ctype = msgpack.packb(body, use_bin_type=True), "application/msgpack"
         else:
-            data, ctype = json.dumps(body, default=lambda b: base64.b64encode(b).decode()).encode(), "application/json"
-        req = urllib.request.Request(f"{url}/kvctl/{op}", data=data if method == "POST" else None, method=method,
-                                     headers={**auth(url), "Content-Type": ctype})
+            data, ctype = (
+                json.dumps(body, default=lambda b: base64.b64encode(b).decode()).encode(),
+                "application/json",
+            )
+        req = urllib.request.Request(
+            f"{url}/kvctl/{op}",
+            data=data if method == "POST" else None,
+            method=method,
+            headers={**auth(url), "Content-Type": ctype},
+        )
         try:
             with urllib.request.urlopen(req, timeout=60) as resp:
                 status = resp.status

@@ -38,10 +38,37 @@ from tests.helpers import ProxyThread, Reply, ServerFactory, get, post, request
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "observe-me"
 AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
-WORDS = ["river", "signal", "ledger", "turbine", "harbor", "sensor", "margin", "valve", "audit", "copper",
-         "beacon", "orchard", "glacier", "compass", "battery", "lantern", "meadow", "quartz"]
-TIMINGS_KEYS = {"cache_n", "prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second", "predicted_n",
-                "predicted_ms", "predicted_per_token_ms", "predicted_per_second"}
+WORDS = [
+    "river",
+    "signal",
+    "ledger",
+    "turbine",
+    "harbor",
+    "sensor",
+    "margin",
+    "valve",
+    "audit",
+    "copper",
+    "beacon",
+    "orchard",
+    "glacier",
+    "compass",
+    "battery",
+    "lantern",
+    "meadow",
+    "quartz",
+]
+TIMINGS_KEYS = {
+    "cache_n",
+    "prompt_n",
+    "prompt_ms",
+    "prompt_per_token_ms",
+    "prompt_per_second",
+    "predicted_n",
+    "predicted_ms",
+    "predicted_per_token_ms",
+    "predicted_per_second",
+}
 
 
 def text(first: str, seed: int, n_words: int = 110) -> str:
@@ -55,8 +82,11 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 def parse_metrics(body: str) -> Samples:
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(body) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(body)
+        for s in family.samples
+    }
 
 
 def sample(samples: Samples, name: str, **labels: str) -> float:
@@ -81,16 +111,25 @@ def backend(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
 @pytest.fixture(scope="module")
 def live(backend: ServerProcess) -> Iterator[Live]:
     assert backend.spec.kvctl_dir is not None
-    config = Config(backends=(backend.url,), port=free_port(), shm_dir=backend.spec.kvctl_dir,
-                    kvctl_key=backend.spec.kvctl_key, admin_show_text=True,
-                    min_restore_tokens=32, cache_ram_mib=256, admin_key=ADMIN_KEY)
+    config = Config(
+        backends=(backend.url,),
+        port=free_port(),
+        shm_dir=backend.spec.kvctl_dir,
+        kvctl_key=backend.spec.kvctl_key,
+        admin_show_text=True,
+        min_restore_tokens=32,
+        cache_ram_mib=256,
+        admin_key=ADMIN_KEY,
+    )
     thread = ProxyThread(config).start()
     try:
         replies = [complete(thread, p) for p in (P1, P1, P2, P3, P1)]
         assert thread.runtime is not None
         thread.run(refresh_metrics(thread.runtime))  # also done by /metrics once app.py calls it
         metrics = parse_metrics(get(f"{thread.url}/metrics").body)
-        caps = request(f"{backend.url}/kvctl/caps", headers={"Authorization": f"Bearer {backend.spec.kvctl_key}"}).body
+        caps = request(
+            f"{backend.url}/kvctl/caps", headers={"Authorization": f"Bearer {backend.spec.kvctl_key}"}
+        ).body
         yield Live(thread, backend, replies, metrics, caps)
     finally:
         thread.stop()
@@ -116,7 +155,13 @@ def test_headers_say_what_happened(live: Live) -> None:
     assert routes == ["prefill", "A", "prefill", "prefill", "H"]
     assert [r.headers["X-Radix-Slot"] for r in live.replies] == ["0", "0", "1", "0", "1"]
     n1 = int(live.replies[0].headers["X-Radix-Prompt-Tokens"])
-    assert [int(r.headers["X-Radix-Predicted-Cached-Tokens"]) for r in live.replies] == [0, n1 - 1, 0, 0, n1 - 1]
+    assert [int(r.headers["X-Radix-Predicted-Cached-Tokens"]) for r in live.replies] == [
+        0,
+        n1 - 1,
+        0,
+        0,
+        n1 - 1,
+    ]
     for reply in live.replies:
         timings = reply.body["timings"]
         # llama-server's timings, untouched: its own keys, and the same numbers it reports elsewhere.
@@ -146,7 +191,9 @@ def test_exact_metrics_after_scripted_sequence(live: Live) -> None:
         assert sample(m, "radix_ttft_seconds_count", route=route, server="s0") == want, route
         assert sample(m, "radix_request_seconds_count", route=route, server="s0") == want, route
     assert sample(m, "radix_queue_wait_seconds_count", server="s0") == 5
-    assert sample(m, "radix_prompt_tokens_total") == sum(n) == sum(t["cache_n"] + t["prompt_n"] for t in timings)
+    assert (
+        sample(m, "radix_prompt_tokens_total") == sum(n) == sum(t["cache_n"] + t["prompt_n"] for t in timings)
+    )
     assert sample(m, "radix_cached_tokens_total") == sum(t["cache_n"] for t in timings) == 2 * (n1 - 1)
     assert sample(m, "radix_prefilled_tokens_total") == sum(t["prompt_n"] for t in timings)
     assert sample(m, "radix_predicted_cached_tokens_total") == 2 * (n1 - 1)
@@ -167,10 +214,15 @@ def test_exact_metrics_after_scripted_sequence(live: Live) -> None:
     layout = live.proxy.call(lambda rt: rt.coordinator.servers[0].mover.layout)
     assert sample(m, "radix_host_tree_bytes") >= (n1 + n2 + n3) * layout.bytes_per_token
     # KV moves: three exports (KV rows), one import (a whole payload).
-    assert sample(m, "radix_kv_move_bytes_total", direction="export") == (n1 + n2 + n3) * layout.bytes_per_token
+    assert (
+        sample(m, "radix_kv_move_bytes_total", direction="export") == (n1 + n2 + n3) * layout.bytes_per_token
+    )
     payload = live.caps["payload"]
-    assert sample(m, "radix_kv_move_bytes_total", direction="import") == blob_size(layout, n1 - 1) \
+    assert (
+        sample(m, "radix_kv_move_bytes_total", direction="import")
+        == blob_size(layout, n1 - 1)
         == payload["header_bytes"] + (n1 - 1) * payload["cell_bytes"]
+    )
     assert sample(m, "radix_kv_move_seconds_total", direction="import") > 0
     assert sample(m, "radix_kv_move_seconds_total", direction="export") > 0
     for cause in FALLBACK_CAUSES:
@@ -205,8 +257,14 @@ def test_cache_summary_line(live: Live) -> None:
     fields = dict(kv.split("=", 1) for kv in line.split()[1:])
     assert line.startswith("cache ")
     assert int(fields["terminal_nodes"]) == s.leaves and int(fields["host_bytes"]) == s.bytes
-    assert int(fields["unique_tokens"]) == s.unique_tokens and int(fields["logical_tokens"]) == s.logical_tokens
-    assert (int(fields["saves"]), int(fields["loads"]), int(fields["evictions"])) == (s.saves, s.loads, s.evictions)
+    assert (
+        int(fields["unique_tokens"]) == s.unique_tokens and int(fields["logical_tokens"]) == s.logical_tokens
+    )
+    assert (int(fields["saves"]), int(fields["loads"]), int(fields["evictions"])) == (
+        s.saves,
+        s.loads,
+        s.evictions,
+    )
     assert fields["fallbacks"] == ",".join(f"{c}:0" for c in FALLBACK_CAUSES)
 
 
@@ -249,11 +307,26 @@ def test_radixctl_routes(live: Live) -> None:
     assert [d["route"] for d in scripted] == ["prefill", "A", "prefill", "prefill", "H"]
     n1 = int(live.replies[0].headers["X-Radix-Prompt-Tokens"])
     h = scripted[4]
-    assert (h["predicted_cached"], h["cached"], h["prefilled"], h["server"], h["slot"]) == (n1 - 1, n1 - 1, 1, "s0", 1)
+    assert (h["predicted_cached"], h["cached"], h["prefilled"], h["server"], h["slot"]) == (
+        n1 - 1,
+        n1 - 1,
+        1,
+        "s0",
+        1,
+    )
     assert h["ttft_s"] > 0 and h["diverge"]["at"] >= n1 - 1
     human = cli(live, "routes", "-n", "5").stdout
     header, *lines = human.splitlines()
-    assert header.split()[:8] == ["time", "request", "route", "predicted", "cached", "prefilled", "ttft", "server/slot"]
+    assert header.split()[:8] == [
+        "time",
+        "request",
+        "route",
+        "predicted",
+        "cached",
+        "prefilled",
+        "ttft",
+        "server/slot",
+    ]
     assert len(lines) == 5 and all(re.match(r"\d\d:\d\d:\d\d\s+r\d+\s", line) for line in lines)
 
 
@@ -310,7 +383,9 @@ def test_radixctl_slots(live: Live) -> None:
     assert server["server"] == "s0" and server["url"] == live.backend.url and server["errors"] == []
     assert server["residents"] == [] and server["pool"]["owner"] == 0
     for slot in server["slots"]:
-        assert slot["n_tokens"] == slot["server_n_tokens"] == slot["n_cells"]  # the proxy's view is the server's
+        assert (
+            slot["n_tokens"] == slot["server_n_tokens"] == slot["n_cells"]
+        )  # the proxy's view is the server's
         assert not slot["busy"]
     assert server["pool"]["used"] == sum(s["n_cells"] for s in server["slots"])
     human = cli(live, "slots").stdout
@@ -327,7 +402,15 @@ def test_radixctl_stats(live: Live) -> None:
     assert data["hit_ratio"] == pytest.approx(data["cached_tokens"] / data["prompt_tokens"])
     assert data["kv_moves"]["import"]["bytes"] == sample(m, "radix_kv_move_bytes_total", direction="import")
     assert data["pool"]["s0"]["n_cells"] == live.caps["n_cells"] and data["tokenizer"] == "local"
-    assert set(data["tree"]) >= {"nodes", "leaves", "bytes", "unique_tokens", "logical_tokens", "saves", "loads"}
+    assert set(data["tree"]) >= {
+        "nodes",
+        "leaves",
+        "bytes",
+        "unique_tokens",
+        "logical_tokens",
+        "saves",
+        "loads",
+    }
     human = cli(live, "stats").stdout
     for label in ("requests", "prompt tokens", "mean TTFT", "host tree", "KV moves", "fallbacks", "pool s0"):
         assert re.search(rf"^{label}\s", human, re.M), label
@@ -336,11 +419,15 @@ def test_radixctl_stats(live: Live) -> None:
 def test_radixctl_doctor(live: Live, stock_server: ServerProcess) -> None:
     spec = live.backend.spec
     key = ["--kvctl-key", str(spec.kvctl_key)]
-    good = CliRunner().invoke(radixctl, ["doctor", "--backend-url", live.backend.url, *key, "--shm-dir",
-                                         str(spec.kvctl_dir), "--json"])
+    good = CliRunner().invoke(
+        radixctl,
+        ["doctor", "--backend-url", live.backend.url, *key, "--shm-dir", str(spec.kvctl_dir), "--json"],
+    )
     assert good.exit_code == 0, good.output
     checks = {c["name"]: c for c in json.loads(good.stdout)["servers"][0]["checks"]}
-    assert {"reachable", "build", "kvctl", "KV layout", "payload dir", "chat template", "tokenizer"} <= set(checks)
+    assert {"reachable", "build", "kvctl", "KV layout", "payload dir", "chat template", "tokenizer"} <= set(
+        checks
+    )
     assert all(c["status"] != "fail" for c in checks.values())
     assert checks["tokenizer"]["status"] == "ok" and checks["payload dir"]["status"] == "ok"
     human = CliRunner().invoke(radixctl, ["doctor", "--backend-url", live.backend.url, *key]).stdout
@@ -349,9 +436,13 @@ def test_radixctl_doctor(live: Live, stock_server: ServerProcess) -> None:
     stock = CliRunner().invoke(radixctl, ["doctor", "--backend-url", stock_server.url])
     assert stock.exit_code == 1
     assert "FAIL  kvctl" in stock.stdout
-    assert "fix: run the patched llama-server" in stock.stdout and "--cache-ram 0 -sps 0 --kvctl" in stock.stdout
+    assert (
+        "fix: run the patched llama-server" in stock.stdout and "--cache-ram 0 -sps 0 --kvctl" in stock.stdout
+    )
 
-    gone = CliRunner().invoke(radixctl, ["doctor", "--backend-url", f"http://127.0.0.1:{free_port()}", "--json"])
+    gone = CliRunner().invoke(
+        radixctl, ["doctor", "--backend-url", f"http://127.0.0.1:{free_port()}", "--json"]
+    )
     assert gone.exit_code == 1
     (result,) = json.loads(gone.stdout)["servers"]
     assert result["checks"][0]["name"] == "reachable" and result["checks"][0]["status"] == "fail"
@@ -389,13 +480,26 @@ def test_dashboard_uses_only_exported_metrics(live: Live) -> None:
     assert used, "the dashboard queries no metric"
     assert used <= exported, f"not exported by the proxy: {sorted(used - exported)}"
     # What the issue asks the dashboard to show.
-    for needed in ("radix_route_tokens_total", "radix_prompt_tokens_total", "radix_cached_tokens_total",
-                   "radix_ttft_seconds_bucket", "radix_host_tree_bytes", "radix_host_tree_logical_tokens",
-                   "radix_host_tree_unique_tokens", "kv_cache_used_cells", "kv_cache_business_logical_cells"):
+    for needed in (
+        "radix_route_tokens_total",
+        "radix_prompt_tokens_total",
+        "radix_cached_tokens_total",
+        "radix_ttft_seconds_bucket",
+        "radix_host_tree_bytes",
+        "radix_host_tree_logical_tokens",
+        "radix_host_tree_unique_tokens",
+        "kv_cache_used_cells",
+        "kv_cache_business_logical_cells",
+    ):
         assert needed in used, needed
     titles = {p["title"] for p in dashboard["panels"]}
-    assert {"Hit rate by route", "TTFT by route", "Host cache bytes", "Host dedup ratio",
-            "KV cells used and shared"} <= titles
+    assert {
+        "Hit rate by route",
+        "TTFT by route",
+        "Host cache bytes",
+        "Host dedup ratio",
+        "KV cells used and shared",
+    } <= titles
 
 
 def test_prometheus_scrape_config_points_at_metrics() -> None:

@@ -26,8 +26,28 @@ from tests.helpers import ProxyThread, ServerFactory, assert_same_answer, chat_b
 
 pytestmark = pytest.mark.integration
 
-WORDS = ["audit", "beacon", "copper", "delta", "ember", "fjord", "granite", "harbor", "iris", "juniper", "kelp",
-         "lumen", "mesa", "nickel", "onyx", "prairie", "quartz", "rivet", "sable", "tundra"]
+WORDS = [
+    "audit",
+    "beacon",
+    "copper",
+    "delta",
+    "ember",
+    "fjord",
+    "granite",
+    "harbor",
+    "iris",
+    "juniper",
+    "kelp",
+    "lumen",
+    "mesa",
+    "nickel",
+    "onyx",
+    "prairie",
+    "quartz",
+    "rivet",
+    "sable",
+    "tundra",
+]
 
 
 def text(seed: int, n: int = 150) -> str:
@@ -36,7 +56,10 @@ def text(seed: int, n: int = 150) -> str:
 
 
 def convo(seed: int, question: str) -> list[dict[str, str]]:
-    return [{"role": "system", "content": f"Field notes {seed}: {text(seed)}"}, {"role": "user", "content": question}]
+    return [
+        {"role": "system", "content": f"Field notes {seed}: {text(seed)}"},
+        {"role": "user", "content": question},
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +70,22 @@ def backend(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
 @pytest.fixture(scope="module")
 def proxy(backend: ServerProcess) -> Iterator[ProxyThread]:
     assert backend.spec.kvctl_dir is not None
-    config = Config(backends=(backend.url,), port=free_port(), shm_dir=backend.spec.kvctl_dir,
-                    kvctl_key=backend.spec.kvctl_key, min_restore_tokens=32, cache_ram_mib=256)
+    config = Config(
+        backends=(backend.url,),
+        port=free_port(),
+        shm_dir=backend.spec.kvctl_dir,
+        kvctl_key=backend.spec.kvctl_key,
+        min_restore_tokens=32,
+        cache_ram_mib=256,
+    )
     thread = ProxyThread(config).start()
     yield thread
     thread.stop()
 
 
-def test_unsteered_and_multi_choice_requests_cannot_poison_the_tree(backend: ServerProcess, proxy: ProxyThread,
-                                                                    stock_server: ServerProcess) -> None:
+def test_unsteered_and_multi_choice_requests_cannot_poison_the_tree(
+    backend: ServerProcess, proxy: ProxyThread, stock_server: ServerProcess
+) -> None:
     stop = threading.Event()
     refused: list[int] = []
 
@@ -63,11 +93,19 @@ def test_unsteered_and_multi_choice_requests_cannot_poison_the_tree(backend: Ser
         i = 0
         while not stop.is_set():
             # Straight to the server, on a slot the proxy may be saving right now.
-            post(f"{backend.url}/completion", {"prompt": f"Intruder {k}.{i}: {text(1000 + 10 * k + i, 80)}",
-                                               "n_predict": 4, "id_slot": (i + k) % 4, "cache_prompt": True},
-                 timeout=120)
-            refused.append(post(f"{proxy.url}/v1/chat/completions",
-                                {**chat_body(convo(i, "Again?"), 2), "n": 2}).status)
+            post(
+                f"{backend.url}/completion",
+                {
+                    "prompt": f"Intruder {k}.{i}: {text(1000 + 10 * k + i, 80)}",
+                    "n_predict": 4,
+                    "id_slot": (i + k) % 4,
+                    "cache_prompt": True,
+                },
+                timeout=120,
+            )
+            refused.append(
+                post(f"{proxy.url}/v1/chat/completions", {**chat_body(convo(i, "Again?"), 2), "n": 2}).status
+            )
             i += 1
 
     threads = [threading.Thread(target=attacker, args=(k,)) for k in range(2)]
@@ -76,7 +114,10 @@ def test_unsteered_and_multi_choice_requests_cannot_poison_the_tree(backend: Ser
     try:
         for _ in range(2):
             for seed in range(6):
-                assert post(f"{proxy.url}/v1/chat/completions", chat_body(convo(seed, "One word?"), 4)).status == 200
+                assert (
+                    post(f"{proxy.url}/v1/chat/completions", chat_body(convo(seed, "One word?"), 4)).status
+                    == 200
+                )
     finally:
         stop.set()
         for t in threads:
@@ -102,12 +143,31 @@ def test_unsteered_and_multi_choice_requests_cannot_poison_the_tree(backend: Ser
     assert restored >= 1, "no prompt came back from the host tree: the race exercised nothing"
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False)
-                    | st.text(max_size=20),
-                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                    max_leaves=12)
-FIELDS = ["messages", "prompt", "n", "n_cmpl", "max_tokens", "n_predict", "stream", "cache_salt", "id_slot",
-          "cache_prompt", "tokens", "model", "temperature", "logprobs"]
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+FIELDS = [
+    "messages",
+    "prompt",
+    "n",
+    "n_cmpl",
+    "max_tokens",
+    "n_predict",
+    "stream",
+    "cache_salt",
+    "id_slot",
+    "cache_prompt",
+    "tokens",
+    "model",
+    "temperature",
+    "logprobs",
+]
 BODIES = st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6)
 PATHS = st.sampled_from(["/v1/chat/completions", "/v1/completions", "/completion"])
 
@@ -129,5 +189,7 @@ def test_the_json_front_survives_random_bodies(proxy: ProxyThread, path: str, bo
 def test_after_the_fuzz_the_proxy_is_sane(proxy: ProxyThread) -> None:
     proxy.settle()
     proxy.call(lambda rt: rt.coordinator.tree.check_invariants())
-    assert proxy.call(lambda rt: [s.slot_id for sv in rt.coordinator.servers for s in sv.slots if s.busy]) == []
+    assert (
+        proxy.call(lambda rt: [s.slot_id for sv in rt.coordinator.servers for s in sv.slots if s.busy]) == []
+    )
     assert get(f"{proxy.url}/health").status == 200

@@ -19,7 +19,31 @@ from proxy.config import Config
 from proxy.native.launch import ServerProcess, free_port
 from tests.helpers import ProxyThread, Reply, ServerFactory, assert_same_answer, chat_body, get, post
 
-WORDS = ["river", "mountain", "signal", "ledger", "turbine", "invoice", "harbor", "sensor", "quarterly", "margin", "valve", "pressure", "audit", "forecast", "copper", "lattice", "beacon", "orchard", "glacier", "compass", "network", "battery", "inverter"]
+WORDS = [
+    "river",
+    "mountain",
+    "signal",
+    "ledger",
+    "turbine",
+    "invoice",
+    "harbor",
+    "sensor",
+    "quarterly",
+    "margin",
+    "valve",
+    "pressure",
+    "audit",
+    "forecast",
+    "copper",
+    "lattice",
+    "beacon",
+    "orchard",
+    "glacier",
+    "compass",
+    "network",
+    "battery",
+    "inverter",
+]
 
 
 def document(seed: int, n_words: int = 260) -> str:
@@ -31,8 +55,10 @@ def document(seed: int, n_words: int = 260) -> str:
 
 
 def convo(doc: str, question: str) -> list[dict[str, str]]:
-    return [{"role": "system", "content": f"You are a careful analyst. Reference document:\n{doc}"},
-            {"role": "user", "content": question}]
+    return [
+        {"role": "system", "content": f"You are a careful analyst. Reference document:\n{doc}"},
+        {"role": "user", "content": question},
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +70,15 @@ def backend(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
 @pytest.fixture(scope="module")
 def proxy(backend: ServerProcess) -> Iterator[ProxyThread]:
     assert backend.spec.kvctl_dir is not None
-    config = Config(backends=(backend.url,), port=free_port(), shm_dir=backend.spec.kvctl_dir,
-                    kvctl_key=backend.spec.kvctl_key,
-                    min_restore_tokens=32, cache_ram_mib=512,
-                    record_path=backend.spec.kvctl_dir.parent / f"recorded-{backend.spec.port}.jsonl")
+    config = Config(
+        backends=(backend.url,),
+        port=free_port(),
+        shm_dir=backend.spec.kvctl_dir,
+        kvctl_key=backend.spec.kvctl_key,
+        min_restore_tokens=32,
+        cache_ram_mib=512,
+        record_path=backend.spec.kvctl_dir.parent / f"recorded-{backend.spec.port}.jsonl",
+    )
     thread = ProxyThread(config).start()
     yield thread
     thread.stop()
@@ -127,8 +158,10 @@ def test_restored_kv_is_byte_identical_to_saved(proxy: ProxyThread) -> None:
 def test_multi_turn_chat_reuses_the_slot(proxy: ProxyThread, stock_server: ServerProcess) -> None:
     messages = convo(document(4), "What is the first word?")
     first = ask(proxy, messages)
-    messages += [{"role": "assistant", "content": first.body["choices"][0]["message"]["content"]},
-                 {"role": "user", "content": "And the last word?"}]
+    messages += [
+        {"role": "assistant", "content": first.body["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And the last word?"},
+    ]
     got = ask(proxy, messages)
     assert got.headers["X-Radix-Route"] in ("A", "H", "A+H")
     assert got.body["timings"]["cache_n"] >= int(first.headers["X-Radix-Prompt-Tokens"]) - 1
@@ -189,12 +222,18 @@ def test_bad_input_leaves_everything_intact(proxy: ProxyThread, backend: ServerP
     bad_role = post(f"{proxy.url}/v1/chat/completions", {"messages": [{"role": 5}], "max_tokens": 2})
     assert 400 <= bad_role.status < 500 and "error" in bad_role.body
     after = proxy.call(lambda rt: rt.coordinator.tree.stats())
-    assert (after.nodes, after.bytes, after.unique_tokens) == (before.nodes, before.bytes, before.unique_tokens)
+    assert (after.nodes, after.bytes, after.unique_tokens) == (
+        before.nodes,
+        before.bytes,
+        before.unique_tokens,
+    )
     assert get(f"{proxy.url}/health").status == 200
     ask(proxy, convo(document(8, 60), "Say yes."), n=2)
 
 
-def test_unknown_model_is_answered_like_the_server_does(proxy: ProxyThread, stock_server: ServerProcess) -> None:
+def test_unknown_model_is_answered_like_the_server_does(
+    proxy: ProxyThread, stock_server: ServerProcess
+) -> None:
     body = chat_body(convo(document(12, 40), "Say yes."), 2, model="no-such-model")
     direct = post(f"{stock_server.url}/v1/chat/completions", body)
     via = post(f"{proxy.url}/v1/chat/completions", body)
@@ -224,8 +263,11 @@ def test_metrics_and_admin(proxy: ProxyThread) -> None:
     assert 'radix_requests_total{route="H",server="s0"}' in text
     assert "radix_host_tree_bytes" in text
     # Sharing is off here: no owner holds a cell and no request took route S.
-    samples = {line.split()[0]: float(line.split()[-1]) for line in text.splitlines()
-               if line and not line.startswith("#")}
+    samples = {
+        line.split()[0]: float(line.split()[-1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
     assert samples['kv_cache_owner_cells{server="s0"}'] == 0
     assert samples["kv_share_path_s_requests_total"] == 0
     assert samples["kv_share_path_h_requests_total"] >= 1
@@ -239,8 +281,10 @@ def test_next_turn_sent_at_once_reuses_its_own_prefix(proxy: ProxyThread) -> Non
     messages = convo(document(60, 200), "Give one word.")  # a seed no other test uses
     first = post(f"{proxy.url}/v1/chat/completions", chat_body(messages, 4))
     assert first.status == 200
-    messages += [{"role": "assistant", "content": first.body["choices"][0]["message"]["content"]},
-                 {"role": "user", "content": "Another one."}]
+    messages += [
+        {"role": "assistant", "content": first.body["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "Another one."},
+    ]
     second = post(f"{proxy.url}/v1/chat/completions", chat_body(messages, 4))
     assert second.status == 200
     assert second.headers["X-Radix-Route"] in ("A", "A+H", "H"), second.headers

@@ -24,11 +24,14 @@ from tests.helpers import ProxyThread, Reply, ServerFactory, assert_same_answer,
 
 pytestmark = pytest.mark.integration
 
-CANARY = [{"role": "system", "content": "You are terse."},
-          {"role": "user", "content": "Name three colours of the rainbow, comma separated."}]
+CANARY = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name three colours of the rainbow, comma separated."},
+]
 HEADER_TOKENS = 8  # "<|im_start|>system\n" and the like: shorter than any part of the memo
-SECRET = ("Internal memo for tenant A only: the launch code word is PERIWINKLE and the budget is 4.2 million. "
-          * 6)
+SECRET = (
+    "Internal memo for tenant A only: the launch code word is PERIWINKLE and the budget is 4.2 million. " * 6
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +42,15 @@ def backend(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
 @pytest.fixture(scope="module")
 def proxy(backend: ServerProcess) -> Iterator[ProxyThread]:
     assert backend.spec.kvctl_dir is not None
-    config = Config(backends=(backend.url,), port=free_port(), shm_dir=backend.spec.kvctl_dir,
-                    kvctl_key=backend.spec.kvctl_key,
-                    min_restore_tokens=32, cache_ram_mib=256, max_body_mib=1)
+    config = Config(
+        backends=(backend.url,),
+        port=free_port(),
+        shm_dir=backend.spec.kvctl_dir,
+        kvctl_key=backend.spec.kvctl_key,
+        min_restore_tokens=32,
+        cache_ram_mib=256,
+        max_body_mib=1,
+    )
     thread = ProxyThread(config).start()
     yield thread
     thread.stop()
@@ -104,7 +113,11 @@ CONTROL = [
     ("POST", "/props", {"n_ctx": 1}),
     ("GET", "/lora-adapters", None),
     ("POST", "/lora-adapters", [{"id": 0, "scale": 1.0}]),
-    ("POST", "/v1/messages", {"model": "x", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}),
+    (
+        "POST",
+        "/v1/messages",
+        {"model": "x", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+    ),
     ("POST", "/v1/responses", {"input": "hi"}),
     ("POST", "/infill", {"input_prefix": "a", "input_suffix": "b"}),
     ("POST", "/embeddings", {"input": "hi"}),
@@ -120,8 +133,11 @@ def test_control_and_unsteered_paths_are_closed(proxy: ProxyThread, unchanged: N
 
 def test_cors_preflight_to_the_control_api_is_not_granted(proxy: ProxyThread) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", proxy.config.port, timeout=30)
-    conn.request("OPTIONS", "/kvctl/erase", headers={"Origin": "http://evil.example",
-                                                     "Access-Control-Request-Method": "POST"})
+    conn.request(
+        "OPTIONS",
+        "/kvctl/erase",
+        headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"},
+    )
     resp = conn.getresponse()
     resp.read()
     assert resp.status == 404
@@ -200,9 +216,11 @@ def test_two_tenants_never_reuse_each_others_kv(proxy: ProxyThread) -> None:
         assert int(probe.headers["X-Radix-Predicted-Cached-Tokens"]) < HEADER_TOKENS
         assert probe.body["timings"]["cache_n"] < HEADER_TOKENS, probe.body["timings"]
     # By header too, and the first tenant still finds its own prefix afterwards.
-    other = post(f"{proxy.url}/v1/chat/completions",
-                 chat_body([{"role": "system", "content": SECRET}, {"role": "user", "content": "What is it?"}], 4),
-                 headers={"X-Cache-Salt": "tenant-c"})
+    other = post(
+        f"{proxy.url}/v1/chat/completions",
+        chat_body([{"role": "system", "content": SECRET}, {"role": "user", "content": "What is it?"}], 4),
+        headers={"X-Cache-Salt": "tenant-c"},
+    )
     assert other.status == 200 and other.body["timings"]["cache_n"] == 0
     proxy.settle()
     back = tenant_ask(proxy, "tenant-a", "What is the code word?")
@@ -213,9 +231,15 @@ def test_two_tenants_never_reuse_each_others_kv(proxy: ProxyThread) -> None:
 def test_cache_information_can_be_hidden(backend: ServerProcess, proxy: ProxyThread) -> None:
     assert backend.spec.kvctl_dir is not None
     proxy.stop()  # one proxy per server: the proxy must be the only user of the slots
-    config = Config(backends=(backend.url,), port=free_port(), shm_dir=backend.spec.kvctl_dir,
-                    kvctl_key=backend.spec.kvctl_key,
-                    min_restore_tokens=32, cache_ram_mib=64, cache_info=False)
+    config = Config(
+        backends=(backend.url,),
+        port=free_port(),
+        shm_dir=backend.spec.kvctl_dir,
+        kvctl_key=backend.spec.kvctl_key,
+        min_restore_tokens=32,
+        cache_ram_mib=64,
+        cache_info=False,
+    )
     hidden = ProxyThread(config).start()
     try:
         reply = post(f"{hidden.url}/v1/chat/completions", chat_body(CANARY, 4))
@@ -223,8 +247,12 @@ def test_cache_information_can_be_hidden(backend: ServerProcess, proxy: ProxyThr
         assert not [h for h in reply.headers if h.lower().startswith("x-radix")]
         assert reply.headers["X-Request-Id"]
         conn = http.client.HTTPConnection("127.0.0.1", config.port, timeout=120)
-        conn.request("POST", "/v1/chat/completions", json.dumps({**chat_body(CANARY, 4), "stream": True}),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps({**chat_body(CANARY, 4), "stream": True}),
+            {"Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         raw = resp.read()
         assert resp.status == 200 and b"data: " in raw

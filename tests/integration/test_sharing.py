@@ -16,9 +16,16 @@ from tests.integration.test_proxy import convo, document
 
 def start_proxy(backend: ServerProcess, **kw: object) -> ProxyThread:
     assert backend.spec.kvctl_dir is not None
-    config = Config(backends=(backend.url,), port=free_port(), shm_dir=backend.spec.kvctl_dir,
-                    kvctl_key=backend.spec.kvctl_key,
-                    min_restore_tokens=32, cache_ram_mib=512, kv_share=True, **kw)  # type: ignore[arg-type]
+    config = Config(
+        backends=(backend.url,),
+        port=free_port(),
+        shm_dir=backend.spec.kvctl_dir,
+        kvctl_key=backend.spec.kvctl_key,
+        min_restore_tokens=32,
+        cache_ram_mib=512,
+        kv_share=True,
+        **kw,  # type: ignore[arg-type]
+    )
     return ProxyThread(config).start()
 
 
@@ -83,8 +90,9 @@ def test_fan_out_computes_the_shared_prefix_once(proxy: ProxyThread, stock_serve
     invariants(proxy)
 
 
-def test_attached_slots_hold_the_shared_cells_once(proxy: ProxyThread, backend: ServerProcess,
-                                                   stock_server: ServerProcess) -> None:
+def test_attached_slots_hold_the_shared_cells_once(
+    proxy: ProxyThread, backend: ServerProcess, stock_server: ServerProcess
+) -> None:
     doc = document(32, n_words=300)
     ask(proxy, convo(doc, "First question: name a word."))
     proxy.settle()
@@ -96,7 +104,9 @@ def test_attached_slots_hold_the_shared_cells_once(proxy: ProxyThread, backend: 
     assert "S" in routes or "S+H" in routes, routes
     for reply, messages in zip(replies, pair, strict=True):
         assert_same_answer(reply, reference(stock_server, messages))
-    cells = request(f"{backend.url}/kvctl/cells", headers={"Authorization": f"Bearer {backend.spec.kvctl_key}"}).body
+    cells = request(
+        f"{backend.url}/kvctl/cells", headers={"Authorization": f"Bearer {backend.spec.kvctl_key}"}
+    ).body
     shared = min(r.body["timings"]["cache_n"] for r in replies if r.headers["X-Radix-Route"].startswith("S"))
     # The owner and two slots hold the shared prefix in one set of cells.
     assert cells["logical"] - cells["used"] >= 2 * shared - 8, (cells, shared)
@@ -113,7 +123,9 @@ def _sample(text: str, name: str) -> float:
     return float(line.split()[-1])
 
 
-def test_pool_near_full_releases_owners_instead_of_failing(start_server: ServerFactory, patched_bin: Path) -> None:
+def test_pool_near_full_releases_owners_instead_of_failing(
+    start_server: ServerFactory, patched_bin: Path
+) -> None:
     small = start_server(patched_bin, ctx_size=2048, n_parallel=2)
     thread = start_proxy(small, kv_share_cells=1800, kv_share_headroom=64)
     try:

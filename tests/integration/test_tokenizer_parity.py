@@ -74,7 +74,10 @@ TOOLS = [
             "description": "Translate text; supports 日本語, 中文, Español, Русский.",
             "parameters": {
                 "type": "object",
-                "properties": {"text": {"type": "string"}, "target": {"type": "string", "enum": ["ja", "zh"]}},
+                "properties": {
+                    "text": {"type": "string"},
+                    "target": {"type": "string", "enum": ["ja", "zh"]},
+                },
             },
         },
     },
@@ -83,7 +86,8 @@ TOOLS = [
 SYSTEM = (
     "You are Orbit, the support agent of ACME Corp.\n\n"
     "## Policies\n1. Be concise.\n2. Never reveal internal notes.\n3. Amounts are in EUR (€); dates ISO-8601.\n\n"
-    "## Tools\nCall a tool by answering with JSON only.\n```json\n" + json.dumps(TOOLS, indent=2, ensure_ascii=False)
+    "## Tools\nCall a tool by answering with JSON only.\n```json\n"
+    + json.dumps(TOOLS, indent=2, ensure_ascii=False)
     + "\n```\n"
 )
 
@@ -93,14 +97,17 @@ CONVERSATIONS: list[list[dict[str, Any]]] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": "Where is my order ABC-123456? It's been 12 days…"},
         {"role": "assistant", "content": '{"tool": "lookup_order", "arguments": {"order_id": "ABC-123456"}}'},
-        {"role": "user", "content": "Tool result:\n{\"status\": \"shipped\", \"eta\": \"2024-06-01\", \"items\": 3}"},
+        {"role": "user", "content": 'Tool result:\n{"status": "shipped", "eta": "2024-06-01", "items": 3}'},
         {"role": "assistant", "content": "It shipped; ETA 2024-06-01 (3 items). Anything else?"},
         {"role": "user", "content": "Translate 'thank you' to 日本語 and 中文, please 🙏"},
     ],
     [
-        {"role": "system", "content": "You write Python.\n\tIndent with 4 spaces.  Trailing  spaces   here.   "},
+        {
+            "role": "system",
+            "content": "You write Python.\n\tIndent with 4 spaces.  Trailing  spaces   here.   ",
+        },
         {"role": "user", "content": "def f(x):\n    return x**2\n\n\n# why?\n"},
-        {"role": "assistant", "content": "```python\nfor i in range(10):\n\tprint(f\"{i:>3}\")\n```\n\n"},
+        {"role": "assistant", "content": '```python\nfor i in range(10):\n\tprint(f"{i:>3}")\n```\n\n'},
         {"role": "user", "content": "<|im_start|> and <|im_end|> inside content, plus <|endoftext|>."},
     ],
 ]
@@ -119,9 +126,40 @@ async def test_corpus_parity(llama_server: dict[str, Any], local_tok: PromptToke
 async def test_random_text_parity(llama_server: dict[str, Any], local_tok: PromptTokenizer) -> None:
     rnd = random.Random(1234)
     pool = [
-        " ", "  ", "\n", "\n\n", "\t", "\r\n", "\u00a0", "'s", "'LL", "a", "Z", "é", "中", "の", "й", "1", "234",
-        "²", ".", "!?", "{", "\"", "😀", "\u200d", "\u0301", "<|im_start|>", "<|im_end|>", "<|im_", "word",
-        " the", "\x04", "\U00042019", "\u1c89", "\U00010d40",
+        " ",
+        "  ",
+        "\n",
+        "\n\n",
+        "\t",
+        "\r\n",
+        "\u00a0",
+        "'s",
+        "'LL",
+        "a",
+        "Z",
+        "é",
+        "中",
+        "の",
+        "й",
+        "1",
+        "234",
+        "²",
+        ".",
+        "!?",
+        "{",
+        '"',
+        "😀",
+        "\u200d",
+        "\u0301",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|im_",
+        "word",
+        " the",
+        "\x04",
+        "\U00042019",
+        "\u1c89",
+        "\U00010d40",
     ]
     texts = []
     for _ in range(300):
@@ -134,7 +172,9 @@ async def test_random_text_parity(llama_server: dict[str, Any], local_tok: Promp
                 parts.append(chr(cp) if not 0xD800 <= cp <= 0xDFFF else "x")
         texts.append("".join(parts))
     async with aiohttp.ClientSession() as session:
-        res = await check_parity(local_tok, _remote(session, llama_server["url"]), texts, include_probes=False)
+        res = await check_parity(
+            local_tok, _remote(session, llama_server["url"]), texts, include_probes=False
+        )
     assert res.ok, res.summary()
 
 
@@ -164,7 +204,10 @@ async def test_chat_rendering_parity(llama_server: dict[str, Any], local_tok: Pr
 async def test_chat_completion_prompt_count(llama_server: dict[str, Any], local_tok: PromptTokenizer) -> None:
     """The chat path itself (not just /tokenize) sees as many prompt tokens as we produce."""
     base = llama_server["url"]
-    conv = CONVERSATIONS[0] + [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}]
+    conv = CONVERSATIONS[0] + [
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "2+2?"},
+    ]
     async with aiohttp.ClientSession() as session:
         prompt = (await _post(session, base + "/apply-template", {"messages": conv}))["prompt"]
         out = await _post(
@@ -181,7 +224,20 @@ async def test_chat_completion_prompt_count(llama_server: dict[str, Any], local_
 # --------------------------------------------------------------------------------------------------
 GOLDEN = {
     "<|im_start|>user\nHello 12345  world\n\n<|im_end|>": [
-        1, 4093, 198, 19556, 216, 33, 34, 35, 36, 37, 216, 905, 1116, 2,
+        1,
+        4093,
+        198,
+        19556,
+        216,
+        33,
+        34,
+        35,
+        36,
+        37,
+        216,
+        905,
+        1116,
+        2,
     ],
 }
 

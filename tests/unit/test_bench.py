@@ -163,7 +163,7 @@ def test_agents_sessions_share_system_prompts_and_extend_history() -> None:
     for rs in turns:
         for prev, cur in itertools.pairwise(rs):
             pm, cm = prev.body["messages"], cur.body["messages"]
-            assert cm[: len(pm)] == pm and [m["role"] for m in cm[len(pm):]] == ["assistant", "tool"]
+            assert cm[: len(pm)] == pm and [m["role"] for m in cm[len(pm) :]] == ["assistant", "tool"]
             assert cur.after == (prev.id,)
         branches = [r for r in wl.requests if r.session.startswith(rs[0].session + "-b")]
         assert len(branches) == 2 and all(b.after == (rs[-1].id,) for b in branches)
@@ -218,7 +218,9 @@ def test_fanout_branches_share_one_trunk_per_round() -> None:
 def test_workload_validates_dependencies() -> None:
     body = {"messages": [{"role": "user", "content": "x"}]}
     with pytest.raises(ValueError):
-        Workload("w", "", (BenchRequest("a", "s", "g", body, ("b",)), BenchRequest("b", "s", "g", body)), 1, {})
+        Workload(
+            "w", "", (BenchRequest("a", "s", "g", body, ("b",)), BenchRequest("b", "s", "g", body)), 1, {}
+        )
     with pytest.raises(ValueError):
         Workload("w", "", (BenchRequest("a", "s", "g", body), BenchRequest("a", "s", "g", body)), 1, {})
     with pytest.raises(ValueError):
@@ -229,8 +231,22 @@ def test_cli_dry_run_writes_the_request_list(tmp_path: Path) -> None:
     from proxy.cli.main import main
 
     out = tmp_path / "out"
-    res = CliRunner().invoke(main, ["bench", "prefix-tiers", "--dry-run", "--out", str(out), "--prompt-tokens", "100",
-                                    "--rounds", "1", "--prompts", "2"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "prefix-tiers",
+            "--dry-run",
+            "--out",
+            str(out),
+            "--prompt-tokens",
+            "100",
+            "--rounds",
+            "1",
+            "--prompts",
+            "2",
+        ],
+    )
     assert res.exit_code == 0, res.output
     entries = read_manifest(out / "workload.jsonl")
     assert len(entries) == 10 and entries[0].body["max_tokens"] == 16
@@ -243,15 +259,20 @@ def test_cli_dry_run_writes_the_request_list(tmp_path: Path) -> None:
 
 
 def test_manifest_round_trip(tmp_path: Path) -> None:
-    entries = [ManifestEntry(0.5, "b", "s1", "g", "server", {"messages": [{"role": "user", "content": "é ✓"}],
-                                                                "stream": True}),
-               ManifestEntry(0.0, "a", "s0", "g", "front", {"messages": [], "cache_prompt": False})]
+    entries = [
+        ManifestEntry(
+            0.5, "b", "s1", "g", "server", {"messages": [{"role": "user", "content": "é ✓"}], "stream": True}
+        ),
+        ManifestEntry(0.0, "a", "s0", "g", "front", {"messages": [], "cache_prompt": False}),
+    ]
     path = tmp_path / "m.jsonl"
     write_manifest(path, entries)
     lines = path.read_text().splitlines()
     assert len(lines) == 2 and all(json.loads(line)["body"] for line in lines)
     assert read_manifest(path) == sorted(entries, key=lambda e: e.t)
-    results = [RequestResult("a", "s", "g", "front", 0.1, 200, 0.2, 0.3, None, 5, 10, 3, 150.0, "H", {"pair": 1})]
+    results = [
+        RequestResult("a", "s", "g", "front", 0.1, 200, 0.2, 0.3, None, 5, 10, 3, 150.0, "H", {"pair": 1})
+    ]
     write_results(tmp_path / "r.jsonl", results)
     assert read_results(tmp_path / "r.jsonl") == results
     assert base_url("http://h:1/v1/") == "http://h:1" and base_url("http://h:1") == "http://h:1"
@@ -274,8 +295,14 @@ async def _fake_server(seen: list[dict[str, Any]]) -> tuple[web.AppRunner, str]:
         if body["messages"][-1]["content"] == "midfail":  # a failure after the stream started
             await resp.write(b'error: {"error": {"message": "Context size has been exceeded."}}\n\n')
             return resp
-        await resp.write(_sse({"choices": [{"delta": {}, "finish_reason": "stop"}],
-                               "timings": {"cache_n": 7, "prompt_n": 3, "predicted_n": 2}}))
+        await resp.write(
+            _sse(
+                {
+                    "choices": [{"delta": {}, "finish_reason": "stop"}],
+                    "timings": {"cache_n": 7, "prompt_n": 3, "predicted_n": 2},
+                }
+            )
+        )
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -293,14 +320,34 @@ async def test_runner_streams_records_and_replays(tmp_path: Path) -> None:
     seen: list[dict[str, Any]] = []
     runner, url = await _fake_server(seen)
     try:
-        def req(rid: str, content: str, after: tuple[str, ...] = (), via: str = "front") -> BenchRequest:
-            return BenchRequest(rid, "s", "g", {"messages": [{"role": "user", "content": content}]}, after, via=via,
-                                meta={"pair": 0})
 
-        wl = Workload("t", "", (req("a", "x"), req("b", "y", ("a",), "server"), req("c", "fail", ("a",)),
-                                req("d", "midfail", ("a",))), 2, {})
+        def req(rid: str, content: str, after: tuple[str, ...] = (), via: str = "front") -> BenchRequest:
+            return BenchRequest(
+                rid,
+                "s",
+                "g",
+                {"messages": [{"role": "user", "content": content}]},
+                after,
+                via=via,
+                meta={"pair": 0},
+            )
+
+        wl = Workload(
+            "t",
+            "",
+            (
+                req("a", "x"),
+                req("b", "y", ("a",), "server"),
+                req("c", "fail", ("a",)),
+                req("d", "midfail", ("a",)),
+            ),
+            2,
+            {},
+        )
         manifest = tmp_path / "manifest.jsonl"
-        results = await run_workload(wl, url + "/v1", url, overrides={"cache_prompt": False}, manifest=manifest)
+        results = await run_workload(
+            wl, url + "/v1", url, overrides={"cache_prompt": False}, manifest=manifest
+        )
         assert [r.id for r in results] == ["a", "b", "c", "d"]
         a, b, c, d = results
         assert a.ok and a.cache_n == 7 and a.prompt_n == 3 and a.predicted_n == 2 and a.route == "A"
@@ -309,7 +356,9 @@ async def test_runner_streams_records_and_replays(tmp_path: Path) -> None:
         assert a.ttft_s is not None and a.e2e_s is not None and a.ttft_s <= a.e2e_s
         assert b.via == "server" and b.sent_s >= a.sent_s
         assert not c.ok and c.status == 400 and "nope" in (c.error or "")
-        assert len(seen) == 4 and all(body["stream"] is True and body["cache_prompt"] is False for body in seen)
+        assert len(seen) == 4 and all(
+            body["stream"] is True and body["cache_prompt"] is False for body in seen
+        )
         entries = read_manifest(manifest)
         assert [e.id for e in entries][0] == "a" and len(entries) == 4
         assert entries[0].body["cache_prompt"] is False
@@ -322,10 +371,33 @@ async def test_runner_streams_records_and_replays(tmp_path: Path) -> None:
 # ---- report -------------------------------------------------------------------------------
 
 
-def _results(ttfts: list[float], group: str = "g", via: str = "front", cache: int = 10,
-             prompt_ms: list[float] | None = None) -> list[RequestResult]:
-    return [RequestResult(f"{group}{i}", "s", group, via, float(i), 200, t, t + 1.0, None, cache, 100, 4,
-                          prompt_ms[i] if prompt_ms else None, None, {"pair": i}) for i, t in enumerate(ttfts)]
+def _results(
+    ttfts: list[float],
+    group: str = "g",
+    via: str = "front",
+    cache: int = 10,
+    prompt_ms: list[float] | None = None,
+) -> list[RequestResult]:
+    return [
+        RequestResult(
+            f"{group}{i}",
+            "s",
+            group,
+            via,
+            float(i),
+            200,
+            t,
+            t + 1.0,
+            None,
+            cache,
+            100,
+            4,
+            prompt_ms[i] if prompt_ms else None,
+            None,
+            {"pair": i},
+        )
+        for i, t in enumerate(ttfts)
+    ]
 
 
 def test_percentile() -> None:
@@ -339,11 +411,14 @@ def test_report_on_synthetic_results(tmp_path: Path, monkeypatch: pytest.MonkeyP
     legacy = _results([1.0, 2.0, 3.0], "a") + _results([4.0], "b")
     proxy = _results([0.5, 1.0, 1.5], "a", cache=90) + _results([2.0], "b")
     proxy.append(RequestResult("err", "s", "a", "front", 5.0, 500, None, 0.1, "HTTP 500"))
-    rep = report_mod.build_report({"name": "w", "description": "d", "params": {"x": 1}},
-                                  {"legacy": {"results": legacy, "stats": {"host_cache_bytes": 3 * 2**20}},
-                                   "proxy": {"results": proxy, "stats": {"host_cache_bytes": 2**20,
-                                                                         "kv_cells_used": 900}}},
-                                  {"threads": 2})
+    rep = report_mod.build_report(
+        {"name": "w", "description": "d", "params": {"x": 1}},
+        {
+            "legacy": {"results": legacy, "stats": {"host_cache_bytes": 3 * 2**20}},
+            "proxy": {"results": proxy, "stats": {"host_cache_bytes": 2**20, "kv_cells_used": 900}},
+        },
+        {"threads": 2},
+    )
     lp, pp = rep["arms"]["legacy"], rep["arms"]["proxy"]
     assert lp["requests"] == 4 and lp["errors"] == 0 and pp["errors"] == 1
     assert lp["ttft_p50_s"] == 2.5 and pp["ttft_p50_s"] == 1.25
@@ -385,8 +460,11 @@ def test_report_pairs_overhead() -> None:
 
 def test_kvctl_report_renders(tmp_path: Path) -> None:
     op = {"total_ms_p50": 5.0, "server_ms_p50": 4.0, "mb_s": 2000.0, "probe_ms": 12.0}
-    rep = {"workload": {"name": "kvctl"}, "probe_idle_ms": 8.0,
-           "sizes": [{"tokens": 512, "bytes": 11 * 2**20, "export": op, "import": op, "memcpy_mb_s": 9000.0}]}
+    rep = {
+        "workload": {"name": "kvctl"},
+        "probe_idle_ms": 8.0,
+        "sizes": [{"tokens": 512, "bytes": 11 * 2**20, "export": op, "import": op, "memcpy_mb_s": 9000.0}],
+    }
     report_mod.write_report(rep, tmp_path, charts=False)
     md = (tmp_path / "report.md").read_text()
     assert "| 512 | export | 11.0 MiB | 5.0 | 4.0 | 2000 | 9000 | 12.0 | 8.0 |" in md
@@ -394,8 +472,10 @@ def test_kvctl_report_renders(tmp_path: Path) -> None:
 
 def test_legacy_cache_bytes_from_log(tmp_path: Path) -> None:
     log = tmp_path / "server.log"
-    log.write_text("srv  update:  - cache state: 1 prompts, 10.500 MiB (limits: 8192.000 MiB, 16384 tokens)\n"
-                   "srv  update:  - cache state: 3 prompts, 140.625 MiB (limits: 8192.000 MiB, 16384 tokens)\n")
+    log.write_text(
+        "srv  update:  - cache state: 1 prompts, 10.500 MiB (limits: 8192.000 MiB, 16384 tokens)\n"
+        "srv  update:  - cache state: 3 prompts, 140.625 MiB (limits: 8192.000 MiB, 16384 tokens)\n"
+    )
     assert legacy_cache_bytes(log) == round(140.625 * 2**20)
     log.write_text("nothing here\n")
     assert legacy_cache_bytes(log) is None
@@ -457,7 +537,9 @@ def _padded_run(need_cells: int, serial_below: int = 0) -> tuple[list[int], Any]
         cells = -(-ctx // 256) * 256
         started.append(cells)
         ok = cells >= need_cells
-        return cap.Probe(ctx, cells, ok, "ok" if ok else "p0: context", together=1 if cells < serial_below else 4)
+        return cap.Probe(
+            ctx, cells, ok, "ok" if ok else "p0: context", together=1 if cells < serial_below else 4
+        )
 
     return started, run
 
@@ -489,9 +571,19 @@ def test_pool_search_separates_served_together_from_any_order() -> None:
     assert cap.PoolSearch(run, min_together=0).search(cap.pool_grid(435, 4, 64))["min_cells"] == 512
 
 
-def _res(rid: str, status: int = 200, error: str | None = None, predicted: int | None = 16, sent: float = 0.0,
-         ttft: float | None = 1.0, e2e: float | None = 2.0, prompt_ms: float | None = 900.0) -> RequestResult:
-    return RequestResult(rid, "s", "wave", "front", sent, status, ttft, e2e, error, 0, 400, predicted, prompt_ms)
+def _res(
+    rid: str,
+    status: int = 200,
+    error: str | None = None,
+    predicted: int | None = 16,
+    sent: float = 0.0,
+    ttft: float | None = 1.0,
+    e2e: float | None = 2.0,
+    prompt_ms: float | None = 900.0,
+) -> RequestResult:
+    return RequestResult(
+        rid, "s", "wave", "front", sent, status, ttft, e2e, error, 0, 400, predicted, prompt_ms
+    )
 
 
 def test_pool_search_flags_a_failure_above_the_result() -> None:
@@ -513,7 +605,9 @@ def test_probe_verdict() -> None:
     assert cap.probe_verdict([_res("a"), _res("b")], 16) == (True, "ok")
     ok, why = cap.probe_verdict([_res("a"), _res("b", error="Context size has been exceeded.")], 16)
     assert not ok and why.startswith("b: context")
-    ok, why = cap.probe_verdict([_res("a", 500, "HTTP 500: the request exceeds the available context size")], 16)
+    ok, why = cap.probe_verdict(
+        [_res("a", 500, "HTTP 500: the request exceeds the available context size")], 16
+    )
     assert not ok and "context" in why
     assert cap.probe_verdict([_res("a", 503, "HTTP 503: busy")], 16)[1].startswith("a: HTTP 503")
     assert cap.probe_verdict([_res("a", 0, "ClientError: reset")], 16)[1].startswith("a: HTTP 0")
@@ -524,11 +618,15 @@ def test_probe_verdict() -> None:
 
 def test_server_windows_and_peak_overlap() -> None:
     # Together: all four in the server from about 0.1 s to their ends.
-    together = [_res(f"p{i}", sent=0.0, ttft=1.0 + i * 0.1, e2e=3.0 + i * 0.1, prompt_ms=900.0 + i * 100)
-                for i in range(4)]
+    together = [
+        _res(f"p{i}", sent=0.0, ttft=1.0 + i * 0.1, e2e=3.0 + i * 0.1, prompt_ms=900.0 + i * 100)
+        for i in range(4)
+    ]
     assert cap.peak_overlap(cap.server_windows(together)) == 4
     # One after the other: each starts (first token minus its prefill) after the previous ended.
-    serial = [_res(f"p{i}", sent=0.0, ttft=2.0 * i + 1.5, e2e=2.0 * i + 2.0, prompt_ms=1500.0) for i in range(4)]
+    serial = [
+        _res(f"p{i}", sent=0.0, ttft=2.0 * i + 1.5, e2e=2.0 * i + 2.0, prompt_ms=1500.0) for i in range(4)
+    ]
     assert cap.peak_overlap(cap.server_windows(serial)) == 1
     assert cap.peak_overlap([(0.0, 1.0), (1.0, 2.0)]) == 1  # touching is not overlapping
     assert cap.peak_overlap([]) == 0
@@ -547,15 +645,30 @@ def test_ideal_cells_and_common_prefix() -> None:
 def test_capacity_report_renders(tmp_path: Path) -> None:
     def arm(cells: int, any_cells: int) -> dict[str, Any]:
         probe = cap.Probe(cells - 64, cells, True, "ok", together=3, routes={"S": 2, "prefill": 1}).to_json()
-        return {"min_ctx": cells - 64, "min_cells": cells, "max_failed_cells": cells - 256,
-                "any_order": {"min_ctx": any_cells, "min_cells": any_cells, "max_failed_cells": None},
-                "probes": [probe], "started": 1}
+        return {
+            "min_ctx": cells - 64,
+            "min_cells": cells,
+            "max_failed_cells": cells - 256,
+            "any_order": {"min_ctx": any_cells, "min_cells": any_cells, "max_failed_cells": None},
+            "probes": [probe],
+            "started": 1,
+        }
 
-    rep = cap.capacity_report({"name": "capacity", "params": {"prompts": 4}, "requests": 4}, {"threads": 1},
-                              {"step": 64, "lower": 435, "grid": [448, 1792], "prompt_tokens": [419, 416],
-                               "shared_tokens": 203, "ideal": cap.ideal_cells([419, 416], 203, 16),
-                               "min_together": 3, "host_cache": "off"},
-                              {"legacy": arm(2048, 2048), "proxy-hs": arm(1280, 512)})
+    rep = cap.capacity_report(
+        {"name": "capacity", "params": {"prompts": 4}, "requests": 4},
+        {"threads": 1},
+        {
+            "step": 64,
+            "lower": 435,
+            "grid": [448, 1792],
+            "prompt_tokens": [419, 416],
+            "shared_tokens": 203,
+            "ideal": cap.ideal_cells([419, 416], 203, 16),
+            "min_together": 3,
+            "host_cache": "off",
+        },
+        {"legacy": arm(2048, 2048), "proxy-hs": arm(1280, 512)},
+    )
     arms = rep["capacity"]
     assert arms["legacy"]["saving_vs_legacy_pct"] == pytest.approx(0.0)
     assert arms["proxy-hs"]["saving_vs_legacy_pct"] == pytest.approx(37.5)
@@ -572,17 +685,49 @@ def test_capacity_report_renders(tmp_path: Path) -> None:
 
 
 def _branches(ttfts: list[float], rnd: int = 1, total: float = 10.0) -> list[RequestResult]:
-    return [RequestResult(f"r{rnd}-b{b}", f"b{b}", f"branch {b}", "front", 0.0, 200, t, total - b * 0.1, None,
-                          0, 1000, 16, None, None, {"round": rnd, "branch": b}) for b, t in enumerate(ttfts)]
+    return [
+        RequestResult(
+            f"r{rnd}-b{b}",
+            f"b{b}",
+            f"branch {b}",
+            "front",
+            0.0,
+            200,
+            t,
+            total - b * 0.1,
+            None,
+            0,
+            1000,
+            16,
+            None,
+            None,
+            {"round": rnd, "branch": b},
+        )
+        for b, t in enumerate(ttfts)
+    ]
 
 
 def test_fanout_figures_and_ratio_to_legacy() -> None:
     legacy = _branches([9.5, 46.5, 21.3, 32.2], total=48.0)
     hs = _branches([10.0, 11.0, 10.5, 11.5], total=13.0)
-    hs.append(RequestResult("r1-b4", "b4", "branch 4", "front", 0.0, 500, None, 0.1, "HTTP 500", meta={"round": 1,
-                                                                                                       "branch": 4}))
-    rep = report_mod.build_report({"name": "fanout"}, {"legacy": {"results": legacy, "stats": {}},
-                                                       "proxy-hs": {"results": hs, "stats": {}}})
+    hs.append(
+        RequestResult(
+            "r1-b4",
+            "b4",
+            "branch 4",
+            "front",
+            0.0,
+            500,
+            None,
+            0.1,
+            "HTTP 500",
+            meta={"round": 1, "branch": 4},
+        )
+    )
+    rep = report_mod.build_report(
+        {"name": "fanout"},
+        {"legacy": {"results": legacy, "stats": {}}, "proxy-hs": {"results": hs, "stats": {}}},
+    )
     lf, hf = rep["arms"]["legacy"]["fanout"], rep["arms"]["proxy-hs"]["fanout"]
     assert lf["ttft_sorted_s"] == [9.5, 21.3, 32.2, 46.5] and lf["last_ttft_s"] == 46.5
     assert lf["total_s"] == pytest.approx(48.0) and lf["last_ttft_vs_legacy"] == pytest.approx(1.0)
@@ -601,8 +746,12 @@ def test_fanout_figures_and_ratio_to_legacy() -> None:
 
 
 def test_report_prints_the_host_cache_optimum() -> None:
-    arms = {"legacy": {"results": _results([1.0]), "stats": {"host_cache_bytes": 3 << 20}},
-            "proxy": {"results": _results([0.5]), "stats": {"host_cache_bytes": 2 << 20,
-                                                            "host_optimum_bytes": 2 << 20}}}
+    arms = {
+        "legacy": {"results": _results([1.0]), "stats": {"host_cache_bytes": 3 << 20}},
+        "proxy": {
+            "results": _results([0.5]),
+            "stats": {"host_cache_bytes": 2 << 20, "host_optimum_bytes": 2 << 20},
+        },
+    }
     text = report_mod.render_markdown(report_mod.build_report({"name": "host-dedup"}, arms))
     assert "Host cache optimum seen by `proxy`" in text and "2.0 MiB" in text

@@ -13,13 +13,28 @@ from proxy.cli.doctor import Check, format_doctor
 from proxy.core.payload import KvLayout
 from proxy.errors import BackendError
 
-COMPAT = {"n_layer": 2, "v_trans": False, "k_types": [1, 1], "v_types": [1, 1], "k_row_bytes": [8, 8],
-          "v_row_bytes": [8, 8]}
+COMPAT = {
+    "n_layer": 2,
+    "v_trans": False,
+    "k_types": [1, 1],
+    "v_types": [1, 1],
+    "k_row_bytes": [8, 8],
+    "v_row_bytes": [8, 8],
+}
 
 
 def caps(**over: Any) -> dict[str, Any]:
-    base = {"format_version": 1, "compat": COMPAT, "sharing": True, "reasons": [], "owner_ids": [4, 12],
-            "n_ctx_slot": 8192, "n_cells": 8192, "dir": None, "fault_injection": False}
+    base = {
+        "format_version": 1,
+        "compat": COMPAT,
+        "sharing": True,
+        "reasons": [],
+        "owner_ids": [4, 12],
+        "n_ctx_slot": 8192,
+        "n_cells": 8192,
+        "dir": None,
+        "fault_injection": False,
+    }
     return {**base, **over}
 
 
@@ -36,9 +51,20 @@ def test_caps_checks_say_what_to_change(tmp_path: Path) -> None:
     assert inline.status == "warn" and "--kvctl-dir" in inline.fix and "--shm-dir" in inline.fix
     other = by_name(cli_doctor._caps_checks(caps(dir=str(tmp_path)), tmp_path / "x", KvLayout))["payload dir"]
     assert other.status == "warn" and f"--shm-dir {tmp_path}" in other.fix
-    bad = by_name(cli_doctor._caps_checks(caps(format_version=2, compat={"n_layer": 1}, sharing=False,
-                                              reasons=["--kvctl-owners 0"], fault_injection=True,
-                                              n_ctx_slot=512), None, KvLayout))
+    bad = by_name(
+        cli_doctor._caps_checks(
+            caps(
+                format_version=2,
+                compat={"n_layer": 1},
+                sharing=False,
+                reasons=["--kvctl-owners 0"],
+                fault_injection=True,
+                n_ctx_slot=512,
+            ),
+            None,
+            KvLayout,
+        )
+    )
     assert bad["payload format"].status == "fail" and bad["KV layout"].status == "fail"
     assert bad["sharing"].status == "warn" and "--kvctl-owners 0" in bad["sharing"].detail
     assert bad["fault injection"].status == "warn" and bad["context"].status == "warn"
@@ -53,8 +79,16 @@ class FakeBackend:
 
     async def get_json(self, path: str) -> Any:
         assert path in ("/health", "/props")
-        return {"status": "ok"} if path == "/health" else {
-            "build_info": "b0-0c1e570", "total_slots": 4, "model_path": self.model, "modalities": {"vision": False}}
+        return (
+            {"status": "ok"}
+            if path == "/health"
+            else {
+                "build_info": "b0-0c1e570",
+                "total_slots": 4,
+                "model_path": self.model,
+                "modalities": {"vision": False},
+            }
+        )
 
     async def caps(self) -> dict[str, Any]:
         if self.caps_error:
@@ -74,7 +108,11 @@ def test_doctor_names_the_fix_for_a_server_without_kvctl(status: int, fix: str, 
     (kvctl,) = [c for c in checks if c.name == "kvctl"]
     assert kvctl.status == "fail" and fix in kvctl.fix and str(status) in kvctl.detail
     tokenizer = checks[-1]
-    assert tokenizer.name == "tokenizer" and tokenizer.status == "warn" and "not readable here" in tokenizer.detail
+    assert (
+        tokenizer.name == "tokenizer"
+        and tokenizer.status == "warn"
+        and "not readable here" in tokenizer.detail
+    )
     out = format_doctor("http://fake", checks)
     assert "FAIL  kvctl" in out and "result: 1 problem(s), 1 warning(s)" in out
 
@@ -82,7 +120,9 @@ def test_doctor_names_the_fix_for_a_server_without_kvctl(status: int, fix: str, 
 def test_doctor_on_a_patched_server(tmp_path: Path) -> None:
     checks = asyncio.run(cli_doctor._doctor(FakeBackend(), None, None, tmp_path))
     assert [c.name for c in checks if c.status == "fail"] == []
-    assert {"kvctl", "KV layout", "sharing", "/kvctl/slots", "/kvctl/cells", "chat template"} <= {c.name for c in checks}
+    assert {"kvctl", "KV layout", "sharing", "/kvctl/slots", "/kvctl/cells", "chat template"} <= {
+        c.name for c in checks
+    }
 
 
 def test_doctor_tokenizer_check_uses_the_startup_probe(tmp_path: Path) -> None:
@@ -92,4 +132,6 @@ def test_doctor_tokenizer_check_uses_the_startup_probe(tmp_path: Path) -> None:
     checks = asyncio.run(cli_doctor._doctor(FakeBackend(model=str(model)), None, None, tmp_path / "cache"))
     tokenizer = checks[-1]
     assert tokenizer.name == "tokenizer" and tokenizer.status == "warn"
-    assert tokenizer.detail.startswith("no local tokenizer for this model (") and "/tokenize" in tokenizer.detail
+    assert (
+        tokenizer.detail.startswith("no local tokenizer for this model (") and "/tokenize" in tokenizer.detail
+    )

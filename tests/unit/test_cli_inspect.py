@@ -41,9 +41,21 @@ def test_snippet_is_one_quoted_line() -> None:
 
 
 def decision(**over: Any) -> dict[str, Any]:
-    base = {"time": 0.0, "request_id": "r1", "route": "A", "predicted_cached": 10, "cached": 10,
-            "prefilled": 5, "ttft_s": 0.1, "server": "s0", "slot": 1, "prompt_tokens": 15, "fallback": None,
-            "host_match": 4, "best_slot_match": 10}
+    base = {
+        "time": 0.0,
+        "request_id": "r1",
+        "route": "A",
+        "predicted_cached": 10,
+        "cached": 10,
+        "prefilled": 5,
+        "ttft_s": 0.1,
+        "server": "s0",
+        "slot": 1,
+        "prompt_tokens": 15,
+        "fallback": None,
+        "host_match": 4,
+        "best_slot_match": 10,
+    }
     return {**base, **over}
 
 
@@ -52,14 +64,44 @@ def test_why_text_names_the_divergence() -> None:
     assert why_text(decision(diverge={"at": 15, "complete": True})) == "whole prompt was cached"
     # Without the token windows (older coordinators) only the position is known.
     assert why_text(decision()) == "@10 (slot)"
-    full = why_text(decision(diverge={"at": 10, "source": "slot s0/1", "complete": False, "before": "the weather in",
-                                      "request": " Paris today", "cached": " London today"}))
+    full = why_text(
+        decision(
+            diverge={
+                "at": 10,
+                "source": "slot s0/1",
+                "complete": False,
+                "before": "the weather in",
+                "request": " Paris today",
+                "cached": " London today",
+            }
+        )
+    )
     assert full == '@10 (slot s0/1) "the weather in" ▸ " Paris today" | cached ▸ " London today"'
-    host = why_text(decision(diverge={"at": 4, "source": "host", "complete": False, "before": "x",
-                                      "request": "y", "cached": None}))
+    host = why_text(
+        decision(
+            diverge={
+                "at": 4,
+                "source": "host",
+                "complete": False,
+                "before": "x",
+                "request": "y",
+                "cached": None,
+            }
+        )
+    )
     assert host == '@4 (host) "x" ▸ "y"'
-    fresh = why_text(decision(diverge={"at": 0, "source": None, "complete": False, "before": "",
-                                       "request": "Hello", "cached": None}))
+    fresh = why_text(
+        decision(
+            diverge={
+                "at": 0,
+                "source": None,
+                "complete": False,
+                "before": "",
+                "request": "Hello",
+                "cached": None,
+            }
+        )
+    )
     assert fresh == '@0 (nothing cached starts like it) ▸ "Hello"'
 
 
@@ -69,16 +111,38 @@ def test_route_rows() -> None:
 
 
 def tree_stats(**over: Any) -> dict[str, Any]:
-    base = {"nodes": 3, "leaves": 2, "unique_tokens": 100, "logical_tokens": 150, "bytes": 3 * 1024 * 1024,
-            "budget_bytes": 1 << 30, "pinned_nodes": 0, "saves": 2, "saved_tokens": 100, "loads": 1,
-            "loaded_tokens": 50, "evictions": 0, "evicted_tokens": 0}
+    base = {
+        "nodes": 3,
+        "leaves": 2,
+        "unique_tokens": 100,
+        "logical_tokens": 150,
+        "bytes": 3 * 1024 * 1024,
+        "budget_bytes": 1 << 30,
+        "pinned_nodes": 0,
+        "saves": 2,
+        "saved_tokens": 100,
+        "loads": 1,
+        "loaded_tokens": 50,
+        "evictions": 0,
+        "evicted_tokens": 0,
+    }
     return {**base, **over}
 
 
 def test_format_tree() -> None:
-    data = {"stats": tree_stats(), "dedup_ratio": 1.5,
-            "top": [{"length": 80, "hits": 4, "bytes": 2048, "head": [1, 2],
-                     "preview": {"head": "You are", "tail": "the end"}}]}
+    data = {
+        "stats": tree_stats(),
+        "dedup_ratio": 1.5,
+        "top": [
+            {
+                "length": 80,
+                "hits": 4,
+                "bytes": 2048,
+                "head": [1, 2],
+                "preview": {"head": "You are", "tail": "the end"},
+            }
+        ],
+    }
     out = format_tree(data)
     assert "3 nodes (2 terminal), 3.0 MiB of 1.0 GiB, 100 unique / 150 logical tokens (dedup 1.50x)" in out
     assert '80      4     2.0 KiB  "You are" … "the end"' in out
@@ -86,12 +150,36 @@ def test_format_tree() -> None:
 
 
 def test_format_slots() -> None:
-    data = {"servers": [{"server": "s0", "url": "http://x", "errors": ["s0 /kvctl/cells: timeout"],
-                         "slots": [{"id": 0, "busy": True, "n_tokens": 7, "n_cells": 7, "idle_s": None,
-                                    "preview": {"head": "hi", "tail": ""}}],
-                         "residents": [{"owner": 4, "n_tokens": 5, "n_cells": 5, "hits": 2, "sharers": {"0": 5},
-                                        "preview": {"head": "sys", "tail": ""}}],
-                         "pool": {"n_cells": 100, "used": 12, "slot": 7, "owner": 5, "owner_only": 5, "logical": 14}}]}
+    data = {
+        "servers": [
+            {
+                "server": "s0",
+                "url": "http://x",
+                "errors": ["s0 /kvctl/cells: timeout"],
+                "slots": [
+                    {
+                        "id": 0,
+                        "busy": True,
+                        "n_tokens": 7,
+                        "n_cells": 7,
+                        "idle_s": None,
+                        "preview": {"head": "hi", "tail": ""},
+                    }
+                ],
+                "residents": [
+                    {
+                        "owner": 4,
+                        "n_tokens": 5,
+                        "n_cells": 5,
+                        "hits": 2,
+                        "sharers": {"0": 5},
+                        "preview": {"head": "sys", "tail": ""},
+                    }
+                ],
+                "pool": {"n_cells": 100, "used": 12, "slot": 7, "owner": 5, "owner_only": 5, "logical": 14},
+            }
+        ]
+    }
     out = format_slots(data)
     assert out.splitlines()[1].split()[:5] == ["s0", "0", "busy", "7", "7"]
     assert "resident entries: \nserver  owner  tokens  cells  hits  slots:cells" in out
@@ -101,13 +189,26 @@ def test_format_slots() -> None:
 
 
 def test_format_stats() -> None:
-    data = {"uptime_s": 5, "requests": 3, "by_route": {"A": 1, "prefill": 2}, "errors": {"4xx": 0, "5xx": 1},
-            "prompt_tokens": 300, "cached_tokens": 100, "prefilled_tokens": 200, "predicted_cached_tokens": 100,
-            "hit_ratio": 1 / 3, "cached_by_route": {"A": 100}, "ttft_mean_s_by_route": {"A": 0.05},
-            "kv_moves": {"export": {"bytes": 1024, "seconds": 0.5}, "import": {"bytes": 0, "seconds": 0.0}},
-            "fallbacks": dict.fromkeys(FALLBACK_CAUSES, 0), "tree": tree_stats(), "dedup_ratio": 1.5,
-            "pool": {"s0": None}, "tokenizer": "local",
-            "resident": {"s0": {"entries": 2, "tokens": 90, "pinned": 0, "admitted": 3, "evicted": 1, "hits": 4}}}
+    data = {
+        "uptime_s": 5,
+        "requests": 3,
+        "by_route": {"A": 1, "prefill": 2},
+        "errors": {"4xx": 0, "5xx": 1},
+        "prompt_tokens": 300,
+        "cached_tokens": 100,
+        "prefilled_tokens": 200,
+        "predicted_cached_tokens": 100,
+        "hit_ratio": 1 / 3,
+        "cached_by_route": {"A": 100},
+        "ttft_mean_s_by_route": {"A": 0.05},
+        "kv_moves": {"export": {"bytes": 1024, "seconds": 0.5}, "import": {"bytes": 0, "seconds": 0.0}},
+        "fallbacks": dict.fromkeys(FALLBACK_CAUSES, 0),
+        "tree": tree_stats(),
+        "dedup_ratio": 1.5,
+        "pool": {"s0": None},
+        "tokenizer": "local",
+        "resident": {"s0": {"entries": 2, "tokens": 90, "pinned": 0, "admitted": 3, "evicted": 1, "hits": 4}},
+    }
     out = format_stats(data)
     assert "requests         3 (A 1, prefill 2); errors 4xx 0, 5xx 1" in out
     assert "prompt tokens    300: cached 100 (33.3%), prefilled 200" in out
@@ -122,8 +223,15 @@ def test_metrics_series_exist_at_zero_before_traffic() -> None:
     m = Metrics(CollectorRegistry(), ("s0", "s1"))
     for server in ("s0", "s1"):
         for route in ROUTES:
-            assert m.registry.get_sample_value("radix_requests_total", {"route": route, "server": server}) == 0
-        for name in ("kv_cache_used_cells", "radix_resident_entries", "radix_resident_cells", "radix_backend_up"):
+            assert (
+                m.registry.get_sample_value("radix_requests_total", {"route": route, "server": server}) == 0
+            )
+        for name in (
+            "kv_cache_used_cells",
+            "radix_resident_entries",
+            "radix_resident_cells",
+            "radix_backend_up",
+        ):
             assert m.registry.get_sample_value(name, {"server": server}) == 0
     for cause in FALLBACK_CAUSES:
         assert m.value("radix_fallbacks_total", cause=cause) == 0
@@ -145,14 +253,20 @@ def test_synced_counters_and_pool_gauges() -> None:
 
 def fake_runtime(tree: RadixTree) -> Any:
     tokenizer = SimpleNamespace(decode=lambda ids: "".join(chr(96 + i) for i in ids))
-    return SimpleNamespace(coordinator=SimpleNamespace(tree=tree), metrics=Metrics(CollectorRegistry(), ("s0",)),
-                           local_tokenizer=tokenizer)
+    return SimpleNamespace(
+        coordinator=SimpleNamespace(tree=tree),
+        metrics=Metrics(CollectorRegistry(), ("s0",)),
+        local_tokenizer=tokenizer,
+    )
 
 
 def test_cache_summary_and_tree_mirror() -> None:
     tree = RadixTree(1 << 20)
     tree.insert(np.arange(1, 11), KvSegment(0, LAYOUT, np.zeros((10, LAYOUT.bytes_per_token), np.uint8)))
-    tree.insert(np.r_[np.arange(1, 6), [20, 21]], KvSegment(5, LAYOUT, np.zeros((2, LAYOUT.bytes_per_token), np.uint8)))
+    tree.insert(
+        np.r_[np.arange(1, 6), [20, 21]],
+        KvSegment(5, LAYOUT, np.zeros((2, LAYOUT.bytes_per_token), np.uint8)),
+    )
     runtime = fake_runtime(tree)
     line = cache_summary(runtime)
     assert line.startswith("cache terminal_nodes=2 nodes=3 ")

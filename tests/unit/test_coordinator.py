@@ -54,16 +54,20 @@ class FakeServer:
         return {"slot": body["slot"]}
 
     async def slots(self, tokens: bool = False) -> dict[str, Any]:
-        return {"slots": [{"id": i, "busy": False, "tokens": t, "pos_min": 0, "pos_max": len(t) - 1}
-                          for i, t in self.held.items()]}
+        return {
+            "slots": [
+                {"id": i, "busy": False, "tokens": t, "pos_min": 0, "pos_max": len(t) - 1}
+                for i, t in self.held.items()
+            ]
+        }
 
     async def export(self, seq: dict[str, int], p0: int, tokens: Sequence[int] | np.ndarray) -> KvSegment:
         if self.fail_export:
             raise KvMoveError(FallbackCause.EXPORT, "refused")
         held = self.held[seq["slot"]]
-        if list(held[:len(tokens)]) != [int(t) for t in tokens]:  # the server's expect_sha256 check
+        if list(held[: len(tokens)]) != [int(t) for t in tokens]:  # the server's expect_sha256 check
             raise KvMoveError(FallbackCause.CONFLICT, "the slot holds other tokens")
-        return KvSegment(p0, LAYOUT, rows(held[p0:len(tokens)]))
+        return KvSegment(p0, LAYOUT, rows(held[p0 : len(tokens)]))
 
     async def import_(self, slot: int, p0: int, tokens: Sequence[int], segments: Sequence[KvSegment]) -> None:
         self.imports.append((slot, p0, len(tokens)))
@@ -276,9 +280,22 @@ def test_decision_summary_has_the_admin_fields() -> None:
 
     summary = asyncio.run(run())
     assert summary["route"] == "prefill" and summary["prefilled"] == 50 and summary["fallback"] is None
-    assert set(summary) >= {"time", "request_id", "server", "slot", "prompt_tokens", "predicted_cached",
-                            "cached", "ttft_s", "queued_s", "status", "host_match", "best_slot_match",
-                            "diverge_at", "diverge_source"}
+    assert set(summary) >= {
+        "time",
+        "request_id",
+        "server",
+        "slot",
+        "prompt_tokens",
+        "predicted_cached",
+        "cached",
+        "ttft_s",
+        "queued_s",
+        "status",
+        "host_match",
+        "best_slot_match",
+        "diverge_at",
+        "diverge_source",
+    }
 
 
 def test_describe_decision_shows_the_divergence_as_text() -> None:
@@ -288,23 +305,54 @@ def test_describe_decision_shows_the_divergence_as_text() -> None:
     from proxy.server.coordinator import Decision, Divergence
 
     decode = SimpleNamespace(decode=lambda ids: "".join(chr(96 + i) for i in ids))
-    runtime: Any = SimpleNamespace(local_tokenizer=decode, config=Config(backends=("x",), admin_show_text=True))
-    why = Divergence(host_match=4, best_slot_match=6, at=6, source="slot s0/1", ctx_from=2,
-                     request_ctx=(1, 2, 3, 4, 5, 6, 7), cached_ctx=(1, 2, 3, 4, 8, 9))
-    decision = Decision(time=0.0, request_id="r1", route=Route.A, server="s0", slot=1, prompt_tokens=15,
-                        predicted_cached=6, cached=6, prefilled=9, ttft_s=0.1, queued_s=0.0, fallback=None,
-                        status=200, why=why)
+    runtime: Any = SimpleNamespace(
+        local_tokenizer=decode, config=Config(backends=("x",), admin_show_text=True)
+    )
+    why = Divergence(
+        host_match=4,
+        best_slot_match=6,
+        at=6,
+        source="slot s0/1",
+        ctx_from=2,
+        request_ctx=(1, 2, 3, 4, 5, 6, 7),
+        cached_ctx=(1, 2, 3, 4, 8, 9),
+    )
+    decision = Decision(
+        time=0.0,
+        request_id="r1",
+        route=Route.A,
+        server="s0",
+        slot=1,
+        prompt_tokens=15,
+        predicted_cached=6,
+        cached=6,
+        prefilled=9,
+        ttft_s=0.1,
+        queued_s=0.0,
+        fallback=None,
+        status=200,
+        why=why,
+    )
     out = asyncio.run(describe_decision(runtime, decision))
     assert "request_ctx" not in out and "cached_ctx" not in out
     assert out["route"] == "A" and out["diverge_at"] == 6 and out["host_match"] == 4
-    assert out["diverge"] == {"at": 6, "source": "slot s0/1", "complete": False, "before": "abcd",
-                              "request": "efg", "cached": "hi"}
+    assert out["diverge"] == {
+        "at": 6,
+        "source": "slot s0/1",
+        "complete": False,
+        "before": "abcd",
+        "request": "efg",
+        "cached": "hi",
+    }
     host = Decision(**{**decision.__dict__, "why": Divergence(4, 0, 4, "host", 0, (1, 2, 3, 4, 5), None)})
     assert asyncio.run(describe_decision(runtime, host))["diverge"]["cached"] is None
     # Without the operator's opt-in, no prompt text leaves the proxy.
     runtime.config = Config(backends=("x",))
-    assert asyncio.run(describe_decision(runtime, decision))["diverge"] == {"at": 6, "source": "slot s0/1",
-                                                                           "complete": False}
+    assert asyncio.run(describe_decision(runtime, decision))["diverge"] == {
+        "at": 6,
+        "source": "slot s0/1",
+        "complete": False,
+    }
 
 
 # ---- cache isolation: requests with different keys never reuse each other's KV ----------------

@@ -20,29 +20,32 @@ pytestmark = pytest.mark.unit
 CONFIG = Config(backends=("http://x",))
 
 
-@pytest.mark.parametrize(("method", "path", "passes"), [
-    ("GET", "/v1/models", True),
-    ("GET", "/props", True),
-    ("POST", "/tokenize", True),
-    ("POST", "/detokenize", True),
-    ("POST", "/apply-template", True),
-    ("POST", "/props", False),
-    ("GET", "/slots", False),
-    ("POST", "/slots/0", False),
-    ("GET", "/kvctl/slots", False),
-    ("POST", "/kvctl/erase", False),
-    ("OPTIONS", "/kvctl/erase", False),
-    ("POST", "/kvctl/import", False),
-    ("GET", "/lora-adapters", False),
-    ("POST", "/lora-adapters", False),
-    ("POST", "/v1/messages", False),
-    ("POST", "/v1/responses", False),
-    ("POST", "/infill", False),
-    ("POST", "/v1/chat/completions/control", False),
-    ("POST", "/embeddings", False),
-    ("GET", "/metrics/../kvctl/slots", False),
-    ("GET", "/v1/stream", False),
-])
+@pytest.mark.parametrize(
+    ("method", "path", "passes"),
+    [
+        ("GET", "/v1/models", True),
+        ("GET", "/props", True),
+        ("POST", "/tokenize", True),
+        ("POST", "/detokenize", True),
+        ("POST", "/apply-template", True),
+        ("POST", "/props", False),
+        ("GET", "/slots", False),
+        ("POST", "/slots/0", False),
+        ("GET", "/kvctl/slots", False),
+        ("POST", "/kvctl/erase", False),
+        ("OPTIONS", "/kvctl/erase", False),
+        ("POST", "/kvctl/import", False),
+        ("GET", "/lora-adapters", False),
+        ("POST", "/lora-adapters", False),
+        ("POST", "/v1/messages", False),
+        ("POST", "/v1/responses", False),
+        ("POST", "/infill", False),
+        ("POST", "/v1/chat/completions/control", False),
+        ("POST", "/embeddings", False),
+        ("GET", "/metrics/../kvctl/slots", False),
+        ("GET", "/v1/stream", False),
+    ],
+)
 def test_only_the_read_only_allowlist_passes(method: str, path: str, passes: bool) -> None:
     assert (front.refusal(method, path) is None) == passes
 
@@ -58,13 +61,16 @@ def test_one_answer_passes() -> None:
     front.check_one_answer({})
 
 
-@pytest.mark.parametrize(("prompt", "message"), [
-    ([1, 2, 70_000], "invalid token id 70000"),
-    ([-1, 2], "invalid token id -1"),
-    ([1, "a"], "array of token ids"),
-    ([1, True], "array of token ids"),
-    (list(range(100)), "exceeds the available context size"),
-])
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ([1, 2, 70_000], "invalid token id 70000"),
+        ([-1, 2], "invalid token id -1"),
+        ([1, "a"], "array of token ids"),
+        ([1, True], "array of token ids"),
+        (list(range(100)), "exceeds the available context size"),
+    ],
+)
 def test_bad_token_prompts(prompt: list[Any], message: str) -> None:
     with pytest.raises(BadRequest, match=message):
         front.prompt_token_ids(prompt, n_vocab=49_152, n_ctx_slot=64)
@@ -104,8 +110,13 @@ def test_cache_namespace_sources() -> None:
 
 
 def test_strip_cache_info() -> None:
-    raw = orjson.dumps({"choices": [], "timings": {"cache_n": 90, "prompt_n": 10},
-                        "usage": {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 90}}})
+    raw = orjson.dumps(
+        {
+            "choices": [],
+            "timings": {"cache_n": 90, "prompt_n": 10},
+            "usage": {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 90}},
+        }
+    )
     out = orjson.loads(front.strip_cache_info_raw(raw))
     assert "timings" not in out and out["usage"] == {"prompt_tokens": 100}
     assert front.strip_cache_info_raw(b"not json") == b"not json"
@@ -114,12 +125,15 @@ def test_strip_cache_info() -> None:
 @settings(max_examples=50, deadline=None)
 @given(cut=st.lists(st.integers(1, 200), max_size=8))
 def test_sse_stripper_any_chunking(cut: list[int]) -> None:
-    events = [b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n',
-              b'data: {"choices":[],"timings":{"cache_n":42,"prompt_n":3}}\n\n', b"data: [DONE]\n\n"]
+    events = [
+        b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n',
+        b'data: {"choices":[],"timings":{"cache_n":42,"prompt_n":3}}\n\n',
+        b"data: [DONE]\n\n",
+    ]
     stream = b"".join(events)
     stripper, out, pos = front.SseStripper(), b"", 0
     for n in cut:
-        out += stripper.feed(stream[pos:pos + n])
+        out += stripper.feed(stream[pos : pos + n])
         pos += n
     out += stripper.feed(stream[pos:]) + stripper.flush()
     assert b"cache_n" not in out and b'"content":"hi"' in out and out.endswith(b"data: [DONE]\n\n")

@@ -29,9 +29,23 @@ ALLOWED: dict[str, set[str]] = {
     "proxy.tokenizer": {"proxy.errors"},
     "proxy.native": {"proxy.errors"},
     "proxy.server": {"proxy.errors", "proxy.config", "proxy.core", "proxy.tokenizer"},
-    "proxy.cli": {"proxy.errors", "proxy.config", "proxy.core", "proxy.tokenizer", "proxy.native", "proxy.server"},
-    "proxy.bench": {"proxy.errors", "proxy.config", "proxy.core", "proxy.native", "proxy.server", "proxy.cli.common",
-                    "proxy.cli.options"},
+    "proxy.cli": {
+        "proxy.errors",
+        "proxy.config",
+        "proxy.core",
+        "proxy.tokenizer",
+        "proxy.native",
+        "proxy.server",
+    },
+    "proxy.bench": {
+        "proxy.errors",
+        "proxy.config",
+        "proxy.core",
+        "proxy.native",
+        "proxy.server",
+        "proxy.cli.common",
+        "proxy.cli.options",
+    },
     # The command line's root is the one place that puts the benchmarks in.
     "proxy.cli.main": {"proxy.errors", "proxy.config", "proxy.native", "proxy.cli", "proxy.bench"},
     "proxy.cli.__main__": {"proxy.cli.main"},
@@ -53,7 +67,8 @@ MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def imports_of(name: str) -> set[str]:
@@ -108,8 +123,13 @@ def test_imports_go_down_the_layers() -> None:
 
 
 def test_the_core_is_pure() -> None:
-    bad = sorted(f"{name} imports {m}" for name in MODULES if part_of(name) == "proxy.core"
-                 for m in imports_of(name) if m.split(".")[0] in CORE_FORBIDDEN)
+    bad = sorted(
+        f"{name} imports {m}"
+        for name in MODULES
+        if part_of(name) == "proxy.core"
+        for m in imports_of(name)
+        if m.split(".")[0] in CORE_FORBIDDEN
+    )
     assert not bad, "\n".join(bad)
 
 
@@ -150,8 +170,9 @@ def test_no_import_cycles() -> None:
 
 
 def _import_alone(name: str) -> tuple[str, int, str]:
-    proc = subprocess.run([sys.executable, "-W", "error", "-c", f"import {name}"], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", "-c", f"import {name}"], capture_output=True, text=True, timeout=120
+    )
     return name, proc.returncode, proc.stderr[-2000:]
 
 

@@ -40,7 +40,9 @@ def random_segment(layout: KvLayout, p0: int, n: int, seed: int = 0) -> KvSegmen
     return KvSegment(p0, layout, rng.integers(0, 256, (n, layout.bytes_per_token), dtype=np.uint8))
 
 
-def reference_fields(seg: KvSegment, order: np.ndarray | None = None, seq: int = 7) -> list[tuple[str, bytes]]:
+def reference_fields(
+    seg: KvSegment, order: np.ndarray | None = None, seq: int = 7
+) -> list[tuple[str, bytes]]:
     """An independent writer of llama.cpp's layout: named fields, cells in `order` (pool order).
 
     Named pieces let the malformed-header tests corrupt one field at a time."""
@@ -53,25 +55,37 @@ def reference_fields(seg: KvSegment, order: np.ndarray | None = None, seq: int =
         ("cell_count", struct.pack("<I", n)),
     ]
     for i, idx in enumerate(order):
-        f += [(f"cell{i}.pos", struct.pack("<i", seg.p0 + int(idx))),
-              (f"cell{i}.n_seq", struct.pack("<I", 1)),
-              (f"cell{i}.seq", struct.pack("<i", seq))]
+        f += [
+            (f"cell{i}.pos", struct.pack("<i", seg.p0 + int(idx))),
+            (f"cell{i}.n_seq", struct.pack("<I", 1)),
+            (f"cell{i}.seq", struct.pack("<i", seq)),
+        ]
     f += [("v_trans", struct.pack("<I", int(lay.v_trans))), ("n_layer", struct.pack("<I", lay.n_layer))]
     for il in range(lay.n_layer):
         off, row = lay.k_offset(il), lay.k_row_bytes[il]
-        f += [(f"k{il}.type", struct.pack("<i", lay.k_types[il])), (f"k{il}.row", struct.pack("<Q", row)),
-              (f"k{il}.data", seg.data[order, off : off + row].tobytes())]
+        f += [
+            (f"k{il}.type", struct.pack("<i", lay.k_types[il])),
+            (f"k{il}.row", struct.pack("<Q", row)),
+            (f"k{il}.data", seg.data[order, off : off + row].tobytes()),
+        ]
     for il in range(lay.n_layer):
         off, row = lay.v_offset(il), lay.v_row_bytes[il]
         rows = seg.data[order, off : off + row]
         if not lay.v_trans:
-            f += [(f"v{il}.type", struct.pack("<i", lay.v_types[il])), (f"v{il}.row", struct.pack("<Q", row)),
-                  (f"v{il}.data", rows.tobytes())]
+            f += [
+                (f"v{il}.type", struct.pack("<i", lay.v_types[il])),
+                (f"v{il}.row", struct.pack("<Q", row)),
+                (f"v{il}.data", rows.tobytes()),
+            ]
             continue
         el, embd = lay.v_el_bytes[il], lay.n_embd_v_gqa[il]
         elem_major = b"".join(rows[:, j * el : (j + 1) * el].tobytes() for j in range(embd))
-        f += [(f"v{il}.type", struct.pack("<i", lay.v_types[il])), (f"v{il}.el", struct.pack("<I", el)),
-              (f"v{il}.embd", struct.pack("<I", embd)), (f"v{il}.data", elem_major)]
+        f += [
+            (f"v{il}.type", struct.pack("<i", lay.v_types[il])),
+            (f"v{il}.el", struct.pack("<I", el)),
+            (f"v{il}.embd", struct.pack("<I", embd)),
+            (f"v{il}.data", elem_major),
+        ]
     return f
 
 
@@ -176,9 +190,17 @@ def test_segment_validates_data() -> None:
 
 
 def caps(v_trans: bool, **extra: object) -> dict[str, object]:
-    c: dict[str, object] = {"fingerprint": "ab", "n_layer": 2, "k_types": [1, 1], "v_types": [1, 1],
-                            "k_row_bytes": [384, 384], "v_row_bytes": [384, 384], "v_trans": v_trans,
-                            "rope": "norm", "n_pos_per_embd": 1}
+    c: dict[str, object] = {
+        "fingerprint": "ab",
+        "n_layer": 2,
+        "k_types": [1, 1],
+        "v_types": [1, 1],
+        "k_row_bytes": [384, 384],
+        "v_row_bytes": [384, 384],
+        "v_trans": v_trans,
+        "rope": "norm",
+        "n_pos_per_embd": 1,
+    }
     c.update(extra)
     return c
 
@@ -220,7 +242,11 @@ def test_from_caps_missing_field() -> None:
 
 # ---------------------------------------------------------------- malformed payloads
 
-u32, i32, u64 = (lambda v: struct.pack("<I", v)), (lambda v: struct.pack("<i", v)), (lambda v: struct.pack("<Q", v))
+u32, i32, u64 = (
+    (lambda v: struct.pack("<I", v)),
+    (lambda v: struct.pack("<i", v)),
+    (lambda v: struct.pack("<Q", v)),
+)
 
 MALFORMED: list[tuple[str, bool, dict[str, bytes], str]] = [
     ("bad magic", False, {"magic": u32(0xDEADBEEF)}, "magic"),
@@ -289,8 +315,13 @@ def test_expect_layout_mismatch() -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(v_trans=st.booleans(), p0=st.integers(0, 5000), n=st.integers(1, 40), seed=st.integers(0, 2**32 - 1),
-       shuffle=st.booleans())
+@given(
+    v_trans=st.booleans(),
+    p0=st.integers(0, 5000),
+    n=st.integers(1, 40),
+    seed=st.integers(0, 2**32 - 1),
+    shuffle=st.booleans(),
+)
 def test_round_trip_property(v_trans: bool, p0: int, n: int, seed: int, shuffle: bool) -> None:
     lay = make_layout(v_trans, n_layer=1 + seed % 3)
     seg = random_segment(lay, p0, n, seed)

@@ -15,8 +15,9 @@ pytestmark = pytest.mark.unit
 MIN = 10
 
 
-def slot(slot_id: int, lcp: int = 0, *, idle: bool = True, n_tokens: int | None = None,
-         last_used: float = 0.0) -> SlotView:
+def slot(
+    slot_id: int, lcp: int = 0, *, idle: bool = True, n_tokens: int | None = None, last_used: float = 0.0
+) -> SlotView:
     return SlotView(slot_id, idle, lcp, lcp if n_tokens is None else n_tokens, last_used)
 
 
@@ -34,59 +35,131 @@ class Case:
 
 
 CASES = [
-    Case("cold: prefill on the LRU slot", [slot(0, last_used=5), slot(1, last_used=2)],
-         (Route.PREFILL, 1, 0, None, 0, 0, 0)),
-    Case("cold: LRU tie -> fewest tokens", [slot(0, n_tokens=50), slot(1, n_tokens=10)],
-         (Route.PREFILL, 1, 0, None, 0, 0, 0)),
+    Case(
+        "cold: prefill on the LRU slot",
+        [slot(0, last_used=5), slot(1, last_used=2)],
+        (Route.PREFILL, 1, 0, None, 0, 0, 0),
+    ),
+    Case(
+        "cold: LRU tie -> fewest tokens",
+        [slot(0, n_tokens=50), slot(1, n_tokens=10)],
+        (Route.PREFILL, 1, 0, None, 0, 0, 0),
+    ),
     Case("A on the longest-lcp slot", [slot(0, 20), slot(1, 50)], (Route.A, 1, 50, None, 0, 0, 50)),
-    Case("A: tie -> most recently used", [slot(0, 50, last_used=1), slot(1, 50, last_used=9)],
-         (Route.A, 1, 50, None, 0, 0, 50)),
+    Case(
+        "A: tie -> most recently used",
+        [slot(0, 50, last_used=1), slot(1, 50, last_used=9)],
+        (Route.A, 1, 50, None, 0, 0, 50),
+    ),
     Case("A below min is still fine", [slot(0, 3)], (Route.A, 0, 3, None, 0, 0, 3)),
     Case("busy slot ignored", [slot(0, 90, idle=False), slot(1, 20)], (Route.A, 1, 20, None, 0, 0, 20)),
     Case("A capped at n_prompt - 1", [slot(0, 50)], (Route.A, 0, 49, None, 0, 0, 49), n_prompt=50),
-    Case("one-token prompt: nothing reusable, keep the best slot", [slot(0), slot(1, 1)],
-         (Route.PREFILL, 1, 0, None, 0, 0, 0), n_prompt=1),
+    Case(
+        "one-token prompt: nothing reusable, keep the best slot",
+        [slot(0), slot(1, 1)],
+        (Route.PREFILL, 1, 0, None, 0, 0, 0),
+        n_prompt=1,
+    ),
     Case("empty prompt", [slot(0)], (Route.PREFILL, 0, 0, None, 0, 0, 0), n_prompt=0),
     Case("H from cold", [slot(0), slot(1, last_used=-1)], (Route.H, 1, 0, None, 0, 80, 80), host=80),
     Case("H below min ignored", [slot(0)], (Route.PREFILL, 0, 0, None, 0, 0, 0), host=MIN - 1),
     Case("H capped", [slot(0)], (Route.H, 0, 0, None, 0, 99, 99), host=150),
     Case("A ties H -> A", [slot(0, 60)], (Route.A, 0, 60, None, 0, 0, 60), host=60),
-    Case("A+H when host reaches min further", [slot(0, 30), slot(1)], (Route.AH, 0, 30, None, 30, 90, 90),
-         host=90),
-    Case("host only a bit further: full H is still longest", [slot(0, 85)],
-         (Route.H, 0, 0, None, 0, 90, 90), host=90),
+    Case(
+        "A+H when host reaches min further",
+        [slot(0, 30), slot(1)],
+        (Route.AH, 0, 30, None, 30, 90, 90),
+        host=90,
+    ),
+    Case(
+        "host only a bit further: full H is still longest",
+        [slot(0, 85)],
+        (Route.H, 0, 0, None, 0, 90, 90),
+        host=90,
+    ),
     Case("mixed off: full H", [slot(0, 30)], (Route.H, 0, 0, None, 0, 90, 90), host=90, mixed=False),
-    Case("S longer than A", [slot(0, 10), slot(1)], (Route.S, 0, 70, 5, 0, 0, 70),
-         residents=[ResidentView(5, 70), ResidentView(6, 40)]),
-    Case("S on the LRU slot when no lcp", [slot(0, last_used=3), slot(1, last_used=1)],
-         (Route.S, 1, 70, 5, 0, 0, 70), residents=[ResidentView(5, 70)]),
+    Case(
+        "S longer than A",
+        [slot(0, 10), slot(1)],
+        (Route.S, 0, 70, 5, 0, 0, 70),
+        residents=[ResidentView(5, 70), ResidentView(6, 40)],
+    ),
+    Case(
+        "S on the LRU slot when no lcp",
+        [slot(0, last_used=3), slot(1, last_used=1)],
+        (Route.S, 1, 70, 5, 0, 0, 70),
+        residents=[ResidentView(5, 70)],
+    ),
     Case("S ties A -> A", [slot(0, 70)], (Route.A, 0, 70, None, 0, 0, 70), residents=[ResidentView(5, 70)]),
-    Case("S below min ignored", [slot(0)], (Route.PREFILL, 0, 0, None, 0, 0, 0),
-         residents=[ResidentView(5, MIN - 1)]),
-    Case("sharing off", [slot(0, 10)], (Route.A, 0, 10, None, 0, 0, 10), residents=[ResidentView(5, 70)],
-         share=False),
+    Case(
+        "S below min ignored",
+        [slot(0)],
+        (Route.PREFILL, 0, 0, None, 0, 0, 0),
+        residents=[ResidentView(5, MIN - 1)],
+    ),
+    Case(
+        "sharing off",
+        [slot(0, 10)],
+        (Route.A, 0, 10, None, 0, 0, 10),
+        residents=[ResidentView(5, 70)],
+        share=False,
+    ),
     Case("S capped", [slot(0)], (Route.S, 0, 99, 5, 0, 0, 99), residents=[ResidentView(5, 300)]),
     Case("S ties H -> S", [slot(0)], (Route.S, 0, 70, 5, 0, 0, 70), host=70, residents=[ResidentView(5, 70)]),
     Case("S+H", [slot(0)], (Route.SH, 0, 40, 5, 40, 95, 95), host=95, residents=[ResidentView(5, 40)]),
-    Case("share: A wins over a longer host, mixed tops it up", [slot(0, 20)],
-         (Route.AH, 0, 20, None, 20, 90, 90), host=90, policy="share"),
-    Case("share: A without mixed", [slot(0, 20)], (Route.A, 0, 20, None, 0, 0, 20), host=90, policy="share",
-         mixed=False),
-    Case("share: S without mixed", [slot(0)], (Route.S, 0, 30, 5, 0, 0, 30), host=90,
-         residents=[ResidentView(5, 30)], policy="share", mixed=False),
-    Case("share: H when neither A nor S", [slot(0)], (Route.H, 0, 0, None, 0, 90, 90), host=90,
-         policy="share"),
+    Case(
+        "share: A wins over a longer host, mixed tops it up",
+        [slot(0, 20)],
+        (Route.AH, 0, 20, None, 20, 90, 90),
+        host=90,
+        policy="share",
+    ),
+    Case(
+        "share: A without mixed",
+        [slot(0, 20)],
+        (Route.A, 0, 20, None, 0, 0, 20),
+        host=90,
+        policy="share",
+        mixed=False,
+    ),
+    Case(
+        "share: S without mixed",
+        [slot(0)],
+        (Route.S, 0, 30, 5, 0, 0, 30),
+        host=90,
+        residents=[ResidentView(5, 30)],
+        policy="share",
+        mixed=False,
+    ),
+    Case(
+        "share: H when neither A nor S", [slot(0)], (Route.H, 0, 0, None, 0, 90, 90), host=90, policy="share"
+    ),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_plan_table(case: Case) -> None:
-    inp = PlanInput(case.n_prompt, tuple(case.slots), case.host, tuple(case.residents), case.policy, MIN,
-                    case.share, case.mixed)
+    inp = PlanInput(
+        case.n_prompt,
+        tuple(case.slots),
+        case.host,
+        tuple(case.residents),
+        case.policy,
+        MIN,
+        case.share,
+        case.mixed,
+    )
     got = plan(inp)
     assert got is not None
-    assert (got.route, got.slot_id, got.reuse_len, got.owner_id, got.host_from, got.host_to,
-            got.predicted_cached) == case.expect
+    assert (
+        got.route,
+        got.slot_id,
+        got.reuse_len,
+        got.owner_id,
+        got.host_from,
+        got.host_to,
+        got.predicted_cached,
+    ) == case.expect
 
 
 def test_no_idle_slot() -> None:
@@ -107,19 +180,40 @@ def test_route_values() -> None:
 
 
 slots_st = st.lists(
-    st.builds(SlotView, st.integers(0, 7), st.booleans(), st.integers(0, 300), st.integers(0, 300),
-              st.floats(0, 100)),
+    st.builds(
+        SlotView,
+        st.integers(0, 7),
+        st.booleans(),
+        st.integers(0, 300),
+        st.integers(0, 300),
+        st.floats(0, 100),
+    ),
     max_size=5,
 ).map(lambda ss: tuple({s.slot_id: s for s in ss}.values()))
 residents_st = st.lists(st.builds(ResidentView, st.integers(8, 12), st.integers(0, 300)), max_size=3)
 
 
 @settings(max_examples=400, deadline=None)
-@given(n_prompt=st.integers(0, 300), slots=slots_st, host=st.integers(0, 300), residents=residents_st,
-       policy=st.sampled_from(["longest", "share"]), min_restore=st.integers(0, 64), share=st.booleans(),
-       mixed=st.booleans())
-def test_plan_properties(n_prompt: int, slots: tuple[SlotView, ...], host: int, residents: list[ResidentView],
-                         policy: Policy, min_restore: int, share: bool, mixed: bool) -> None:
+@given(
+    n_prompt=st.integers(0, 300),
+    slots=slots_st,
+    host=st.integers(0, 300),
+    residents=residents_st,
+    policy=st.sampled_from(["longest", "share"]),
+    min_restore=st.integers(0, 64),
+    share=st.booleans(),
+    mixed=st.booleans(),
+)
+def test_plan_properties(
+    n_prompt: int,
+    slots: tuple[SlotView, ...],
+    host: int,
+    residents: list[ResidentView],
+    policy: Policy,
+    min_restore: int,
+    share: bool,
+    mixed: bool,
+) -> None:
     inp = PlanInput(n_prompt, slots, host, tuple(residents), policy, min_restore, share, mixed)
     got = plan(inp)
     idle = [s for s in slots if s.idle]

@@ -25,12 +25,15 @@ def test_views_report_the_usable_prefix_of_each_entry() -> None:
     assert index.has(toks(1, 2, 9)) and not index.has(toks(1, 2))
 
 
-@pytest.mark.parametrize(("max_entries", "ids", "expected"), [
-    (0, range(4, 12), 8),     # auto: min(64, owner ids)
-    (0, range(4, 100), 64),
-    (3, range(4, 12), 3),
-    (50, range(4, 6), 2),     # never more than the server offers
-])
+@pytest.mark.parametrize(
+    ("max_entries", "ids", "expected"),
+    [
+        (0, range(4, 12), 8),  # auto: min(64, owner ids)
+        (0, range(4, 100), 64),
+        (3, range(4, 12), 3),
+        (50, range(4, 6), 2),  # never more than the server offers
+    ],
+)
 def test_entry_limit(max_entries: int, ids: range, expected: int) -> None:
     assert ResidentIndex(ids, max_entries).max_entries == expected
 
@@ -49,11 +52,11 @@ def test_free_owner_respects_the_limit() -> None:
 
 def test_release_order_prefers_entries_that_free_cells_then_lru() -> None:
     index = ResidentIndex(range(4, 8), 0)
-    index.add(4, toks(1, 2, 3), source_slot=0, now=1.0)   # slot 0 still shares all of it
+    index.add(4, toks(1, 2, 3), source_slot=0, now=1.0)  # slot 0 still shares all of it
     index.add(5, toks(7, 8, 9), source_slot=1, now=3.0)
     index.add(6, toks(5, 5, 5), source_slot=2, now=2.0)
-    index.slot_changed(1, toks(7, 0, 0))                  # slot 1 now shares one cell
-    index.slot_changed(2, toks(0, 0))                     # slot 2 shares nothing
+    index.slot_changed(1, toks(7, 0, 0))  # slot 1 now shares one cell
+    index.slot_changed(2, toks(0, 0))  # slot 2 shares nothing
     assert index.entries[6].frees_on_release() == 3
     assert index.entries[5].frees_on_release() == 2
     assert index.entries[4].frees_on_release() == 0

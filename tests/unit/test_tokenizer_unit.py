@@ -35,7 +35,6 @@ from proxy.tokenizer import (
 pytestmark = pytest.mark.unit
 
 
-
 # --------------------------------------------------------------------------------------------------
 # A synthetic GGUF
 # --------------------------------------------------------------------------------------------------
@@ -69,9 +68,7 @@ def write_gguf(
 
     alphabet = _byte_alphabet()
     tokens = list(SPECIALS)
-    types = [
-        gguf.TokenType.USER_DEFINED if t in user_defined else gguf.TokenType.CONTROL for t in SPECIALS
-    ]
+    types = [gguf.TokenType.USER_DEFINED if t in user_defined else gguf.TokenType.CONTROL for t in SPECIALS]
     for b, ch in enumerate(alphabet):
         if b not in drop_bytes:
             tokens.append(ch)
@@ -128,7 +125,11 @@ def test_split_basic() -> None:
 def test_split_longest_first_like_llama() -> None:
     # llama.cpp handles the longest token first, over the whole text: "<|im_start|>x" wins even
     # where a leftmost-longest scan would see "<|im_start|>" first in an overlap.
-    sp = [SpecialToken(20, "<|im_start|>x"), SpecialToken(21, "x<|im_start|>"), SpecialToken(10, "<|im_start|>")]
+    sp = [
+        SpecialToken(20, "<|im_start|>x"),
+        SpecialToken(21, "x<|im_start|>"),
+        SpecialToken(10, "<|im_start|>"),
+    ]
     sp.sort(key=lambda s: (-len(s.text.encode()), s.id))
     assert split_special("<|im_start|>xyz", sp) == [20, "yz"]
     # both 13 bytes, the lower id goes first: a leftmost-longest matcher would give [21, "x"]
@@ -260,7 +261,11 @@ def llama_split_llama3(s: str, max_digits: int) -> list[str]:
                 add(pos + 2)
                 pos += 2
                 continue
-            if pos + 2 < n and s[pos + 1 : pos + 3].lower() in ("re", "ve", "ll") and s[pos + 1 : pos + 3].isascii():
+            if (
+                pos + 2 < n
+                and s[pos + 1 : pos + 3].lower() in ("re", "ve", "ll")
+                and s[pos + 1 : pos + 3].isascii()
+            ):
                 add(pos + 3)
                 pos += 3
                 continue
@@ -344,11 +349,70 @@ def hf_words(pt: pre_tokenizers.PreTokenizer, text: str) -> list[str]:
 
 def _random_text(rnd: random.Random) -> str:
     pool = [
-        " ", "  ", "   ", "\n", "\n\n", "\r\n", "\t", " \t", "\u00a0", "\u3000", "\u2009", "\x0b", "\x85",
-        "'", "'s", "'S", "'re", "'RE", "'ll", "'Ve", "'d", "a", "B", "é", "ß", "ǅ", "中", "の", "한", "й",
-        "ع", "1", "23", "4567", "٣", "²", "Ⅻ", "½", "．", "!", "...", "-", "_", "{", "}", "\"", "😀", "👍🏽",
-        "\u200d", "\u0301", "$", "€", "word", " the", "ing", "\u1c89", "\ua7cb", "\U00010d40", "\U000105c0",
-        "\U00016d40", "\x00", "\x7f", "\ue000", "\U000e0041",
+        " ",
+        "  ",
+        "   ",
+        "\n",
+        "\n\n",
+        "\r\n",
+        "\t",
+        " \t",
+        "\u00a0",
+        "\u3000",
+        "\u2009",
+        "\x0b",
+        "\x85",
+        "'",
+        "'s",
+        "'S",
+        "'re",
+        "'RE",
+        "'ll",
+        "'Ve",
+        "'d",
+        "a",
+        "B",
+        "é",
+        "ß",
+        "ǅ",
+        "中",
+        "の",
+        "한",
+        "й",
+        "ع",
+        "1",
+        "23",
+        "4567",
+        "٣",
+        "²",
+        "Ⅻ",
+        "½",
+        "．",
+        "!",
+        "...",
+        "-",
+        "_",
+        "{",
+        "}",
+        '"',
+        "😀",
+        "👍🏽",
+        "\u200d",
+        "\u0301",
+        "$",
+        "€",
+        "word",
+        " the",
+        "ing",
+        "\u1c89",
+        "\ua7cb",
+        "\U00010d40",
+        "\U000105c0",
+        "\U00016d40",
+        "\x00",
+        "\x7f",
+        "\ue000",
+        "\U000e0041",
     ]
     parts = []
     for _ in range(rnd.randrange(1, 25)):
@@ -365,8 +429,21 @@ def test_pretokenizer_matches_llama_splitter(pre: str) -> None:
     ptk = build_pre_tokenizer(pre)
     rnd = random.Random(hash(pre) & 0xFFFF)
     fixed = [
-        "Hello  world\n\n\n  x", "a\t\tb", "   ", " ", "x ", "12345 67", "I'm you're 'LL 'S", "\r\n\r\n  \nx",
-        "a\u1c89b 1\U00010d40 2", "?? !!\n\n", "  ...\n", "\u00a0\u00a0a", "😀😀 😀", "Ⅻ½²", "'",
+        "Hello  world\n\n\n  x",
+        "a\t\tb",
+        "   ",
+        " ",
+        "x ",
+        "12345 67",
+        "I'm you're 'LL 'S",
+        "\r\n\r\n  \nx",
+        "a\u1c89b 1\U00010d40 2",
+        "?? !!\n\n",
+        "  ...\n",
+        "\u00a0\u00a0a",
+        "😀😀 😀",
+        "Ⅻ½²",
+        "'",
     ]
     texts = fixed + [_random_text(rnd) for _ in range(1500)]
     for text in texts:
@@ -400,7 +477,11 @@ def test_build_synthetic(synth: Path, synth_pt: PromptTokenizer) -> None:
     assert synth_pt.bos_id is None and synth_pt.eos_id is None  # gpt2 default: no BOS
     # longest first, ties by id
     assert [s.text for s in synth_pt.specials] == [
-        "<|endoftext|>", "<|im_start|>x", "<|im_start|>", "<|im_end|>", "<tool>"
+        "<|endoftext|>",
+        "<|im_start|>x",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<tool>",
     ]
     ids = synth_pt.encode("<|im_start|>user\nthe theing<|im_end|>\n<tool>")
     assert ids[0] == 1 and ids[-1] == 3 and 2 in ids
@@ -408,9 +489,9 @@ def test_build_synthetic(synth: Path, synth_pt: PromptTokenizer) -> None:
     # digits are isolated (smollm), so "12" never merges despite the merge "1 2"
     twelve = tok.token_to_id("12")
     assert twelve is not None and twelve not in synth_pt.encode("x 12 y")
-    assert twelve in PromptTokenizer(build_hf_tokenizer(write_gguf(synth.with_name("g.gguf"), pre="gpt-2"))).encode(
-        "x 12 y"
-    )
+    assert twelve in PromptTokenizer(
+        build_hf_tokenizer(write_gguf(synth.with_name("g.gguf"), pre="gpt-2"))
+    ).encode("x 12 y")
 
 
 def test_bos_eos_flags(tmp_path: Path) -> None:
@@ -481,7 +562,7 @@ def test_disk_cache(tmp_path: Path) -> None:
 def _conversation(n_turns: int, seed: int = 0) -> str:
     rnd = random.Random(seed)
     words = ["the", "ab", "ing", "ba", "12", "théâtre", "中文", "😀", "tool", "json", '{"a":', "1}"]
-    out = "<|im_start|>system\nYou are helpful. Tools: <tool>{\"name\": \"f\"}<|im_end|>\n"
+    out = '<|im_start|>system\nYou are helpful. Tools: <tool>{"name": "f"}<|im_end|>\n'
     for i in range(n_turns):
         role = "user" if i % 2 == 0 else "assistant"
         out += f"<|im_start|>{role}\n" + " ".join(rnd.choice(words) for _ in range(40)) + "<|im_end|>\n"

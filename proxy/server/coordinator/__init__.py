@@ -36,7 +36,9 @@ class Coordinator:
         self.servers = servers
         self.tree = tree
         self.metrics = metrics
-        self.leases = Leases(config, servers, tree, on_reject=lambda reason: metrics.rejected.labels(reason).inc())
+        self.leases = Leases(
+            config, servers, tree, on_reject=lambda reason: metrics.rejected.labels(reason).inc()
+        )
         self.moves = KvMoves(config, tree, metrics)
         self.log = DecisionLog(metrics)
 
@@ -57,8 +59,12 @@ class Coordinator:
         except TimeoutError:
             lease.slot.tokens, lease.slot.ns = EMPTY, None
             self.metrics.fallbacks.labels(FallbackCause.TIMEOUT).inc()
-            log.warning("saving %s slot %d took over %g s; the slot is released as unknown", lease.server.name,
-                        lease.slot.slot_id, self.config.finish_timeout_s)
+            log.warning(
+                "saving %s slot %d took over %g s; the slot is released as unknown",
+                lease.server.name,
+                lease.slot.slot_id,
+                self.config.finish_timeout_s,
+            )
         finally:
             self.leases.release(lease)
 
@@ -69,7 +75,9 @@ class Coordinator:
 
     def server_down(self, server: ServerState, reason: str) -> None:
         if server.healthy:
-            log.error("%s (%s) is down, no new requests go there: %s", server.name, server.backend.url, reason)
+            log.error(
+                "%s (%s) is down, no new requests go there: %s", server.name, server.backend.url, reason
+            )
         server.healthy, server.down_reason = False, reason
         self.metrics.backend_up.labels(server.name).set(0)
 
@@ -96,14 +104,19 @@ class Coordinator:
                 slot.tokens, slot.ns = EMPTY, ""
         if server.sharing is not None:
             server.sharing.index.entries.clear()
-        log.warning("%s (%s) restarted: its slot table and resident prefixes were reset", server.name,
-                    server.backend.url)
+        log.warning(
+            "%s (%s) restarted: its slot table and resident prefixes were reset",
+            server.name,
+            server.backend.url,
+        )
 
     def close(self) -> None:
         """Shutting down: queued requests are answered 503 now, new ones at once."""
         self.leases.close()
 
-    def record(self, lease: Lease, timings: dict[str, Any] | None, ttft_s: float | None, status: int) -> Decision:
+    def record(
+        self, lease: Lease, timings: dict[str, Any] | None, ttft_s: float | None, status: int
+    ) -> Decision:
         return self.log.record(lease, timings, ttft_s, status)
 
 

@@ -59,13 +59,25 @@ class Decision:
 
     def summary(self) -> dict[str, Any]:
         """The flat fields of the admin API (the token windows are rendered separately)."""
-        return {"time": self.time, "request_id": self.request_id, "route": self.route.value,
-                "server": self.server, "slot": self.slot, "prompt_tokens": self.prompt_tokens,
-                "predicted_cached": self.predicted_cached, "cached": self.cached, "prefilled": self.prefilled,
-                "ttft_s": self.ttft_s, "queued_s": self.queued_s,
-                "fallback": self.fallback.value if self.fallback else None, "status": self.status,
-                "host_match": self.why.host_match, "best_slot_match": self.why.best_slot_match,
-                "diverge_at": self.why.at, "diverge_source": self.why.source}
+        return {
+            "time": self.time,
+            "request_id": self.request_id,
+            "route": self.route.value,
+            "server": self.server,
+            "slot": self.slot,
+            "prompt_tokens": self.prompt_tokens,
+            "predicted_cached": self.predicted_cached,
+            "cached": self.cached,
+            "prefilled": self.prefilled,
+            "ttft_s": self.ttft_s,
+            "queued_s": self.queued_s,
+            "fallback": self.fallback.value if self.fallback else None,
+            "status": self.status,
+            "host_match": self.why.host_match,
+            "best_slot_match": self.why.best_slot_match,
+            "diverge_at": self.why.at,
+            "diverge_source": self.why.source,
+        }
 
 
 def divergence(found: PrefixScan) -> Divergence:
@@ -73,22 +85,31 @@ def divergence(found: PrefixScan) -> Divergence:
     held: list[tuple[int, str, np.ndarray]] = []
     for sv in found.servers:
         server = sv.server
-        held += [(n, f"slot {server.name}/{s.slot_id}", s.tokens)
-                 for s, n in zip(server.slots, sv.slot_lcp, strict=True)]
+        held += [
+            (n, f"slot {server.name}/{s.slot_id}", s.tokens)
+            for s, n in zip(server.slots, sv.slot_lcp, strict=True)
+        ]
         if server.sharing is not None:
             entries = server.sharing.index.entries
-            held += [(r.lcp, f"resident {server.name}/{r.owner_id}", entries[r.owner_id].tokens)
-                     for r in sv.residents]
+            held += [
+                (r.lcp, f"resident {server.name}/{r.owner_id}", entries[r.owner_id].tokens)
+                for r in sv.residents
+            ]
     best, where, holder = max(held, key=lambda h: h[0], default=(0, None, np.zeros(0, np.int32)))
     best_slot = max((n for n, what, _ in held if what.startswith("slot")), default=0)
     host_len = found.host.length
     at = max(host_len, best)
     lo, hi = max(0, at - WHY_CONTEXT), at + WHY_CONTEXT
     from_holder = best >= host_len and best > 0
-    return Divergence(host_match=host_len, best_slot_match=best_slot, at=at,
-                      source=where if from_holder else ("host" if host_len else None), ctx_from=lo,
-                      request_ctx=tuple(tokens[lo:hi].tolist()),
-                      cached_ctx=tuple(holder[lo:hi].tolist()) if from_holder else None)
+    return Divergence(
+        host_match=host_len,
+        best_slot_match=best_slot,
+        at=at,
+        source=where if from_holder else ("host" if host_len else None),
+        ctx_from=lo,
+        request_ctx=tuple(tokens[lo:hi].tolist()),
+        cached_ctx=tuple(holder[lo:hi].tolist()) if from_holder else None,
+    )
 
 
 class DecisionLog:
@@ -98,23 +119,46 @@ class DecisionLog:
         self.metrics = metrics
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)
 
-    def record(self, lease: Lease, timings: dict[str, Any] | None, ttft_s: float | None, status: int) -> Decision:
+    def record(
+        self, lease: Lease, timings: dict[str, Any] | None, ttft_s: float | None, status: int
+    ) -> Decision:
         cached = int(timings.get("cache_n", 0)) if timings else None
         prefilled = int(timings.get("prompt_n", 0)) if timings else None
         decision = Decision(
-            time=time.time(), request_id=lease.request_id, route=lease.route, server=lease.server.name,
-            slot=lease.slot.slot_id, prompt_tokens=len(lease.tokens),
-            predicted_cached=0 if lease.fallback else lease.plan.predicted_cached, cached=cached,
-            prefilled=prefilled, ttft_s=ttft_s, queued_s=lease.queued_s, fallback=lease.fallback, status=status,
-            why=lease.why)
+            time=time.time(),
+            request_id=lease.request_id,
+            route=lease.route,
+            server=lease.server.name,
+            slot=lease.slot.slot_id,
+            prompt_tokens=len(lease.tokens),
+            predicted_cached=0 if lease.fallback else lease.plan.predicted_cached,
+            cached=cached,
+            prefilled=prefilled,
+            ttft_s=ttft_s,
+            queued_s=lease.queued_s,
+            fallback=lease.fallback,
+            status=status,
+            why=lease.why,
+        )
         self.decisions.append(decision)
         self._count(decision, time.monotonic() - lease.started)
-        log.info("request %s route=%s server=%s slot=%d prompt=%d predicted=%d cached=%s prefilled=%s "
-                 "ttft_ms=%s queued_ms=%.0f diverge_at=%s status=%d%s",
-                 decision.request_id, decision.route, decision.server, decision.slot, decision.prompt_tokens,
-                 decision.predicted_cached, cached, prefilled,
-                 f"{ttft_s * 1000:.0f}" if ttft_s is not None else "-", decision.queued_s * 1000,
-                 decision.why.at, status, f" fallback={decision.fallback}" if decision.fallback else "")
+        log.info(
+            "request %s route=%s server=%s slot=%d prompt=%d predicted=%d cached=%s prefilled=%s "
+            "ttft_ms=%s queued_ms=%.0f diverge_at=%s status=%d%s",
+            decision.request_id,
+            decision.route,
+            decision.server,
+            decision.slot,
+            decision.prompt_tokens,
+            decision.predicted_cached,
+            cached,
+            prefilled,
+            f"{ttft_s * 1000:.0f}" if ttft_s is not None else "-",
+            decision.queued_s * 1000,
+            decision.why.at,
+            status,
+            f" fallback={decision.fallback}" if decision.fallback else "",
+        )
         return decision
 
     def _count(self, d: Decision, e2e_s: float) -> None:

@@ -42,8 +42,13 @@ class _Waiter:
 
 
 class Leases:
-    def __init__(self, config: Config, servers: list[ServerState], tree: RadixTree,
-                 on_reject: Callable[[str], None] = lambda reason: None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        servers: list[ServerState],
+        tree: RadixTree,
+        on_reject: Callable[[str], None] = lambda reason: None,
+    ) -> None:
         self.config = config
         self.servers = servers
         self.tree = tree
@@ -71,8 +76,10 @@ class Leases:
         ``ns``: the request's cache-isolation namespace (see ``RadixTree``)."""
         limit = min(s.n_ctx_slot for s in self.servers)
         if len(tokens) >= limit:
-            raise BadRequest(f"the request exceeds the available context size: {len(tokens)} prompt tokens, "
-                             f"{limit} per slot")
+            raise BadRequest(
+                f"the request exceeds the available context size: {len(tokens)} prompt tokens, "
+                f"{limit} per slot"
+            )
         self._admit()
         found = await self._wait_for_shared_prefix(tokens, ns)
         if self.closed:
@@ -89,8 +96,10 @@ class Leases:
         except (asyncio.CancelledError, TimeoutError) as exc:
             self._abandon(waiter)
             if isinstance(exc, TimeoutError):
-                raise self._refuse("queue_timeout", Unavailable(
-                    f"no slot became free within {self.config.queue_timeout_s:g} s")) from None
+                raise self._refuse(
+                    "queue_timeout",
+                    Unavailable(f"no slot became free within {self.config.queue_timeout_s:g} s"),
+                ) from None
             raise
         lease.queued_s = time.monotonic() - waiter.since
         return lease
@@ -99,8 +108,9 @@ class Leases:
         if self.closed:
             raise self._refuse("shutting_down", Unavailable("the proxy is shutting down"))
         if self.waiting() >= self.max_queue:
-            raise self._refuse("queue_full", TooManyRequests(
-                f"too many requests waiting ({self.waiting()}); retry shortly"))
+            raise self._refuse(
+                "queue_full", TooManyRequests(f"too many requests waiting ({self.waiting()}); retry shortly")
+            )
 
     def _abandon(self, waiter: _Waiter) -> None:
         """A queued request gave up: leave the queue, or give back a slot granted meanwhile."""
@@ -159,7 +169,9 @@ class Leases:
                 continue
             server = sv.server
             if best is None or (plan.predicted_cached, -server.busy_count()) > (
-                    best[0].predicted_cached, -best[1].busy_count()):
+                best[0].predicted_cached,
+                -best[1].busy_count(),
+            ):
                 best = (plan, server)
         if best is None:
             return None
@@ -171,9 +183,19 @@ class Leases:
         uses_host = plan.host_to > plan.host_from
         if uses_host:
             self.tree.pin(host)
-        lease = Lease(request_id, server, slot, plan, found.tokens, host if uses_host else None,
-                      why=divergence(found), route=plan.route, ns=found.ns, epoch=server.epoch,
-                      erase_first=slot.ns != found.ns and (slot.ns is None or len(slot.tokens) > 0))
+        lease = Lease(
+            request_id,
+            server,
+            slot,
+            plan,
+            found.tokens,
+            host if uses_host else None,
+            why=divergence(found),
+            route=plan.route,
+            ns=found.ns,
+            epoch=server.epoch,
+            erase_first=slot.ns != found.ns and (slot.ns is None or len(slot.tokens) > 0),
+        )
         if plan.owner_id is not None and server.sharing is not None:
             server.sharing.index.pin(plan.owner_id)
             lease.owner_pinned = True
@@ -182,12 +204,20 @@ class Leases:
 
     def _plan_input(self, sv: ServerScan, found: PrefixScan) -> PlanInput:
         server = sv.server
-        views = tuple(SlotView(s.slot_id, not s.busy, lcp, len(s.tokens), s.last_used)
-                      for s, lcp in zip(server.slots, sv.slot_lcp, strict=True))
-        return PlanInput(n_prompt=len(found.tokens), slots=views, host_len=found.host.length,
-                         residents=sv.residents, policy=self.config.kv_share_route,
-                         min_restore_tokens=self.config.min_restore_tokens,
-                         share_enabled=server.sharing is not None, mixed_enabled=self.config.mixed_restore)
+        views = tuple(
+            SlotView(s.slot_id, not s.busy, lcp, len(s.tokens), s.last_used)
+            for s, lcp in zip(server.slots, sv.slot_lcp, strict=True)
+        )
+        return PlanInput(
+            n_prompt=len(found.tokens),
+            slots=views,
+            host_len=found.host.length,
+            residents=sv.residents,
+            policy=self.config.kv_share_route,
+            min_restore_tokens=self.config.min_restore_tokens,
+            share_enabled=server.sharing is not None,
+            mixed_enabled=self.config.mixed_restore,
+        )
 
     def release(self, lease: Lease) -> None:
         """Give the slot back and hand it to the first waiter that can use a slot now."""

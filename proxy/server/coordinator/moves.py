@@ -38,7 +38,9 @@ class KvMoves:
         if lease.erase_first and not await self._erase(lease):
             lease.unpin(self.tree)
             return
-        attach = plan.route in (Route.S, Route.SH) and server.sharing is not None and plan.owner_id is not None
+        attach = (
+            plan.route in (Route.S, Route.SH) and server.sharing is not None and plan.owner_id is not None
+        )
         if not (attach or lease.host is not None or server.sharing is not None):
             lease.unpin(self.tree)
             return  # nothing moves: the server's own reuse does it; the lock is for moves only
@@ -49,7 +51,7 @@ class KvMoves:
                     await server.sharing.ensure_free(need)
                 if attach and server.sharing is not None and plan.owner_id is not None:
                     await server.sharing.attach(plan.owner_id, slot.slot_id, plan.reuse_len)
-                    slot.tokens = lease.tokens[:plan.reuse_len].copy()
+                    slot.tokens = lease.tokens[: plan.reuse_len].copy()
                 if lease.host is not None:
                     await self._import_host(lease)
         except KvMoveError as exc:
@@ -73,7 +75,9 @@ class KvMoves:
             lease.fallback, lease.no_cache, lease.route = exc.cause, True, Route.PREFILL
             slot.tokens, slot.ns = EMPTY, None
             self.metrics.fallbacks.labels(exc.cause).inc()
-            log.warning("erasing %s slot %d failed, prefilling without reuse: %s", server.name, slot.slot_id, exc)
+            log.warning(
+                "erasing %s slot %d failed, prefilling without reuse: %s", server.name, slot.slot_id, exc
+            )
             return False
         slot.tokens, slot.ns = EMPTY, lease.ns
         return True
@@ -133,7 +137,9 @@ class KvMoves:
         self.tree.pin(match)
         try:
             async with lease.server.move_lock:
-                segment = await lease.server.mover.export({"slot": lease.slot.slot_id}, match.length, lease.slot.tokens)
+                segment = await lease.server.mover.export(
+                    {"slot": lease.slot.slot_id}, match.length, lease.slot.tokens
+                )
             stored = self.tree.insert(tokens, segment, ns=lease.ns)
         finally:
             self.tree.unpin(match)
