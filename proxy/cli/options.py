@@ -8,7 +8,9 @@ Options that only one command has stay next to that command.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -240,3 +242,37 @@ proxy_admin_key_option = click.option(
 # ---- output (inspect commands, doctor) ----------------------------------------------------------
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+
+
+def proxy_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Every option of the proxy itself, in --help order (serve and up)."""
+    for option in reversed(PROXY_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+PROXY_OPTIONS = [
+    host_option,
+    port_option,
+    cache_ram_option,
+    shm_dir_option,
+    min_restore_tokens_option,
+    kvctl_key_option,
+    kv_share_option,
+    kv_share_min_tokens_option,
+    kv_share_max_entries_option,
+    kv_share_cells_option,
+    kv_share_headroom_option,
+    kv_share_route_option,
+    admin_key_option,
+    admin_show_text_option,
+    cache_isolation_option,
+    cache_info_option,
+    max_body_option,
+    max_queue_option,
+    queue_timeout_option,
+    backend_read_timeout_option,
+    shutdown_grace_option,
+    record_option,
+    log_level_option,
+]

@@ -16,33 +16,7 @@ from typing import Any
 import click
 
 from proxy.cli.common import fail_cleanly
-from proxy.cli.options import (
-    BUILD_BACKENDS,
-    admin_key_option,
-    admin_show_text_option,
-    backend_read_timeout_option,
-    cache_info_option,
-    cache_isolation_option,
-    cache_ram_option,
-    host_option,
-    kv_share_cells_option,
-    kv_share_headroom_option,
-    kv_share_max_entries_option,
-    kv_share_min_tokens_option,
-    kv_share_option,
-    kv_share_route_option,
-    kvctl_key_option,
-    log_level_option,
-    max_body_option,
-    max_queue_option,
-    min_restore_tokens_option,
-    model_option,
-    port_option,
-    queue_timeout_option,
-    record_option,
-    shm_dir_option,
-    shutdown_grace_option,
-)
+from proxy.cli.options import BUILD_BACKENDS, model_option, proxy_options
 from proxy.config import Config
 from proxy.errors import RadixError
 from proxy.native.build import BuildSpec, build_server
@@ -69,29 +43,7 @@ log = logging.getLogger("radix")
     envvar="RADIX_BACKENDS",
     help="Patched llama-server base URL (repeatable; env: space-separated).",
 )
-@host_option
-@port_option
-@cache_ram_option
-@shm_dir_option
-@min_restore_tokens_option
-@kvctl_key_option
-@kv_share_option
-@kv_share_min_tokens_option
-@kv_share_max_entries_option
-@kv_share_cells_option
-@kv_share_headroom_option
-@kv_share_route_option
-@admin_key_option
-@admin_show_text_option
-@cache_isolation_option
-@cache_info_option
-@max_body_option
-@max_queue_option
-@queue_timeout_option
-@backend_read_timeout_option
-@shutdown_grace_option
-@record_option
-@log_level_option
+@proxy_options
 @fail_cleanly
 def serve(backends: tuple[str, ...], **kw: Any) -> None:
     """Run the proxy in front of already running patched llama-servers."""
@@ -125,29 +77,7 @@ def serve(backends: tuple[str, ...], **kw: Any) -> None:
     envvar="RADIX_BUILD_BACKEND",
 )
 @click.option("--server-arg", "server_args", multiple=True, help="Extra llama-server argument (repeatable).")
-@host_option
-@port_option
-@cache_ram_option
-@shm_dir_option
-@min_restore_tokens_option
-@kvctl_key_option
-@kv_share_option
-@kv_share_min_tokens_option
-@kv_share_max_entries_option
-@kv_share_cells_option
-@kv_share_headroom_option
-@kv_share_route_option
-@admin_key_option
-@admin_show_text_option
-@cache_isolation_option
-@cache_info_option
-@max_body_option
-@max_queue_option
-@queue_timeout_option
-@backend_read_timeout_option
-@shutdown_grace_option
-@record_option
-@log_level_option
+@proxy_options
 @fail_cleanly
 def up(
     model_arg: str | None,
