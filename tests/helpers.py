@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry
 
 from proxy.config import Config
-from proxy.native.launch import ServerProcess
+from proxy.native.launch import ServerProcess, free_port
 from proxy.server.app import RUNTIME, build_app, start_site
 from proxy.server.runtime import Runtime
 
@@ -158,3 +158,17 @@ class ProxyThread:
             self.run(self._runner.cleanup())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
+
+
+def proxy_config(*servers: ServerProcess, **over: Any) -> Config:
+    """A proxy in front of test servers: their URLs, payload dir and key, a free port, a small
+    tree, and restores from 32 tokens (the suite's prompts are a few hundred tokens)."""
+    spec = servers[0].spec
+    base: dict[str, Any] = {
+        "port": free_port(),
+        "shm_dir": spec.kvctl_dir,
+        "kvctl_key": spec.kvctl_key,
+        "min_restore_tokens": 32,
+        "cache_ram_mib": 256,
+    }
+    return Config(backends=tuple(s.url for s in servers), **{**base, **over})

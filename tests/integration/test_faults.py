@@ -28,9 +28,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.config import Config
 from proxy.native.launch import ServerProcess, free_port
-from tests.helpers import ProxyThread, Reply, ServerFactory, chat_body, get, post
+from tests.helpers import ProxyThread, Reply, ServerFactory, chat_body, get, post, proxy_config
 
 pytestmark = pytest.mark.integration
 
@@ -55,16 +54,7 @@ def messages(question: str) -> list[dict[str, str]]:
 
 
 def start_proxy(*servers: ServerProcess, **over: Any) -> ProxyThread:
-    spec = servers[0].spec
-    assert spec.kvctl_dir is not None
-    config = Config(
-        backends=tuple(s.url for s in servers),
-        port=free_port(),
-        shm_dir=spec.kvctl_dir,
-        kvctl_key=spec.kvctl_key,
-        **{**FAST, **over},
-    )
-    return ProxyThread(config).start()
+    return ProxyThread(proxy_config(*servers, **{**FAST, **over})).start()
 
 
 def settled(proxy: ProxyThread) -> None:

@@ -20,9 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.config import Config
-from proxy.native.launch import ServerProcess, free_port
-from tests.helpers import ProxyThread, ServerFactory, assert_same_answer, chat_body, get, post
+from proxy.native.launch import ServerProcess
+from tests.helpers import ProxyThread, ServerFactory, assert_same_answer, chat_body, get, post, proxy_config
 
 pytestmark = pytest.mark.integration
 
@@ -70,14 +69,7 @@ def backend(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
 @pytest.fixture(scope="module")
 def proxy(backend: ServerProcess) -> Iterator[ProxyThread]:
     assert backend.spec.kvctl_dir is not None
-    config = Config(
-        backends=(backend.url,),
-        port=free_port(),
-        shm_dir=backend.spec.kvctl_dir,
-        kvctl_key=backend.spec.kvctl_key,
-        min_restore_tokens=32,
-        cache_ram_mib=256,
-    )
+    config = proxy_config(backend)
     thread = ProxyThread(config).start()
     yield thread
     thread.stop()

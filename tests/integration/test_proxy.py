@@ -15,9 +15,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from proxy.config import Config
-from proxy.native.launch import ServerProcess, free_port
-from tests.helpers import ProxyThread, Reply, ServerFactory, assert_same_answer, chat_body, get, post
+from proxy.native.launch import ServerProcess
+from tests.helpers import (
+    ProxyThread,
+    Reply,
+    ServerFactory,
+    assert_same_answer,
+    chat_body,
+    get,
+    post,
+    proxy_config,
+)
 
 WORDS = [
     "river",
@@ -70,12 +78,8 @@ def backend(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
 @pytest.fixture(scope="module")
 def proxy(backend: ServerProcess) -> Iterator[ProxyThread]:
     assert backend.spec.kvctl_dir is not None
-    config = Config(
-        backends=(backend.url,),
-        port=free_port(),
-        shm_dir=backend.spec.kvctl_dir,
-        kvctl_key=backend.spec.kvctl_key,
-        min_restore_tokens=32,
+    config = proxy_config(
+        backend,
         cache_ram_mib=512,
         record_path=backend.spec.kvctl_dir.parent / f"recorded-{backend.spec.port}.jsonl",
     )

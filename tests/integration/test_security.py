@@ -18,9 +18,17 @@ from typing import Any
 
 import pytest
 
-from proxy.config import Config
-from proxy.native.launch import ServerProcess, free_port
-from tests.helpers import ProxyThread, Reply, ServerFactory, assert_same_answer, chat_body, post, request
+from proxy.native.launch import ServerProcess
+from tests.helpers import (
+    ProxyThread,
+    Reply,
+    ServerFactory,
+    assert_same_answer,
+    chat_body,
+    post,
+    proxy_config,
+    request,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -42,15 +50,7 @@ def backend(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
 @pytest.fixture(scope="module")
 def proxy(backend: ServerProcess) -> Iterator[ProxyThread]:
     assert backend.spec.kvctl_dir is not None
-    config = Config(
-        backends=(backend.url,),
-        port=free_port(),
-        shm_dir=backend.spec.kvctl_dir,
-        kvctl_key=backend.spec.kvctl_key,
-        min_restore_tokens=32,
-        cache_ram_mib=256,
-        max_body_mib=1,
-    )
+    config = proxy_config(backend, max_body_mib=1)
     thread = ProxyThread(config).start()
     yield thread
     thread.stop()
@@ -231,15 +231,7 @@ def test_two_tenants_never_reuse_each_others_kv(proxy: ProxyThread) -> None:
 def test_cache_information_can_be_hidden(backend: ServerProcess, proxy: ProxyThread) -> None:
     assert backend.spec.kvctl_dir is not None
     proxy.stop()  # one proxy per server: the proxy must be the only user of the slots
-    config = Config(
-        backends=(backend.url,),
-        port=free_port(),
-        shm_dir=backend.spec.kvctl_dir,
-        kvctl_key=backend.spec.kvctl_key,
-        min_restore_tokens=32,
-        cache_ram_mib=64,
-        cache_info=False,
-    )
+    config = proxy_config(backend, cache_ram_mib=64, cache_info=False)
     hidden = ProxyThread(config).start()
     try:
         reply = post(f"{hidden.url}/v1/chat/completions", chat_body(CANARY, 4))
