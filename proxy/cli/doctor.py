@@ -20,6 +20,7 @@ from proxy.cli.common import fail_cleanly
 from proxy.cli.options import json_option
 from proxy.core.payload import FORMAT_VERSION
 from proxy.errors import RadixError
+from proxy.native.launch import PROXY_SERVER_ARGS
 from proxy.native.pins import LLAMA_CPP
 
 # ---- the checks ------------------------------------------------------------------------------
@@ -34,7 +35,9 @@ class Check:
 
 
 PINNED_COMMIT = LLAMA_CPP.commit
-SERVER_FLAGS = "-np 4 -kvu --cache-ram 0 -sps 0 --kvctl --kvctl-dir /dev/shm/radix"
+SERVER_FLAGS = " ".join(
+    ["-np 4", *PROXY_SERVER_ARGS, "--kvctl --kvctl-key-file KEYFILE --kvctl-dir /dev/shm/radix"]
+)
 
 
 async def check_server(
@@ -169,7 +172,7 @@ async def _doctor(
             Check(
                 "kvctl",
                 "ok",
-                "patched server, /kvctl on: -kvu, --cache-ram 0, -sps 0, no context shift, "
+                f"patched server, /kvctl on: {' '.join(PROXY_SERVER_ARGS)}, no context shift, "
                 "--cache-reuse 0 and no SWA/recurrent/draft/multimodal are enforced by --kvctl at startup",
             )
         )
