@@ -18,7 +18,7 @@ import click
 from proxy.cli.common import fail_cleanly
 from proxy.cli.options import BUILD_BACKENDS, model_option, proxy_options
 from proxy.config import Config
-from proxy.errors import RadixError
+from proxy.errors import ConfigError, RadixError
 from proxy.native.build import BuildSpec, build_server
 from proxy.native.fetch import cache_root, say
 from proxy.native.launch import ServerProcess, ServerSpec, check_port_free, free_port
@@ -230,13 +230,27 @@ async def supervise(server: ServerProcess, poll_s: float = 0.5, max_backoff_s: f
         await asyncio.sleep(backoff)
         try:
             server.spawn()  # in the loop's (main) thread: the child's death signal follows this thread
-            await asyncio.to_thread(server.wait_healthy, 180.0)
+            await _until_healthy(server, 180.0)
         except RadixError as exc:
             log.error("llama-server did not come back: %s", exc.message)
+            server.stop(grace=2)
             backoff = min(backoff * 2, max_backoff_s)
             continue
         log.warning("llama-server is back on %s", server.url)
         backoff = 1.0
+
+
+async def _until_healthy(server: ServerProcess, timeout_s: float) -> None:
+    """Wait for the restarted server, cancellably (each probe is one short call in a thread)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not await asyncio.to_thread(server.health_ok):
+        if not server.alive():
+            raise ConfigError(f"llama-server exited during startup:\n{server.log_tail()}")
+        if loop.time() > deadline:
+            raise ConfigError(f"llama-server did not become healthy within {timeout_s:.0f} s")
+        await asyncio.sleep(0.5)
+    server.ready()
 
 
 def _remove_payloads(shm_dir: Path) -> None:

@@ -114,8 +114,8 @@ class ResidentIndex:
         self.admitted += 1
 
     def remove(self, owner_id: int) -> None:
-        del self.entries[owner_id]
-        self.evicted += 1
+        if self.entries.pop(owner_id, None) is not None:  # gone already when the server restarted
+            self.evicted += 1
 
     def pin(self, owner_id: int) -> None:
         self.entries[owner_id].pins += 1
@@ -128,7 +128,9 @@ class ResidentIndex:
             entry.pins -= 1
 
     def attached(self, owner_id: int, slot_id: int, m: int, now: float) -> None:
-        entry = self.entries[owner_id]
+        entry = self.entries.get(owner_id)
+        if entry is None:  # the server restarted while attaching: the index was reset
+            return
         entry.sharers[slot_id] = m
         entry.last_used = now
         entry.hits += 1

@@ -144,6 +144,19 @@ class ServerProcess:
             self.stop()
             raise
 
+    def health_ok(self) -> bool:
+        """One quick probe of GET /health (2 s at most)."""
+        with (
+            contextlib.suppress(urllib.error.URLError, OSError),
+            urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp,
+        ):
+            return bool(resp.status == 200)
+        return False
+
+    def ready(self) -> None:
+        """The server is up: the key file it read at startup is not needed any more."""
+        self._remove_key()
+
     def wait_healthy(self, timeout: float = 120.0) -> None:
         try:
             self._wait_healthy(timeout)

@@ -25,6 +25,7 @@ from aiohttp import web
 from proxy.server.coordinator import Lease
 from proxy.server.front import SseStripper, strip_cache_info_raw
 
+CLIENT_WRITE_TIMEOUT_S = 120.0  # a client that takes no byte for this long is gone: cut it
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding"}
 
 
@@ -168,11 +169,23 @@ async def _relay(
             buffered -= len(chunk)
             # A client that went away raises here; leaving the caller's block closes the
             # upstream connection, and llama-server cancels the task when it sees that.
-            await stream.write(chunk if stripper is None else stripper.feed(chunk))
+            await _write(request, stream, chunk if stripper is None else stripper.feed(chunk))
         if stripper is not None:
-            await stream.write(stripper.flush())
-        await stream.write_eof()
+            await _write(request, stream, stripper.flush())
+        async with asyncio.timeout(CLIENT_WRITE_TIMEOUT_S):
+            await stream.write_eof()
     finally:
         if not reader.done():
             reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
+
+
+async def _write(request: web.Request, stream: web.StreamResponse, data: bytes) -> None:
+    """One write to the client, bounded: a client that stopped reading is cut."""
+    try:
+        async with asyncio.timeout(CLIENT_WRITE_TIMEOUT_S):
+            await stream.write(data)
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+        raise

@@ -116,10 +116,20 @@ def cache_namespace(config: Config, body: dict[str, Any], headers: Any) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
+# Request fields that would make the server report cache hits by other routes.
+CACHE_REVEALING_FIELDS = ("return_progress", "response_fields")
+
+
+def hide_cache_info_request(body: dict[str, Any]) -> None:
+    for field in CACHE_REVEALING_FIELDS:
+        body.pop(field, None)
+
+
 def strip_cache_info(data: Any) -> Any:
     """The answer without what tells a client how much of its prompt was cached."""
     if isinstance(data, dict):
-        data.pop("timings", None)
+        for key in [k for k in data if k.startswith("timings") or k == "prompt_progress"]:
+            del data[key]
         usage = data.get("usage")
         if isinstance(usage, dict):
             usage.pop("prompt_tokens_details", None)
@@ -132,6 +142,9 @@ def strip_cache_info_raw(raw: bytes) -> bytes:
     except orjson.JSONDecodeError:
         return raw
     return orjson.dumps(strip_cache_info(data))
+
+
+_REVEALING = (b'"timings', b'"prompt_tokens_details"', b'"prompt_progress"')
 
 
 class SseStripper:
@@ -151,6 +164,6 @@ class SseStripper:
 
     @staticmethod
     def _line(line: bytes) -> bytes:
-        if line.startswith(b"data: ") and (b'"timings"' in line or b'"prompt_tokens_details"' in line):
+        if line.startswith(b"data: ") and any(m in line for m in _REVEALING):
             return b"data: " + strip_cache_info_raw(line[6:])
         return line

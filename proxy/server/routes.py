@@ -22,6 +22,7 @@ from proxy.server.forward import HOP_HEADERS, NotStarted, Outcome, forward_compl
 from proxy.server.front import (
     cache_namespace,
     check_one_answer,
+    hide_cache_info_request,
     parse_json,
     prompt_token_ids,
     refusal,
@@ -99,7 +100,11 @@ async def _steered(request: web.Request, body: dict[str, Any], tokens: np.ndarra
     coord, config = runtime.coordinator, runtime.config
     arrived = time.monotonic()
     ns = cache_namespace(config, body, request.headers)
+    if not config.cache_info:
+        hide_cache_info_request(body)
+    original = body
     for attempt in (1, 2):
+        body = dict(original)  # each attempt sets its own slot and cache_prompt
         lease = await coord.acquire(f"r{next(_ids)}", tokens, ns)
         outcome = Outcome()
         done = _once(functools.partial(_finish, runtime, lease, outcome))
@@ -137,8 +142,10 @@ async def _steered(request: web.Request, body: dict[str, Any], tokens: np.ndarra
 
 
 def _finish(runtime: Runtime, lease: Lease, outcome: Outcome) -> None:
-    runtime.coordinator.record(lease, outcome.timings, outcome.ttft_s, outcome.status)
-    runtime.spawn(runtime.coordinator.finish(lease))
+    try:
+        runtime.coordinator.record(lease, outcome.timings, outcome.ttft_s, outcome.status)
+    finally:  # the slot is saved and released whatever the record made of the answer
+        runtime.spawn(runtime.coordinator.finish(lease))
 
 
 def _once(fn: Callable[[], None]) -> Callable[[], None]:
@@ -164,10 +171,9 @@ def _n_predict(body: dict[str, Any]) -> int:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while at least one server serves (the body names the others), 503 when none does."""
+    """200 while at least one server serves (the body names the others), 503 when none does;
+    from the health monitor's last round (a client cannot make the proxy probe its servers)."""
     runtime = request.app[RUNTIME]
-    if runtime.health is not None:
-        await runtime.health.check_all()
     servers = [
         {
             "name": s.name,
@@ -199,9 +205,7 @@ async def forward_plain(request: web.Request) -> web.StreamResponse:
     data, headers = await request.read(), forward_headers(request)
 
     async def call(backend: Backend) -> web.Response:
-        async with backend.session.request(
-            request.method, backend.url + request.path_qs, data=data, headers=headers
-        ) as up:
+        async with backend.request(request.method, request.path_qs, data=data, headers=headers) as up:
             raw = await up.read()
             # llama-server's permissive CORS headers are not passed on: the proxy grants no origin.
             kept = {

@@ -68,8 +68,12 @@ class Runtime:
                 server = next((s for s in self.coordinator.servers if s.healthy), None)
             try:
                 return await call(server.backend)
-            except (aiohttp.ClientError, TimeoutError) as exc:
+            except aiohttp.ClientConnectionError as exc:  # refused, reset: it is gone
                 self.coordinator.server_down(server, f"{type(exc).__name__}: {exc}")
+            except TimeoutError as exc:
+                # Slow, not necessarily dead (a huge prompt takes long to render): only the
+                # health monitor takes a server out for slowness.
+                raise Unavailable(f"llama-server did not answer in time: {exc or 'timeout'}") from exc
         raise Unavailable("no llama-server answered")
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:

@@ -87,15 +87,7 @@ async def _connect(
     layout = KvLayout.from_caps(compat)
     shm = _usable_shm(config.shm_dir, caps.get("dir"))
     slots_info = await backend.slots(tokens=True)
-    slots = [
-        SlotState(
-            int(s["id"]),
-            np.asarray(s.get("tokens", []), dtype=np.int32)
-            if int(s.get("pos_max", -1)) + 1 == len(s.get("tokens", []))
-            else np.zeros(0, np.int32),
-        )
-        for s in slots_info["slots"]
-    ]
+    slots = [_slot_found(s, isolating=bool(config.cache_isolation)) for s in slots_info["slots"]]
     n_ctx_slot = int(caps.get("n_ctx_slot") or caps.get("n_ctx") or 0)
     mover = KvMover(backend, layout, compat, shm, metrics)
     sharing = await _sharing(config, name, backend, caps) if config.kv_share else None
@@ -109,6 +101,18 @@ async def _connect(
         ", resident sharing on" if sharing else "",
     )
     return ServerState(name, backend, mover, slots, n_ctx_slot, sharing)
+
+
+def _slot_found(entry: dict[str, Any], isolating: bool) -> SlotState:
+    """A slot as the proxy finds it at startup. Its KV is reused as the shared namespace's only
+    without isolation keys: with them, whose KV it is cannot be known, so it is erased first."""
+    tokens = np.asarray(entry.get("tokens", []), dtype=np.int32)
+    consistent = int(entry.get("pos_max", -1)) + 1 == len(tokens)
+    if not len(tokens):
+        return SlotState(int(entry["id"]))
+    if consistent and not isolating:
+        return SlotState(int(entry["id"]), tokens)
+    return SlotState(int(entry["id"]), np.zeros(0, np.int32), ns=None)
 
 
 async def _sharing(config: Config, name: str, backend: Backend, caps: dict[str, Any]) -> Sharing:

@@ -514,3 +514,20 @@ async def test_a_save_past_its_deadline_releases_the_slot_as_unknown() -> None:
     assert not s0.slots[0].busy and s0.slots[0].ns is None
     assert coord.metrics.value("radix_fallbacks_total", cause="timeout") == 1
     check(coord)
+
+
+async def test_a_lease_whose_erase_never_ran_leaves_the_slot_unknown() -> None:
+    # Tenant B gets a slot holding the default namespace's KV; the client goes away before the
+    # erase ran. What the slot holds must not be filed under B, nor reused by anyone.
+    s0 = server("s0", n_slots=1, held={0: toks(0, 100).tolist()})
+    coord = coordinator(s0)
+    lease = await coord.acquire("r", toks(0, 120), ns="tenant-b")
+    assert lease.erase_first and s0.slots[0].ns is None
+    await coord.finish(lease)  # no restore: cancelled before it
+    assert s0.slots[0].ns is None and len(s0.slots[0].tokens) == 0
+    assert coord.tree.match(toks(0, 100), ns="tenant-b").length == 0
+    for ns in ("", "tenant-b"):
+        nxt = await coord.acquire("n", toks(0, 120), ns=ns)
+        assert nxt.erase_first and nxt.plan.predicted_cached == 0
+        coord.release(nxt)
+    check(coord)

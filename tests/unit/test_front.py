@@ -146,3 +146,17 @@ def test_parse_json() -> None:
     for bad in (b"[1]", b"nope", b'"s"'):
         with pytest.raises(BadRequest):
             asyncio.run(front.parse_json(bad))
+
+
+def test_no_other_route_reveals_cache_hits_when_hidden() -> None:
+    body = {"messages": [], "return_progress": True, "response_fields": ["timings/cache_n"], "stream": True}
+    front.hide_cache_info_request(body)
+    assert body == {"messages": [], "stream": True}
+    raw = orjson.dumps({"timings/cache_n": 90, "prompt_progress": {"cache": 90}, "content": "x"})
+    assert orjson.loads(front.strip_cache_info_raw(raw)) == {"content": "x"}
+    stripper = front.SseStripper()
+    out = (
+        stripper.feed(b'data: {"prompt_progress":{"total":100,"cache":90,"processed":95}}\n\n')
+        + stripper.flush()
+    )
+    assert b"cache" not in out

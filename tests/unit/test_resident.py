@@ -87,3 +87,12 @@ def test_misuse_is_refused(bad: str) -> None:
             index.add(9, toks(2), 0, 0.0)
         else:
             index.unpin(4)
+
+
+def test_a_reset_index_tolerates_late_callers() -> None:
+    index = ResidentIndex(range(4, 8), 0)
+    index.add(4, np.arange(10, dtype=np.int32), source_slot=0, now=0.0)
+    index.entries.clear()  # the server restarted while an attach and a release were in flight
+    index.attached(4, 1, 5, 1.0)
+    index.remove(4)
+    index.check_invariants()

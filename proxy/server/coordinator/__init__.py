@@ -101,7 +101,7 @@ class Coordinator:
         server.epoch += 1
         for slot in server.slots:
             if not slot.busy:  # a busy slot is reset when its lease ends (epoch check)
-                slot.tokens, slot.ns = EMPTY, ""
+                slot.tokens, slot.ns = EMPTY, None  # erased before first use: a late request may have run
         if server.sharing is not None:
             server.sharing.index.entries.clear()
         log.warning(

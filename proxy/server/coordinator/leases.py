@@ -196,6 +196,8 @@ class Leases:
             epoch=server.epoch,
             erase_first=slot.ns != found.ns and (slot.ns is None or len(slot.tokens) > 0),
         )
+        if lease.erase_first:
+            slot.ns = None  # another key's KV until the erase is confirmed (moves._erase)
         if plan.owner_id is not None and server.sharing is not None:
             server.sharing.index.pin(plan.owner_id)
             lease.owner_pinned = True
@@ -223,9 +225,14 @@ class Leases:
         """Give the slot back and hand it to the first waiter that can use a slot now."""
         lease.slot.busy = False
         lease.slot.last_used = time.monotonic()
-        if lease.epoch != lease.server.epoch:  # the server restarted under this lease: the slot is empty
-            lease.slot.tokens, lease.slot.ns = EMPTY, ""
-        lease.unpin(self.tree)
+        try:
+            lease.unpin(self.tree)
+        finally:
+            self._forget(lease)
+
+    def _forget(self, lease: Lease) -> None:
+        if lease.epoch != lease.server.epoch:  # the server restarted under this lease: contents unknown
+            lease.slot.tokens, lease.slot.ns = EMPTY, None
         self.inflight.pop(lease.request_id, None)
         lease.done.set()
         self.grant_waiters()

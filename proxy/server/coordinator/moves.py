@@ -97,7 +97,7 @@ class KvMoves:
         A failed save loses a future hit, never an answer: it is counted, not raised."""
         lease.finishing = True
         if lease.epoch != lease.server.epoch:  # the server restarted meanwhile: nothing to save
-            lease.slot.tokens, lease.slot.ns = EMPTY, ""
+            lease.slot.tokens, lease.slot.ns = EMPTY, None
             return
         try:
             await self._refresh_slot(lease)
@@ -110,10 +110,11 @@ class KvMoves:
 
     async def _refresh_slot(self, lease: Lease) -> None:
         slot = lease.slot
-        if lease.no_cache:  # what the slot holds is of unknown provenance: use none of it
+        if (
+            lease.no_cache or slot.ns is None
+        ):  # unknown provenance (erase failed or never ran): use none of it
             slot.tokens, slot.ns = EMPTY, None
             return
-        slot.ns = lease.ns
         for _ in range(BUSY_POLLS):
             info = await lease.server.backend.slots(tokens=True)
             entry = next(s for s in info["slots"] if int(s["id"]) == slot.slot_id)
@@ -126,7 +127,10 @@ class KvMoves:
         tokens = np.asarray(entry.get("tokens", []), dtype=np.int32)
         held = int(entry.get("pos_max", -1)) + 1
         # Invariant 1: only tokens whose KV the sequence really holds count.
-        slot.tokens = tokens if held == len(tokens) and int(entry.get("pos_min", 0)) <= 0 else EMPTY
+        if held == len(tokens) and int(entry.get("pos_min", 0)) <= 0:
+            slot.tokens = tokens
+        else:  # holds KV it does not account for: erase before anyone reuses it
+            slot.tokens, slot.ns = EMPTY, None
 
     async def _save(self, lease: Lease) -> None:
         tokens = lease.slot.tokens

@@ -77,5 +77,6 @@ class Lease:
             self.host = None
         sharing = self.server.sharing
         if self.owner_pinned and sharing is not None and self.plan.owner_id is not None:
-            sharing.index.unpin(self.plan.owner_id)
+            if self.epoch == self.server.epoch:  # a restart emptied the index and its pins
+                sharing.index.unpin(self.plan.owner_id)
             self.owner_pinned = False
