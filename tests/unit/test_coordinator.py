@@ -531,3 +531,18 @@ async def test_a_lease_whose_erase_never_ran_leaves_the_slot_unknown() -> None:
         assert nxt.erase_first and nxt.plan.predicted_cached == 0
         coord.release(nxt)
     check(coord)
+
+
+async def test_an_empty_slot_takes_the_namespace_of_the_request_it_serves() -> None:
+    s0 = server("s0", n_slots=1)
+    coord = coordinator(s0)
+    lease = await coord.acquire("r", toks(0, 100), ns="tenant-a")
+    assert not lease.erase_first
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+    fake.held[0] = toks(0, 110).tolist()
+    await coord.finish(lease)
+    assert s0.slots[0].ns == "tenant-a"
+    shared = await coord.acquire("r2", toks(0, 120))  # no key: must not see tenant A's slot
+    assert shared.plan.predicted_cached == 0 and shared.erase_first
+    coord.release(shared)
+    check(coord)

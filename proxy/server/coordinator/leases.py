@@ -196,8 +196,9 @@ class Leases:
             epoch=server.epoch,
             erase_first=slot.ns != found.ns and (slot.ns is None or len(slot.tokens) > 0),
         )
-        if lease.erase_first:
-            slot.ns = None  # another key's KV until the erase is confirmed (moves._erase)
+        # What the slot holds from now on is this request's: its namespace, once a slot holding
+        # another key's KV is erased (unknown until moves._erase confirms it).
+        slot.ns = None if lease.erase_first else found.ns
         if plan.owner_id is not None and server.sharing is not None:
             server.sharing.index.pin(plan.owner_id)
             lease.owner_pinned = True
