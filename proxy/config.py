@@ -50,6 +50,8 @@ class Config:
     fanout_wait_s: float = 30.0
     # Deadline of the save after an answer; the slot is released (emptied if unknown) after it.
     finish_timeout_s: float = 30.0
+    # How long startup waits for the first server to answer (the others are taken in later).
+    startup_timeout_s: float = 60.0
     # Health checks of every server (GET /health and /kvctl/caps), seconds between rounds.
     health_interval_s: float = 1.0
     health_timeout_s: float = 2.0

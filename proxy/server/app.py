@@ -27,7 +27,7 @@ from proxy.server.observe import summary_loop
 from proxy.server.recorder import Recorder
 from proxy.server.routes import add_catch_all, add_routes
 from proxy.server.runtime import RUNTIME, Runtime
-from proxy.server.startup import create_runtime
+from proxy.server.startup import connect_pending, create_runtime
 
 log = logging.getLogger("radix")
 
@@ -111,7 +111,12 @@ async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _health_ctx(app: web.Application) -> AsyncIterator[None]:
     runtime, config = app[RUNTIME], app[CONFIG]
-    runtime.health = HealthMonitor(runtime.coordinator, config.health_interval_s, config.health_timeout_s)
+    runtime.health = HealthMonitor(
+        runtime.coordinator,
+        config.health_interval_s,
+        config.health_timeout_s,
+        connect_pending=lambda: connect_pending(runtime),
+    )
     task = asyncio.get_running_loop().create_task(runtime.health.run())
     try:
         yield

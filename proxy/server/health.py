@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 
@@ -21,8 +22,15 @@ log = logging.getLogger("radix")
 
 
 class HealthMonitor:
-    def __init__(self, coordinator: Coordinator, interval_s: float, timeout_s: float) -> None:
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        interval_s: float,
+        timeout_s: float,
+        connect_pending: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.coordinator = coordinator
+        self.connect_pending = connect_pending  # servers that did not answer at startup
         self.interval_s = interval_s
         self.timeout_s = timeout_s
 
@@ -32,7 +40,9 @@ class HealthMonitor:
             await asyncio.sleep(self.interval_s)
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self.check(s) for s in self.coordinator.servers))
+        await asyncio.gather(*(self.check(s) for s in list(self.coordinator.servers)))
+        if self.connect_pending is not None:
+            await self.connect_pending()
 
     async def check(self, server: ServerState) -> None:
         """Liveness from GET /health (answered outside the server's main loop); identity and

@@ -41,6 +41,7 @@ class Runtime:
         self.primary = coordinator.servers[0].backend
         self.n_vocab = 1 << 31  # the model's vocabulary size, read at startup
         self.health: HealthMonitor | None = None  # set by the app while it runs
+        self.pending: list[tuple[str, str]] = []  # (name, url) of servers that did not answer yet
         self.local_tokenizer: PromptTokenizer | None = None
         self.tokenizer_note = "server"
         self._tasks: set[asyncio.Task[Any]] = set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import tempfile
@@ -16,7 +17,7 @@ from proxy.config import Config
 from proxy.core.payload import KvLayout
 from proxy.core.radix import RadixTree
 from proxy.core.resident import ResidentIndex
-from proxy.errors import ConfigError, FallbackCause, RadixError
+from proxy.errors import ConfigError, FallbackCause, KvMoveError, RadixError
 from proxy.server.backend import Backend
 from proxy.server.coordinator import Coordinator, ServerState, SlotState
 from proxy.server.metrics import Metrics
@@ -35,13 +36,12 @@ async def create_runtime(
     registry: CollectorRegistry,
     recorder: Recorder | None = None,
 ) -> Runtime:
-    """Connect to every server, check them, and build the coordinator and tokenizer."""
+    """Connect to the servers, check them, and build the coordinator and tokenizer. Servers
+    that do not answer yet are picked up later (``connect_pending``); startup waits up to
+    ``startup_timeout_s`` for the first one."""
     names = tuple(f"s{i}" for i in range(len(config.backends)))
     metrics = Metrics(registry, names)
-    servers = [
-        await _connect(config, name, url, session, metrics)
-        for name, url in zip(names, config.backends, strict=True)
-    ]
+    servers, pending = await _connect_answering(config, session, metrics, names)
     prints = {s.mover.compat.get("fingerprint") for s in servers}
     if len(prints) != 1:
         raise ConfigError(
@@ -50,9 +50,60 @@ async def create_runtime(
         )
     tree = RadixTree(config.cache_bytes)
     runtime = Runtime(config, session, Coordinator(config, servers, tree, metrics), metrics, recorder)
+    runtime.pending = pending
     await _setup_tokenizer(runtime)
     runtime.n_vocab = await _n_vocab(runtime.primary)
     return runtime
+
+
+async def _connect_answering(
+    config: Config, session: aiohttp.ClientSession, metrics: Metrics, names: tuple[str, ...]
+) -> tuple[list[ServerState], list[tuple[str, str]]]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + config.startup_timeout_s
+    reason = ""
+    while True:
+        servers, pending = [], []
+        for name, url in zip(names, config.backends, strict=True):
+            try:
+                servers.append(await _connect(config, name, url, session, metrics))
+            except _Unreachable as exc:
+                pending.append((name, url))
+                reason = exc.message
+        if servers or loop.time() > deadline:
+            break
+        log.warning("no llama-server answers yet (%s); waiting", reason)
+        await asyncio.sleep(1.0)
+    if not servers:
+        raise ConfigError(
+            f"no llama-server answered within {config.startup_timeout_s:g} s: {reason}",
+            fix="start them, or fix --backend-url",
+        )
+    for name, url in pending:
+        log.warning("%s (%s) does not answer yet; it is taken into routing when it does", name, url)
+    return servers, pending
+
+
+async def connect_pending(runtime: Runtime) -> None:
+    """Take servers that did not answer at startup into routing once they do (health loop)."""
+    coordinator = runtime.coordinator
+    for name, url in list(runtime.pending):
+        try:
+            server = await _connect(runtime.config, name, url, runtime.session, runtime.metrics)
+        except _Unreachable:
+            continue
+        except RadixError as exc:
+            log.error("%s (%s) answers but cannot serve: %s", name, url, exc.message)
+            continue
+        if server.mover.compat != coordinator.servers[0].mover.compat:
+            log.error("%s (%s) runs another model or KV layout; kept out", name, url)
+            continue
+        runtime.pending.remove((name, url))
+        coordinator.add_server(server)
+
+
+class _Unreachable(ConfigError):
+    """The server does not answer (yet): not a configuration error."""
 
 
 async def _n_vocab(backend: Backend) -> int:
@@ -74,10 +125,14 @@ async def _connect(
     try:
         caps = await backend.caps()
     except aiohttp.ClientError as exc:
-        raise ConfigError(
+        raise _Unreachable(
             f"cannot reach llama-server at {url}: {exc}", fix="start it, or fix --backend-url"
         ) from exc
     except RadixError as exc:
+        if isinstance(exc, KvMoveError) and exc.cause in (FallbackCause.TRANSPORT, FallbackCause.TIMEOUT):
+            raise _Unreachable(
+                f"cannot reach llama-server at {url}: {exc.message}", fix="start it, or fix --backend-url"
+            ) from exc
         raise ConfigError(
             f"{url} has no usable /kvctl API ({exc.message})",
             fix="run the patched llama-server (`radixctl build`) with --kvctl -kvu --cache-ram 0 "

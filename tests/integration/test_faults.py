@@ -439,3 +439,45 @@ def test_a_full_payload_dir_falls_back_and_keeps_serving(
             server.stop()
     finally:
         subprocess.run(["umount", str(tiny)], check=False)
+
+
+def test_a_server_that_starts_after_the_proxy_is_taken_in(
+    start_server: ServerFactory, patched_bin: Path, work_dir: Path
+) -> None:
+    first = start_server(patched_bin, n_parallel=1)
+    late_spec = dataclasses.replace(first.spec, port=free_port())
+    proxy = ProxyThread(_two(first, late_spec)).start()
+    late: ServerProcess | None = None
+    try:
+        health = get(f"{proxy.url}/health")
+        assert health.status == 200 and health.body["status"] == "ok"  # the late one is not known yet
+        assert post(f"{proxy.url}/v1/chat/completions", chat_body(messages("Which unit?"), 4)).status == 200
+        late = ServerProcess(late_spec, work_dir / f"server-{late_spec.port}-late.log").start(timeout=180)
+        wait_for(lambda: proxy.call(lambda rt: len(rt.coordinator.servers)) == 2, 30, "the late server")
+        # Two requests at once: one slot each; the second goes to the late server.
+        results: list[Any] = []
+        threads = [
+            threading.Thread(
+                target=lambda q=q: results.append(
+                    post(f"{proxy.url}/v1/chat/completions", chat_body(messages(q), 16))
+                )
+            )
+            for q in ("A?", "B?")
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [r.status for r in results] == [200, 200]
+        assert {r.headers["X-Radix-Server"] for r in results} == {"s0", "s1"}
+        settled(proxy)
+    finally:
+        proxy.stop()
+        if late is not None:
+            late.stop()
+
+
+def _two(first: ServerProcess, late: Any) -> Any:
+    """A proxy config naming a running server and one that is not started yet."""
+    config = proxy_config(first, **FAST)
+    return dataclasses.replace(config, backends=(first.url, late.url))

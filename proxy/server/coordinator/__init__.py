@@ -110,6 +110,13 @@ class Coordinator:
             server.backend.url,
         )
 
+    def add_server(self, server: ServerState) -> None:
+        """A server that did not answer at startup does now: it takes requests from here on."""
+        self.servers.append(server)  # the same list the leases plan over
+        self.metrics.backend_up.labels(server.name).set(1)
+        log.warning("%s (%s) answers: taken into routing", server.name, server.backend.url)
+        self.leases.grant_waiters()
+
     def close(self) -> None:
         """Shutting down: queued requests are answered 503 now, new ones at once."""
         self.leases.close()
