@@ -431,4 +431,39 @@ def replay(manifest: Path, url: str, speed: float, out_dir: Path | None) -> None
     click.echo(render_markdown(report))
 
 
+@bench.command("soak")
+@out_option
+@click.option("--minutes", default=30.0, show_default=True, help="How long to run.")
+@click.option(
+    "--kill-every", "kill_every", default=5.0, show_default=True, help="Minutes between server kills."
+)
+@click.option("--sessions", default=1, show_default=True, help="Agent sessions per scenario.")
+@click.option("--system-tokens", default=800, show_default=True, help="System prompt size of each scenario.")
+@click.option("--max-tokens", default=32, show_default=True, help="Answer length.")
+@click.option("--threads", "-t", default=2, show_default=True, help="llama-server threads.")
+@click.option("--ctx-size", "-c", default=16384, show_default=True, help="llama-server KV pool in tokens.")
+@fail_cleanly
+def soak(
+    out_dir: Path | None,
+    minutes: float,
+    kill_every: float,
+    sessions: int,
+    system_tokens: int,
+    max_tokens: int,
+    threads: int,
+    ctx_size: int,
+) -> None:
+    """The agents workload against `radixctl up` with llama-server killed every few minutes:
+    answered/failed, TTFT between kills, seconds until cache hits again, proxy RSS over time."""
+    from proxy.bench.soak import run_soak
+
+    out = out_dir or _default_out("soak")
+    report = run_soak(
+        out, minutes, kill_every, sessions, system_tokens, max_tokens, threads, ctx_size, say=_say
+    )
+    _say(f"wrote {out / 'report.json'}")
+    shown = {k: v for k, v in report.items() if k != "rss_samples"}
+    click.echo(json.dumps(shown, indent=1))
+
+
 __all__ = ["bench", "run_arms", "run_capacity_arms"]

@@ -755,3 +755,36 @@ def test_report_prints_the_host_cache_optimum() -> None:
     }
     text = report_mod.render_markdown(report_mod.build_report({"name": "host-dedup"}, arms))
     assert "Host cache optimum seen by `proxy`" in text and "2.0 MiB" in text
+
+
+def test_soak_summary_windows_warm_up_and_rss() -> None:
+    from proxy.bench.runner import RequestResult
+    from proxy.bench.soak import summarize
+
+    def result(t: float, ttft: float, cache_n: int = 0, status: int = 200) -> RequestResult:
+        return RequestResult(
+            id=f"r{t}",
+            session="s",
+            group="g",
+            via="front",
+            sent_s=t,
+            status=status,
+            ttft_s=ttft,
+            cache_n=cache_n,
+        )
+
+    results = [
+        result(1, 0.5, 0),
+        result(2, 0.1, 90),
+        result(11, 2.0, 0),
+        result(12, 0.0, 0, status=502),
+        result(14, 0.2, 80),
+        result(25, 0.3, 70),
+    ]
+    report = summarize(results, kills=[10.0, 20.0], rss=[(0, 102400), (30, 104448)], duration_s=30)
+    assert (report["requests"], report["answered"], report["failed"]) == (6, 5, 1)
+    assert [w["answered"] for w in report["windows"]] == [2, 2, 1]
+    assert report["windows"][1]["ttft_p50_s"] in (0.2, 2.0) and report["windows"][1]["ttft_p99_s"] == 2.0
+    assert report["seconds_to_first_cache_hit_after_kill"] == [4.0, 5.0]
+    assert report["rss_mib"] == {"first": 100.0, "last": 102.0, "max": 102.0}
+    assert report["failures"] == ["502"]
