@@ -33,6 +33,14 @@ class NotStarted(Exception):
     """The server failed before any byte of the answer reached the client."""
 
 
+class NoRoom(Exception):
+    """The server ran out of free KV cells for this request (it clears the slots it was
+    computing); nothing reached the client, so the request can be tried once more."""
+
+
+NO_ROOM_MARK = b"Context size has been exceeded"  # llama-server's error when a decode finds no cells
+
+
 @dataclass
 class Outcome:
     """What the answer said, filled in as it streams so that a disconnect keeps what was seen."""
@@ -90,6 +98,7 @@ async def forward_completion(
     outcome: Outcome,
     *,
     show: bool,
+    retry_no_room: bool = False,
     buffer_bytes: int,
     on_upstream_done: Callable[[], None],
 ) -> web.StreamResponse:
@@ -102,6 +111,8 @@ async def forward_completion(
             extra = radix_headers(lease, show)
             if "text/event-stream" not in up.headers.get("Content-Type", ""):
                 raw = await up.read()
+                if retry_no_room and up.status >= 500 and NO_ROOM_MARK in raw:
+                    raise NoRoom(raw[:200].decode(errors="replace"))
                 outcome.ttft_s = time.monotonic() - arrived
                 outcome.timings = timings_of(raw)
                 on_upstream_done()

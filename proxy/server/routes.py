@@ -18,7 +18,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from proxy.errors import BackendError, BadRequest, NotFound
 from proxy.server.backend import Backend
 from proxy.server.coordinator import Lease
-from proxy.server.forward import HOP_HEADERS, NotStarted, Outcome, forward_completion, forward_headers
+from proxy.server.forward import HOP_HEADERS, NoRoom, NotStarted, Outcome, forward_completion, forward_headers
 from proxy.server.front import (
     cache_namespace,
     check_one_answer,
@@ -124,6 +124,15 @@ async def _steered(request: web.Request, body: dict[str, Any], tokens: np.ndarra
                 show=config.cache_info,
                 buffer_bytes=config.stream_buffer_bytes,
                 on_upstream_done=done,
+                retry_no_room=attempt == 1,
+            )
+        except NoRoom as exc:
+            outcome.status = 500
+            log.warning(
+                "request %s: %s had no free KV cells (%s); retrying once",
+                lease.request_id,
+                lease.server.name,
+                exc,
             )
         except NotStarted as exc:
             outcome.status = 502

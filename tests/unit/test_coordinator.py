@@ -546,3 +546,31 @@ async def test_an_empty_slot_takes_the_namespace_of_the_request_it_serves() -> N
     assert shared.plan.predicted_cached == 0 and shared.erase_first
     coord.release(shared)
     check(coord)
+
+
+async def test_cells_are_reserved_across_requests_admitted_together() -> None:
+    from proxy.core.resident import ResidentIndex
+
+    class FakeSharing:
+        def __init__(self) -> None:
+            self.index = ResidentIndex(range(4, 8), 0)
+            self.asked: list[int] = []
+
+        async def ensure_free(self, need: int) -> None:
+            self.asked.append(need)
+
+    s0 = server("s0", n_slots=2)
+    sharing = FakeSharing()
+    s0.sharing = sharing  # type: ignore[assignment]
+    coord = coordinator(s0)
+    a = await coord.acquire("a", toks(0, 100))
+    b = await coord.acquire("b", toks(5000, 300))
+    await coord.restore(a, 50)
+    await coord.restore(b, 10_000)  # the answer is clamped to what the slot can hold
+    assert sharing.asked == [150, 150 + (300 + (4096 - 300))]
+    assert s0.reserved_cells == 150 + 4096
+    coord.release(a)
+    assert s0.reserved_cells == 4096
+    coord.release(b)
+    assert s0.reserved_cells == 0
+    check(coord)

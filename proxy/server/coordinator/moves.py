@@ -47,8 +47,14 @@ class KvMoves:
         try:
             async with server.move_lock:
                 if server.sharing is not None:
-                    need = len(lease.tokens) - plan.predicted_cached + n_predict
-                    await server.sharing.ensure_free(need)
+                    # Cells this request will fill: its uncached prompt and its answer (no more than
+                    # the slot can hold). Requests admitted before it and not finished yet have
+                    # reserved theirs: room is made for all of them, not for this one alone.
+                    answer = max(0, min(n_predict, server.n_ctx_slot - len(lease.tokens)))
+                    need = len(lease.tokens) - plan.predicted_cached + answer
+                    await server.sharing.ensure_free(need + server.reserved_cells)
+                    server.reserved_cells += need
+                    lease.reserved_cells = need
                 if attach and server.sharing is not None and plan.owner_id is not None:
                     await server.sharing.attach(plan.owner_id, slot.slot_id, plan.reuse_len)
                     slot.tokens = lease.tokens[: plan.reuse_len].copy()

@@ -42,6 +42,7 @@ class ServerState:
     down_reason: str = ""
     instance: str | None = None  # the server process's id (/kvctl "instance"); a new one: it restarted
     epoch: int = 0  # bumped when the server restarted: what leases from before knew is gone
+    reserved_cells: int = 0  # KV cells that admitted, unfinished requests will still fill
 
     def busy_count(self) -> int:
         return sum(s.busy for s in self.slots)
@@ -60,6 +61,7 @@ class Lease:
     why: Divergence  # where cached prefixes stopped matching, at plan time
     ns: str = ""  # cache-isolation namespace of the request
     epoch: int = 0  # the server's epoch when leased
+    reserved_cells: int = 0  # its part of server.reserved_cells, returned on release
     erase_first: bool = False  # the slot holds another namespace's KV: clear it before use
     no_cache: bool = False  # the slot's KV could not be cleared: the server must not reuse it
     queued_s: float = 0.0
