@@ -481,3 +481,53 @@ def _two(first: ServerProcess, late: Any) -> Any:
     """A proxy config naming a running server and one that is not started yet."""
     config = proxy_config(first, **FAST)
     return dataclasses.replace(config, backends=(first.url, late.url))
+
+
+def test_a_kill_during_a_restore_or_a_save_loses_nothing(lone_server: ServerProcess, work_dir: Path) -> None:
+    """The server is killed right after answers (while the proxy saves them) and right after a
+    request that restores from the host tree was sent; whatever was in flight, every request
+    gets an answer or a clear error, nothing hangs, and the tree stays valid and usable."""
+    proxy = start_proxy(lone_server)
+    server = lone_server
+    try:
+        for seed in range(2):
+            assert (
+                post(f"{proxy.url}/v1/chat/completions", chat_body(messages(f"Unit {seed}?"), 4)).status
+                == 200
+            )
+        # During a save: the answer is back, its KV export has just started.
+        reply = post(f"{proxy.url}/v1/chat/completions", chat_body(messages("Unit 9?"), 4))
+        assert reply.status == 200
+        assert server.proc is not None
+        server.proc.kill()
+        server.proc.wait(10)
+        proxy.settle()  # the save fails fast (counted), the slot is released
+        settled(proxy)
+        server = restart(server, work_dir)
+        wait_for(lambda: get(f"{proxy.url}/health").status == 200, 30, "the restarted server")
+        # During a restore: sent, then the server dies while the proxy imports from the tree.
+        result: dict[str, Reply] = {}
+        sender = threading.Thread(
+            target=lambda: result.update(
+                r=post(
+                    f"{proxy.url}/v1/chat/completions", chat_body(messages("Unit 0 again?"), 4), timeout=150
+                )
+            )
+        )
+        sender.start()
+        time.sleep(0.05)
+        assert server.proc is not None
+        server.proc.kill()
+        server.proc.wait(10)
+        server = restart(server, work_dir)
+        sender.join(160)
+        assert not sender.is_alive()
+        assert result["r"].status in (200, 502, 503), result["r"].body
+        settled(proxy)
+        after = post(f"{proxy.url}/v1/chat/completions", chat_body(messages("Unit 1 again?"), 4))
+        assert after.status == 200
+        settled(proxy)
+    finally:
+        proxy.stop()
+        if server is not lone_server:
+            server.stop()
