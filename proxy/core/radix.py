@@ -180,6 +180,7 @@ class RadixTree:
         self._unique = 0
         self._logical = 0
         self._bytes = 0
+        self._in_flight = 0  # bytes of KV held outside the tree by moves in flight (reserve/release)
         self._saves = self._saved_tokens = 0
         self._loads = self._loaded_tokens = 0
         self._evictions = self._evicted_tokens = 0
@@ -277,8 +278,9 @@ class RadixTree:
         extra = NODE_OVERHEAD_BYTES if split else 0
         per_token = segment.layout.bytes_per_token + TOKEN_OVERHEAD_BYTES
         n_new = len(q) - length
-        self._evict_until(self.budget_bytes - extra - NODE_OVERHEAD_BYTES - n_new * per_token)
-        free = self.budget_bytes - self._bytes - extra - NODE_OVERHEAD_BYTES
+        room = self.budget_bytes - self._in_flight
+        self._evict_until(room - extra - NODE_OVERHEAD_BYTES - n_new * per_token)
+        free = room - self._bytes - extra - NODE_OVERHEAD_BYTES
         k = min(n_new, free // per_token) if free > 0 else 0
         if k <= 0:
             return 0
@@ -293,6 +295,19 @@ class RadixTree:
         """The executor restored n_tokens from the tree into a slot."""
         self._loads += 1
         self._loaded_tokens += n_tokens
+
+    def reserve(self, nbytes: int) -> int:
+        """Count ``nbytes`` of KV the proxy is about to hold outside the tree (a payload being
+        exported or imported) against the budget, evicting leaves to make room; returns the
+        amount to pass to ``release`` when the bytes are gone or inserted."""
+        self._evict_until(self.budget_bytes - self._in_flight - nbytes)
+        self._in_flight += nbytes
+        return nbytes
+
+    def release(self, nbytes: int) -> None:
+        if nbytes > self._in_flight:
+            raise ValueError(f"release of {nbytes} bytes, {self._in_flight} reserved")
+        self._in_flight -= nbytes
 
     def set_budget(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
@@ -550,9 +565,11 @@ class RadixTree:
         actual = (nodes, leaves, unique, logical, nbytes)
         assert counted == actual, f"counters (nodes, leaves, unique, logical, bytes) {counted} != {actual}"
         has_victim = any(self._evictable(n) for n in self._iter_nodes())
-        assert nbytes <= self.budget_bytes or not has_victim, (
-            f"{nbytes} bytes over budget {self.budget_bytes}"
+        held = nbytes + self._in_flight
+        assert held <= self.budget_bytes or not has_victim, (
+            f"{held} bytes (moves in flight included) over budget {self.budget_bytes}"
         )
+        assert self._in_flight >= 0, "negative in-flight bytes"
 
     def _check_node(self, node: _Node, heap_keys: set[tuple[int, int]]) -> None:
         name = f"node {node.uid} [{node.start},{node.end})"

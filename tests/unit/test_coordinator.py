@@ -39,6 +39,7 @@ class FakeServer:
 
     def __init__(self, n_slots: int) -> None:
         self.url = "http://fake"
+        self.layout, self.shm_dir = LAYOUT, None  # as a mover: inline payloads
         self.held: dict[int, list[int]] = {i: [] for i in range(n_slots)}
         self.fail_export = False
         self.fail_erase = False
@@ -574,3 +575,20 @@ async def test_cells_are_reserved_across_requests_admitted_together() -> None:
     coord.release(b)
     assert s0.reserved_cells == 0
     check(coord)
+
+
+async def test_moves_in_flight_count_against_the_tree_budget() -> None:
+    s0 = server("s0", n_slots=1)
+    coord = coordinator(s0)
+    coord.tree.set_budget(40_000)
+    for i in range(20):  # fill the tree with small prompts
+        t = toks(10_000 * (i + 1), 100)
+        coord.tree.insert(t, KvSegment(0, LAYOUT, rows(t.tolist())))
+    before = coord.tree.stats().bytes
+    held = coord.tree.reserve(30_000)
+    coord.tree.check_invariants()  # evicted to make room for the 30 kB held outside the tree
+    assert coord.tree.stats().bytes <= 40_000 - 30_000 < before
+    coord.tree.release(held)
+    coord.tree.check_invariants()
+    with pytest.raises(ValueError):
+        coord.tree.release(1)

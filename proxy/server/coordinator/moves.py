@@ -93,7 +93,13 @@ class KvMoves:
         # On top of the slot's verified [0,p0) (the server drops whatever it holds past p0).
         p0, p1 = lease.plan.host_from, lease.plan.host_to
         segments = self.tree.segments(lease.host, p0, p1)  # lease.host is in lease.ns
-        await lease.server.mover.import_(lease.slot.slot_id, p0, lease.tokens[:p1].tolist(), segments)
+        mover = lease.server.mover
+        # An inline import copies the rows into a request body: bytes held outside the tree.
+        inline = 0 if mover.shm_dir else self.tree.reserve(mover.layout.bytes_per_token * (p1 - p0))
+        try:
+            await mover.import_(lease.slot.slot_id, p0, lease.tokens[:p1].tolist(), segments)
+        finally:
+            self.tree.release(inline)
         lease.slot.tokens = lease.tokens[:p1].copy()
         self.tree.record_load(p1 - p0)
         self.metrics.tree_loads.inc()
@@ -143,15 +149,20 @@ class KvMoves:
         match = self.tree.match(tokens, ns=lease.ns)
         if len(tokens) - match.length < max(1, self.config.min_restore_tokens // 4):
             return
-        # Pinned so the prefix the export continues cannot be evicted while we wait.
+        # Pinned so the prefix the export continues cannot be evicted while we wait; the
+        # exported rows count against the budget from now on, not only once inserted.
         self.tree.pin(match)
+        held = self.tree.reserve(lease.server.mover.layout.bytes_per_token * (len(tokens) - match.length))
         try:
             async with lease.server.move_lock:
                 segment = await lease.server.mover.export(
                     {"slot": lease.slot.slot_id}, match.length, lease.slot.tokens
                 )
+            self.tree.release(held)  # the same step as the insert that counts them: no await between
+            held = 0
             stored = self.tree.insert(tokens, segment, ns=lease.ns)
         finally:
+            self.tree.release(held)
             self.tree.unpin(match)
         self.metrics.tree_saves.inc()
         self.metrics.tree_saved_tokens.inc(stored)
