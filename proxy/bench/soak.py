@@ -22,7 +22,7 @@ from typing import Any
 from proxy.bench.agents import agents
 from proxy.bench.runner import RequestResult, run_workload
 from proxy.errors import ConfigError
-from proxy.native.launch import free_port
+from proxy.native.launch import free_port, llama_server_pids
 
 RSS_EVERY_S = 10.0
 
@@ -90,19 +90,6 @@ def _rss_kib(pid: int) -> int | None:
                 return int(line.split()[1])
     except OSError:
         return None
-    return None
-
-
-def _server_pid(server_port: int) -> int | None:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and argv[0].endswith(b"llama-server") and str(server_port).encode() in argv:
-            return int(entry.name)
     return None
 
 
@@ -210,7 +197,7 @@ async def _soak(
     async def killer() -> None:
         while True:
             await asyncio.sleep(kill_every_s)
-            pid = _server_pid(server_port)
+            pid = next(iter(llama_server_pids(server_port)), None)
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
                 kills.append(time.monotonic() - t0)

@@ -240,6 +240,21 @@ def _die_with_parent(parent: int) -> None:
             os._exit(1)
 
 
+def llama_server_pids(port: int) -> list[int]:
+    """Processes of llama-server whose command line names ``port`` (from /proc; Linux)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"llama-server") and str(port).encode() in argv:
+            pids.append(int(entry.name))
+    return pids
+
+
 def stop_process_group(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
     """SIGTERM a child started with ``start_new_session``, SIGKILL it after ``grace`` seconds."""
     if proc.poll() is not None:

@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.native.launch import ServerProcess, free_port
+from proxy.native.launch import ServerProcess, free_port, llama_server_pids
 from tests.helpers import ProxyThread, Reply, ServerFactory, chat_body, get, post, proxy_config
 
 pytestmark = pytest.mark.integration
@@ -322,29 +322,16 @@ def _listening(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _server_pids(server_port: int) -> list[int]:
-    """llama-server processes listening on server_port (from /proc)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and argv[0].endswith(b"llama-server") and str(server_port).encode() in argv:
-            pids.append(int(entry.name))
-    return pids
-
-
 def test_up_restarts_a_killed_server_and_stops_gracefully(patched_bin: Path, model_path: Path) -> None:
     port, server_port = free_port(), free_port()
     proc = _up(port, server_port)
     url = f"http://127.0.0.1:{port}"
     try:
-        (pid,) = _server_pids(server_port)
+        (pid,) = llama_server_pids(server_port)
         os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: _server_pids(server_port) not in ([], [pid]), 60, "llama-server to be restarted")
+        wait_for(
+            lambda: llama_server_pids(server_port) not in ([], [pid]), 60, "llama-server to be restarted"
+        )
         wait_for(lambda: get(f"{url}/health", timeout=2).status == 200, 120, "the restarted server to serve")
         assert post(f"{url}/v1/chat/completions", chat_body(messages("Which unit?"), 4)).status == 200
         # SIGTERM while a long answer streams: it completes, then everything stops.
@@ -360,7 +347,7 @@ def test_up_restarts_a_killed_server_and_stops_gracefully(patched_bin: Path, mod
         proc.send_signal(signal.SIGTERM)
         assert b"data: [DONE]" in resp.read()
         assert proc.wait(60) == 0
-        assert _server_pids(server_port) == []
+        assert llama_server_pids(server_port) == []
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -371,12 +358,12 @@ def test_a_killed_proxy_leaves_no_server(patched_bin: Path, model_path: Path) ->
     port, server_port = free_port(), free_port()
     proc = _up(port, server_port)
     try:
-        assert len(_server_pids(server_port)) == 1
+        assert len(llama_server_pids(server_port)) == 1
         proc.kill()  # SIGKILL: no cleanup code runs in the proxy
         proc.wait(10)
-        wait_for(lambda: _server_pids(server_port) == [], 10, "the server to die with its proxy")
+        wait_for(lambda: llama_server_pids(server_port) == [], 10, "the server to die with its proxy")
     finally:
-        for pid in _server_pids(server_port):
+        for pid in llama_server_pids(server_port):
             os.kill(pid, signal.SIGKILL)
 
 
