@@ -41,6 +41,10 @@ async def create_runtime(
     """Connect to the servers, check them, and build the coordinator and tokenizer. Servers
     that do not answer yet are picked up later (``connect_pending``); startup waits up to
     ``startup_timeout_s`` for the first one."""
+    try:
+        config.backend_specs  # noqa: B018 (parsed here so a typo stops startup with a clear line)
+    except ValueError as exc:
+        raise ConfigError(str(exc), fix="--backend-url [MODEL=]URL[#auto|#shared|#inline]") from exc
     names = tuple(f"s{i}" for i in range(len(config.backends)))
     metrics = Metrics(registry, names)
     servers, pending = await _connect_answering(config, session, metrics, names)
