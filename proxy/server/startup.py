@@ -128,11 +128,26 @@ async def connect_pending(runtime: Runtime) -> None:
             log.error("%s (%s) answers but cannot serve: %s", name, url, exc.message)
             continue
         entry = runtime.models.get(server.model)
-        if entry is None or server.mover.compat != entry.compat:
+        if entry is not None and server.mover.compat != entry.compat:
             log.error("%s (%s) runs another model or KV layout than %r; kept out", name, url, server.model)
             continue
+        if entry is None:  # the first server of its model to answer: the model is served from now on
+            try:
+                await _add_model(runtime, server)
+            except (RadixError, aiohttp.ClientError) as exc:
+                log.error("%s (%s): model %r not served yet: %s", name, url, server.model, exc)
+                continue
         runtime.pending.remove((name, url))
         coordinator.add_server(server)
+
+
+async def _add_model(runtime: Runtime, server: ServerState) -> None:
+    listing = await _listing(server.backend)
+    entry = ModelEntry(server.model, server.model_ns, server.mover.compat, server.named, listing)
+    await _setup_tokenizer(runtime, entry, server.backend)
+    entry.n_vocab = await _n_vocab(server.backend)
+    runtime.models[server.model] = entry
+    log.warning("model %r is served from now on (%s answers)", server.model, server.name)
 
 
 class _Unreachable(ConfigError):
