@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from proxy.config import Config
-from proxy.core.planner import Plan, PlanInput, SlotView
+from proxy.core.planner import Plan, PlanInput, Route, SlotView
 from proxy.core.planner import plan as choose_plan
 from proxy.core.radix import RadixTree
 from proxy.core.resident import common_prefix
@@ -243,6 +243,9 @@ class Leases:
         self, index: int, plan: Plan, server: ServerState, found: PrefixScan, want: _Want
     ) -> ServerLoad:
         """The numbers the routing cost model prices for this server's plan."""
+        # The chosen slot's own KV past what the plan keeps is dropped: those cells count as free.
+        slot = server.slots[plan.slot_id]
+        kept = plan.reuse_len if plan.route in (Route.A, Route.AH) else 0
         return ServerLoad(
             index=index,
             n_prompt=len(found.tokens),
@@ -250,7 +253,7 @@ class Leases:
             moved_bytes=(plan.host_to - plan.host_from) * server.mover.layout.bytes_per_token,
             inline=server.mover.shm_dir is None,
             busy_slots=server.busy_count(),
-            free_cells=server.free_cells_estimate(),
+            free_cells=server.free_cells_estimate() + max(0, len(slot.tokens) - kept),
             n_predict=min(want.n_predict, max(0, server.n_ctx_slot - len(found.tokens))),
             healthy=server.healthy,
             affinity=bool(want.session) and self._affinity.get(want.session) == server.name,
