@@ -418,6 +418,9 @@ def kvctl(
     kinds = ["shared", "inline"] if transport == "both" else [transport]
     reports: dict[str, dict[str, Any]] = {}
     with patched_server(settings, max(ctx_size, kvctl_ctx_size(token_sizes))) as (server, shm):
+        from proxy.bench.transport import warm_slot0
+
+        asyncio.run(warm_slot0(server.url, max(token_sizes)))
         for kind in kinds:
             reports[kind] = asyncio.run(
                 run_kvctl_bench(

@@ -37,3 +37,20 @@ def transport_table(shared: dict[str, Any], inline: dict[str, Any]) -> tuple[str
             f"{r['inline_mb_s']:.0f} | {ratio} |"
         )
     return "\n".join(lines) + "\n", rows
+
+
+async def warm_slot0(server_url: str, n_tokens: int) -> None:
+    """Prefill slot 0 with the tokens the kvctl bench will use, without its 10 s HTTP limit: on a
+    loaded machine the prefill alone can take longer; the bench then finds them in the slot."""
+    import aiohttp
+
+    from proxy.bench.kvbench import _tokens
+    from proxy.server.backend import Backend
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        backend = Backend(server_url, session)
+        tokens = await _tokens(backend, n_tokens)
+        body = {"prompt": tokens, "n_predict": 1, "id_slot": 0, "cache_prompt": True, "temperature": 0}
+        async with session.post(f"{server_url}/completion", json=body) as resp:
+            resp.raise_for_status()
+            await resp.read()
