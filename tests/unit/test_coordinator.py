@@ -644,3 +644,18 @@ async def test_session_affinity_breaks_ties_but_never_beats_a_longer_prefix() ->
     for lease in (busy, nxt):
         coord.release(lease)
     check(coord)
+
+
+async def test_a_slot_saving_its_answer_is_not_counted_as_load() -> None:
+    s0, s1 = server("s0", n_slots=2), server("s1", n_slots=2)
+    coord = coordinator(s0, s1)
+    saving = await coord.acquire("r0", toks(0, 40))
+    assert saving.server is s0
+    saving.finishing = True  # its answer is complete; the slot is being exported
+    running = await coord.acquire("r1", toks(1000, 40))
+    assert running.server is s0  # s0 runs nothing: lower index
+    nxt = await coord.acquire("r2", toks(2000, 40))
+    assert nxt.server is s1  # s0 now runs one request
+    for lease in (saving, running, nxt):
+        coord.release(lease)
+    check(coord)

@@ -252,12 +252,18 @@ class Leases:
             cached=plan.predicted_cached,
             moved_bytes=(plan.host_to - plan.host_from) * server.mover.layout.bytes_per_token,
             inline=server.mover.shm_dir is None,
-            busy_slots=server.busy_count(),
+            busy_slots=self._running(server),
             free_cells=server.free_cells_estimate() + max(0, len(slot.tokens) - kept),
             n_predict=min(want.n_predict, max(0, server.n_ctx_slot - len(found.tokens))),
             healthy=server.healthy,
             affinity=bool(want.session) and self._affinity.get(want.session) == server.name,
         )
+
+    def _running(self, server: ServerState) -> int:
+        """Requests computing on the server now. A slot still busy saving a finished answer (an
+        export of tens of milliseconds) is not load: counting it would send the next wave of
+        requests to whichever server happened to finish saving first."""
+        return sum(1 for lease in self.inflight.values() if lease.server is server and not lease.finishing)
 
     def _plan_input(self, sv: ServerScan, found: PrefixScan) -> PlanInput:
         server = sv.server
