@@ -6,6 +6,40 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+PayloadMode = Literal["auto", "shared", "inline"]
+PAYLOAD_MODES: tuple[PayloadMode, ...] = ("auto", "shared", "inline")
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One ``--backend-url`` value: ``[MODEL=]URL[#auto|#shared|#inline]``.
+
+    ``model``: the name clients ask for in the request's ``model`` field ("" = the name the
+    server reports in its /v1/models). ``payloads``: whether the server shares the proxy's
+    payload directory (``shared``), does not (``inline``: KV travels in HTTP bodies), or
+    ``auto``: shared when the server names the proxy's directory and is on this host."""
+
+    url: str
+    model: str = ""
+    payloads: PayloadMode = "auto"
+
+
+def parse_backend(spec: str) -> BackendSpec:
+    """``[MODEL=]URL[#auto|#shared|#inline]`` -> BackendSpec (ValueError when malformed)."""
+    text, _, mode = spec.strip().partition("#")
+    model = ""
+    head, sep, rest = text.partition("=")
+    if sep and "://" not in head and "/" not in head:
+        model, text = head.strip(), rest.strip()
+        if not model:
+            raise ValueError(f"empty model name in backend {spec!r}")
+    mode = mode.strip() or "auto"
+    if mode not in PAYLOAD_MODES:
+        raise ValueError(f"backend {spec!r}: payload mode must be one of {', '.join(PAYLOAD_MODES)}")
+    if not text.startswith(("http://", "https://")):
+        raise ValueError(f"backend {spec!r}: the URL must start with http:// or https://")
+    return BackendSpec(text.rstrip("/"), model, mode)
+
 
 @dataclass(frozen=True)
 class Config:
@@ -62,6 +96,10 @@ class Config:
     backend_read_timeout_s: float = 600.0
     # On the first SIGTERM/SIGINT, in-flight requests get this long to finish.
     shutdown_grace_s: float = 30.0
+
+    @property
+    def backend_specs(self) -> tuple[BackendSpec, ...]:
+        return tuple(parse_backend(b) for b in self.backends)
 
     @property
     def cache_bytes(self) -> int:

@@ -53,6 +53,7 @@ class ArmSettings:
     build_backend: str = "cpu"
     proxy_cache_mib: int = 4096
     stock_cache_mib: int | None = None  # replaces the stock arms' --cache-ram (None: as the arm says)
+    n_servers: int = 1  # servers per arm: behind the proxy, or behind a round-robin balancer (cluster.py)
 
     def common_args(self) -> tuple[str, ...]:
         return ("-b", str(self.batch_size), "-ub", str(self.ubatch_size))
@@ -284,7 +285,7 @@ def start_arm(name: str, settings: ArmSettings, binary: Path | None = None) -> I
 
 
 def _start_proxy(
-    server_url: str,
+    server_url: str | tuple[str, ...],
     port: int,
     shm: Path,
     settings: ArmSettings,
@@ -303,8 +304,11 @@ def _start_proxy(
         "-m",
         "proxy.cli",
         "serve",
-        "--backend-url",
-        server_url,
+        *(
+            a
+            for url in ((server_url,) if isinstance(server_url, str) else server_url)
+            for a in ("--backend-url", url)
+        ),
         "--host",
         "127.0.0.1",
         "--port",

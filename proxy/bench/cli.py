@@ -187,6 +187,7 @@ def _settings(
 def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: Path) -> dict[str, Any]:
     """Each arm in turn: start it, replay the workload, collect its figures, stop it."""
     from proxy.bench.arms import ARMS, arm_binary, start_arm
+    from proxy.bench.cluster import start_cluster_arm
     from proxy.bench.report import build_report, write_report
     from proxy.bench.runner import run_workload, write_results
 
@@ -194,7 +195,8 @@ def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: P
     arms: dict[str, Any] = {}
     for name in arm_names:
         _say(f"arm {name}: {ARMS[name].description}")
-        with start_arm(name, settings, binaries[name]) as arm:
+        start = start_cluster_arm if settings.n_servers > 1 else start_arm
+        with start(name, settings, binaries[name]) as arm:
             results = asyncio.run(
                 run_workload(
                     workload,
@@ -215,6 +217,7 @@ def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: P
         "threads": settings.threads,
         "batch_size": settings.batch_size,
         "ubatch_size": settings.ubatch_size,
+        "servers": settings.n_servers,
     }
     report = build_report(
         {
@@ -288,6 +291,9 @@ def run_workload_command(
     search = {
         k: sizes.pop(k) for k in ("step", "upper_factor", "probe_timeout_s", "min_together") if k in sizes
     }
+    n_servers = int(sizes.pop("n_servers", None) or 1)
+    if n_servers < 1:
+        raise ConfigError("--servers must be at least 1", fix="pass e.g. --servers 2")
     workload = make_workload(name, **sizes)
     out = out_dir or _default_out(name)
     out.mkdir(parents=True, exist_ok=True)
@@ -304,6 +310,10 @@ def run_workload_command(
     settings = _settings(
         out, model_arg, n_parallel, ctx_size, threads, batch_size, ubatch_size, build_backend
     )
+    if n_servers > 1:
+        import dataclasses
+
+        settings = dataclasses.replace(settings, n_servers=n_servers)
     defaults = ",".join(DEFAULT_ARMS.get(name, ALL_ARMS))
     if name == "capacity":
         run_capacity_arms(workload, parse_arms(arms or defaults), settings, out, **search)
@@ -329,7 +339,21 @@ def _workload_options(name: str) -> list[Callable[[Any], Any]]:
             )
     if name == "capacity":
         options += CAPACITY_OPTIONS
+    if name in CLUSTER_WORKLOADS:
+        options.append(SERVERS_OPTION)
     return options
+
+
+# Workloads that run on N servers per arm (proxy: one proxy over N; stock: a round-robin balancer).
+CLUSTER_WORKLOADS = ("agents", "prefix-tiers")
+SERVERS_OPTION = click.option(
+    "--servers",
+    "n_servers",
+    type=int,
+    default=None,
+    help="Servers per arm: N patched servers behind the proxy against N stock servers behind a "
+    "round-robin balancer [default: 1].",
+)
 
 
 def _workload_command(name: str) -> click.Command:
@@ -358,6 +382,14 @@ del _name
 @click.option("--sizes", default="512,2048,8192", show_default=True, help="Token counts to move.")
 @click.option("--reps", default=5, show_default=True, help="Repetitions per size and direction.")
 @click.option("--no-probe", is_flag=True, help="Do not time a tiny generation during the moves.")
+@click.option(
+    "--transport",
+    type=click.Choice(["shared", "inline", "both"]),
+    default="shared",
+    show_default=True,
+    help="Payloads through shared-memory files, inline over HTTP (msgpack binary, as across "
+    "hosts), or both side by side.",
+)
 @fail_cleanly
 def kvctl(
     out_dir: Path | None,
@@ -371,6 +403,7 @@ def kvctl(
     sizes: str,
     reps: int,
     no_probe: bool,
+    transport: str,
 ) -> None:
     """KV export/import throughput through the proxy's mover against a numpy memcpy, and main-loop stalls."""
     from proxy.bench.arms import patched_server
@@ -382,15 +415,36 @@ def kvctl(
     settings = _settings(
         out, model_arg, max(n_parallel, 4), ctx_size, threads, batch_size, ubatch_size, build_backend
     )
+    kinds = ["shared", "inline"] if transport == "both" else [transport]
+    reports: dict[str, dict[str, Any]] = {}
     with patched_server(settings, max(ctx_size, kvctl_ctx_size(token_sizes))) as (server, shm):
-        report = asyncio.run(
-            run_kvctl_bench(
-                server.url, shm, token_sizes, reps, not no_probe, _say, kvctl_key=server.spec.kvctl_key
+        from proxy.bench.transport import warm_slot0
+
+        asyncio.run(warm_slot0(server.url, max(token_sizes)))
+        for kind in kinds:
+            reports[kind] = asyncio.run(
+                run_kvctl_bench(
+                    server.url,
+                    shm if kind == "shared" else None,
+                    token_sizes,
+                    reps,
+                    not no_probe,
+                    _say,
+                    kvctl_key=server.spec.kvctl_key,
+                )
             )
-        )
-    for path in write_report(report, out):
-        _say(f"wrote {path}")
-    click.echo((out / "report.md").read_text())
+    for kind, report in reports.items():
+        where = out / kind if len(reports) > 1 else out
+        for path in write_report(report, where):
+            _say(f"wrote {path}")
+        click.echo((where / "report.md").read_text())
+    if len(reports) > 1:
+        from proxy.bench.transport import transport_table
+
+        table, rows = transport_table(reports["shared"], reports["inline"])
+        (out / "transport.md").write_text(table)
+        (out / "transport.json").write_text(json.dumps(rows, indent=2))
+        click.echo(table)
 
 
 @bench.command("replay")

@@ -41,7 +41,8 @@ log = logging.getLogger("radix")
     multiple=True,
     required=True,
     envvar="RADIX_BACKENDS",
-    help="Patched llama-server base URL (repeatable; env: space-separated).",
+    help="Patched llama-server: [MODEL=]URL[#auto|#shared|#inline] (repeatable; env: space-separated; "
+    "see docs/routing.md).",
 )
 @proxy_options
 @fail_cleanly

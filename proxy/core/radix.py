@@ -169,7 +169,12 @@ class RadixTree:
 
     def __init__(self, budget_bytes: int, layout: KvLayout | None = None) -> None:
         self.budget_bytes = budget_bytes
-        self.layout = layout  # set by the first insert when None; one tree per compat key
+        # Given: every namespace must use it. None: each namespace takes the layout of its first
+        # insert (several models, each in its own namespace: proxy/server/models.py), and
+        # ``layout`` reports the first one seen.
+        self.layout = layout
+        self._fixed_layout = layout is not None
+        self._ns_layouts: dict[str, KvLayout] = {}
         self._uid = 0
         self._clock = 0
         self._roots: dict[str, _Node] = {"": self._new_root("")}
@@ -252,7 +257,7 @@ class RadixTree:
         when the whole remainder does not fit, the longest prefix of it that fits is kept.
         The caller must not modify the segment's data afterwards."""
         q = as_tokens(tokens)
-        self._check_layout(segment.layout)
+        self._check_layout(segment.layout, ns)
         if segment.p1 != len(q):
             raise ValueError(f"segment ends at {segment.p1}, tokens at {len(q)}")
         path, length = self._walk(q, ns)
@@ -322,6 +327,8 @@ class RadixTree:
     def clear(self, layout: KvLayout | None = None) -> None:
         """Drop everything (e.g. the model changed). Outstanding handles become stale."""
         self.layout = layout
+        self._fixed_layout = layout is not None
+        self._ns_layouts = {}
         for node in self._iter_nodes():
             node.alive = False
             node.segment = None  # stale handles must not keep KV alive
@@ -438,11 +445,13 @@ class RadixTree:
         if delta < 0:
             self._push_if_evictable(node)
 
-    def _check_layout(self, layout: KvLayout) -> None:
-        if self.layout is None:
-            self.layout = layout
-        elif layout != self.layout:
-            raise PayloadError("segment layout differs from the tree's (one tree per compat key)")
+    def _check_layout(self, layout: KvLayout, ns: str) -> None:
+        expected = self.layout if self._fixed_layout else self._ns_layouts.get(ns)
+        if expected is None:
+            self._ns_layouts[ns] = layout
+            self.layout = self.layout or layout
+        elif layout != expected:
+            raise PayloadError("segment layout differs from the namespace's (one compat key per namespace)")
 
     def _split(self, node: _Node, at: int) -> _Node:
         """Split node's edge at absolute position `at`; return the new upper node.
@@ -549,10 +558,10 @@ class RadixTree:
             )
         heap_keys = {(lu, uid) for lu, uid, _ in self._heap}
         nodes = leaves = unique = logical = nbytes = 0
-        stack = list(self._roots.values())
+        stack = [(root, self._layout_of(ns)) for ns, root in self._roots.items()]
         while stack:
-            node = stack.pop()
-            self._check_node(node, heap_keys)
+            node, layout = stack.pop()
+            self._check_node(node, heap_keys, layout)
             if node.parent is not None:
                 nodes += 1
                 unique += len(node.tokens)
@@ -560,7 +569,7 @@ class RadixTree:
                 if not node.children:
                     leaves += 1
                     logical += node.end
-            stack.extend(node.children.values())
+            stack.extend((child, layout) for child in node.children.values())
         counted = (self._nodes, self._leaves, self._unique, self._logical, self._bytes)
         actual = (nodes, leaves, unique, logical, nbytes)
         assert counted == actual, f"counters (nodes, leaves, unique, logical, bytes) {counted} != {actual}"
@@ -571,7 +580,10 @@ class RadixTree:
         )
         assert self._in_flight >= 0, "negative in-flight bytes"
 
-    def _check_node(self, node: _Node, heap_keys: set[tuple[int, int]]) -> None:
+    def _layout_of(self, ns: str) -> KvLayout | None:
+        return self.layout if self._fixed_layout else self._ns_layouts.get(ns)
+
+    def _check_node(self, node: _Node, heap_keys: set[tuple[int, int]], layout: KvLayout | None) -> None:
         name = f"node {node.uid} [{node.start},{node.end})"
         assert node.alive, f"{name} reachable but dead"
         assert node.own_pins >= 0 and node.pins >= 0, f"{name} negative pins"
@@ -590,7 +602,7 @@ class RadixTree:
         seg = node.segment
         assert seg is not None, f"{name} has no segment"
         assert seg.p0 == node.start and seg.n == len(node.tokens), f"{name} segment [{seg.p0},{seg.p1})"
-        assert seg.layout == self.layout, f"{name} segment layout differs from the tree's"
+        assert seg.layout == layout, f"{name} segment layout differs from its namespace's"
         assert node.tokens.dtype == np.int32 and node.tokens.ndim == 1, f"{name} tokens not int32"
         if self._evictable(node):
             assert (node.last_used, node.uid) in heap_keys, f"{name} evictable leaf missing from the LRU heap"

@@ -181,6 +181,9 @@ class Backend:
         else:
             data = orjson.dumps(body)
             headers = {**self._auth, "Content-Type": "application/json"}
+            if route == "export" and "file" not in body:
+                # An inline export: its KV comes back as msgpack bin (raw bytes), not base64 in JSON.
+                headers["Accept"] = "application/msgpack"
         try:
             async with self.request(
                 "POST",

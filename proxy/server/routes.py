@@ -27,12 +27,14 @@ from proxy.server.front import (
     prompt_token_ids,
     refusal,
 )
+from proxy.server.models import ModelEntry, models_listing, pick_model, with_model
 from proxy.server.observe import refresh_metrics
 from proxy.server.runtime import RUNTIME, Runtime
 
 log = logging.getLogger("radix")
 
 _ids = itertools.count(1)
+SESSION_HEADER = "X-Session-Id"  # the session-affinity key (a routing tie-break only)
 
 
 def add_routes(app: web.Application) -> None:
@@ -40,6 +42,8 @@ def add_routes(app: web.Application) -> None:
         app.router.add_post(path, chat)
     for path in ("/v1/completions", "/completions", "/completion"):
         app.router.add_post(path, completion)
+    for path in ("/v1/models", "/models"):
+        app.router.add_get(path, list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
 
@@ -65,10 +69,11 @@ async def chat(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     if not isinstance(body.get("messages"), list) or not body["messages"]:
         raise BadRequest("'messages' must be a non-empty array")
+    model = pick_model(runtime.models, body)
     headers = forward_headers(request)
-    prompt = await runtime.on_any_server(lambda backend: backend.apply_template(body, headers))
-    tokens = await runtime.tokenize(prompt)
-    return await _steered(request, body, tokens)
+    prompt = await runtime.on_any_server(lambda backend: backend.apply_template(body, headers), model.name)
+    tokens = await runtime.tokenize(prompt, model)
+    return await _steered(request, body, tokens, model)
 
 
 async def completion(request: web.Request) -> web.StreamResponse:
@@ -76,36 +81,42 @@ async def completion(request: web.Request) -> web.StreamResponse:
     a string or token ids. Several prompts would run on slots the proxy did not lease."""
     runtime = request.app[RUNTIME]
     body = await _read_json(request)
+    model = pick_model(runtime.models, body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        tokens = await runtime.tokenize(prompt)
+        tokens = await runtime.tokenize(prompt, model)
     elif isinstance(prompt, list) and prompt and not isinstance(prompt[0], str | list | dict):
-        server = runtime.coordinator.servers[0]
-        tokens = prompt_token_ids(prompt, runtime.n_vocab, server.n_ctx_slot)
+        n_ctx = min(s.n_ctx_slot for s in runtime.coordinator.servers if s.model == model.name)
+        tokens = prompt_token_ids(prompt, model.n_vocab, n_ctx)
     elif isinstance(prompt, list) and len(prompt) > 1:
         raise BadRequest(
             "several prompts in one request are not supported through the proxy: send one per request"
         )
     else:
         raise BadRequest("'prompt' must be a string or an array of token ids")
-    return await _steered(request, body, tokens)
+    return await _steered(request, body, tokens, model)
 
 
-async def _steered(request: web.Request, body: dict[str, Any], tokens: np.ndarray) -> web.StreamResponse:
+async def _steered(
+    request: web.Request, body: dict[str, Any], tokens: np.ndarray, model: ModelEntry
+) -> web.StreamResponse:
     """Lease, restore, forward; once more elsewhere (or after a restart) when the server failed
     before the client saw a byte of the answer."""
     runtime = request.app[RUNTIME]
     coord, config = runtime.coordinator, runtime.config
     arrived = time.monotonic()
-    ns = cache_namespace(config, body, request.headers)
+    ns = with_model(model.ns, cache_namespace(config, body, request.headers))
+    session = request.headers.get(SESSION_HEADER, "")
     if not config.cache_info:
         hide_cache_info_request(body)
     original = body
     for attempt in (1, 2):
         body = dict(original)  # each attempt sets its own slot and cache_prompt
-        lease = await coord.acquire(f"r{next(_ids)}", tokens, ns)
+        lease = await coord.acquire(
+            f"r{next(_ids)}", tokens, ns, model=model.name, session=session, n_predict=_n_predict(body)
+        )
         outcome = Outcome()
         done = _once(functools.partial(_finish, runtime, lease, outcome))
         try:
@@ -195,6 +206,11 @@ async def health(request: web.Request) -> web.Response:
     up = sum(s["status"] == "ok" for s in servers)
     status = "ok" if up == len(servers) else ("degraded" if up else "error")
     return web.json_response({"status": status, "servers": servers}, status=200 if up else 503)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """Every model the proxy can serve, under the operator's names (``proxy/server/models.py``)."""
+    return web.json_response(models_listing(request.app[RUNTIME].models))
 
 
 async def metrics(request: web.Request) -> web.Response:

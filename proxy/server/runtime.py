@@ -13,9 +13,10 @@ from aiohttp import web
 from proxy.config import Config
 from proxy.errors import Unavailable
 from proxy.server.backend import Backend
-from proxy.server.coordinator import Coordinator
+from proxy.server.coordinator import Coordinator, ServerState
 from proxy.server.health import HealthMonitor
 from proxy.server.metrics import Metrics
+from proxy.server.models import ModelEntry
 from proxy.server.recorder import Recorder
 from proxy.tokenizer import PromptTokenizer
 
@@ -44,29 +45,40 @@ class Runtime:
         self.pending: list[tuple[str, str]] = []  # (name, url) of servers that did not answer yet
         self.local_tokenizer: PromptTokenizer | None = None
         self.tokenizer_note = "server"
+        # Served models by name (startup); the attributes above describe the first one.
+        self.models: dict[str, ModelEntry] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    async def tokenize(self, prompt: str) -> np.ndarray:
+    async def tokenize(self, prompt: str, model: ModelEntry | None = None) -> np.ndarray:
         """The prompt's tokens exactly as the server's chat path makes them."""
-        if self.local_tokenizer is not None:
-            ids = await asyncio.to_thread(self.local_tokenizer.encode, prompt)
+        local = model.local_tokenizer if model is not None else self.local_tokenizer
+        if local is not None:
+            ids = await asyncio.to_thread(local.encode, prompt)
         else:
-            ids = await self.on_any_server(lambda b: b.tokenize(prompt, add_special=True, parse_special=True))
+            name = model.name if model is not None else ""
+            ids = await self.on_any_server(
+                lambda b: b.tokenize(prompt, add_special=True, parse_special=True), name
+            )
         return np.asarray(ids, dtype=np.int32)
 
-    async def on_any_server(self, call: Callable[[Backend], Awaitable[T]]) -> T:
-        """``call`` on a healthy server (template rendering, tokenizing: any server does); one
-        that fails to answer is marked down and the next is tried. Waits, bounded by the queue
-        deadline, while none is serving."""
+    def _healthy(self, model: str) -> ServerState | None:
+        return next(
+            (s for s in self.coordinator.servers if s.healthy and (not model or s.model == model)), None
+        )
+
+    async def on_any_server(self, call: Callable[[Backend], Awaitable[T]], model: str = "") -> T:
+        """``call`` on a healthy server of ``model`` ("" = any): template rendering, tokenizing;
+        one that fails to answer is marked down and the next is tried. Waits, bounded by the
+        queue deadline, while none is serving."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.queue_timeout_s
         for _ in range(2 * len(self.coordinator.servers)):
-            server = next((s for s in self.coordinator.servers if s.healthy), None)
+            server = self._healthy(model)
             while server is None:
                 if loop.time() > deadline:
                     raise Unavailable("no llama-server is serving")
                 await asyncio.sleep(0.1)
-                server = next((s for s in self.coordinator.servers if s.healthy), None)
+                server = self._healthy(model)
             try:
                 return await call(server.backend)
             except aiohttp.ClientConnectionError as exc:  # refused, reset: it is gone

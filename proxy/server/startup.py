@@ -13,7 +13,7 @@ import aiohttp
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from proxy.config import Config
+from proxy.config import BackendSpec, Config, parse_backend
 from proxy.core.payload import KvLayout
 from proxy.core.radix import RadixTree
 from proxy.core.resident import ResidentIndex
@@ -21,7 +21,9 @@ from proxy.errors import ConfigError, FallbackCause, KvMoveError, RadixError
 from proxy.server.backend import Backend
 from proxy.server.coordinator import Coordinator, ServerState, SlotState
 from proxy.server.metrics import Metrics
+from proxy.server.models import ModelEntry, compat_ns
 from proxy.server.mover import KvMover
+from proxy.server.netlocal import is_local_host
 from proxy.server.recorder import Recorder
 from proxy.server.runtime import Runtime
 from proxy.server.sharing import Sharing
@@ -39,21 +41,51 @@ async def create_runtime(
     """Connect to the servers, check them, and build the coordinator and tokenizer. Servers
     that do not answer yet are picked up later (``connect_pending``); startup waits up to
     ``startup_timeout_s`` for the first one."""
+    try:
+        config.backend_specs  # noqa: B018 (parsed here so a typo stops startup with a clear line)
+    except ValueError as exc:
+        raise ConfigError(str(exc), fix="--backend-url [MODEL=]URL[#auto|#shared|#inline]") from exc
     names = tuple(f"s{i}" for i in range(len(config.backends)))
     metrics = Metrics(registry, names)
     servers, pending = await _connect_answering(config, session, metrics, names)
-    prints = {s.mover.compat.get("fingerprint") for s in servers}
-    if len(prints) != 1:
-        raise ConfigError(
-            "the servers run different models or KV layouts",
-            fix="put one model (and one KV type) behind one proxy",
-        )
+    models = await _models(servers)
     tree = RadixTree(config.cache_bytes)
     runtime = Runtime(config, session, Coordinator(config, servers, tree, metrics), metrics, recorder)
     runtime.pending = pending
-    await _setup_tokenizer(runtime)
-    runtime.n_vocab = await _n_vocab(runtime.primary)
+    runtime.models = models
+    for entry in models.values():
+        backend = next(s.backend for s in servers if s.model == entry.name)
+        await _setup_tokenizer(runtime, entry, backend)
+        entry.n_vocab = await _n_vocab(backend)
+    first = next(iter(models.values()))
+    runtime.local_tokenizer, runtime.tokenizer_note = first.local_tokenizer, first.tokenizer_note
+    runtime.n_vocab = first.n_vocab
     return runtime
+
+
+async def _models(servers: list[ServerState]) -> dict[str, ModelEntry]:
+    """The served models by name; servers under one name must share a compatibility key."""
+    models: dict[str, ModelEntry] = {}
+    for server in servers:
+        entry = models.get(server.model)
+        if entry is None:
+            listing = await _listing(server.backend)
+            models[server.model] = ModelEntry(
+                server.model, server.model_ns, server.mover.compat, server.named, listing
+            )
+        elif entry.compat != server.mover.compat:
+            raise ConfigError(
+                f"the servers named {server.model!r} run different models or KV layouts",
+                fix="give each model (and KV type) its own name: --backend-url NAME=URL",
+            )
+    return models
+
+
+async def _listing(backend: Backend) -> dict[str, Any]:
+    """The server's own /v1/models entry (listed under the operator's name)."""
+    reply = await backend.get_json("/v1/models")
+    data = reply.get("data") or [{}]
+    return dict(data[0]) if isinstance(data[0], dict) else {}
 
 
 async def _connect_answering(
@@ -68,7 +100,7 @@ async def _connect_answering(
             try:
                 servers.append(await _connect(config, name, url, session, metrics))
             except _Unreachable as exc:
-                pending.append((name, url))
+                pending.append((name, url))  # url: the --backend-url value, spec and all
                 reason = exc.message
         if servers or loop.time() > deadline:
             break
@@ -95,11 +127,27 @@ async def connect_pending(runtime: Runtime) -> None:
         except RadixError as exc:
             log.error("%s (%s) answers but cannot serve: %s", name, url, exc.message)
             continue
-        if server.mover.compat != coordinator.servers[0].mover.compat:
-            log.error("%s (%s) runs another model or KV layout; kept out", name, url)
+        entry = runtime.models.get(server.model)
+        if entry is not None and server.mover.compat != entry.compat:
+            log.error("%s (%s) runs another model or KV layout than %r; kept out", name, url, server.model)
             continue
+        if entry is None:  # the first server of its model to answer: the model is served from now on
+            try:
+                await _add_model(runtime, server)
+            except (RadixError, aiohttp.ClientError) as exc:
+                log.error("%s (%s): model %r not served yet: %s", name, url, server.model, exc)
+                continue
         runtime.pending.remove((name, url))
         coordinator.add_server(server)
+
+
+async def _add_model(runtime: Runtime, server: ServerState) -> None:
+    listing = await _listing(server.backend)
+    entry = ModelEntry(server.model, server.model_ns, server.mover.compat, server.named, listing)
+    await _setup_tokenizer(runtime, entry, server.backend)
+    entry.n_vocab = await _n_vocab(server.backend)
+    runtime.models[server.model] = entry
+    log.warning("model %r is served from now on (%s answers)", server.model, server.name)
 
 
 class _Unreachable(ConfigError):
@@ -119,8 +167,10 @@ async def _n_vocab(backend: Backend) -> int:
 
 
 async def _connect(
-    config: Config, name: str, url: str, session: aiohttp.ClientSession, metrics: Metrics
+    config: Config, name: str, spec_text: str, session: aiohttp.ClientSession, metrics: Metrics
 ) -> ServerState:
+    spec = parse_backend(spec_text)
+    url = spec.url
     backend = Backend(url, session, config.kvctl_key, read_timeout_s=config.backend_read_timeout_s)
     try:
         caps = await backend.caps()
@@ -140,33 +190,45 @@ async def _connect(
         ) from exc
     compat = dict(caps["compat"])
     layout = KvLayout.from_caps(compat)
-    shm = _usable_shm(config.shm_dir, caps.get("dir"))
+    shm = await _payload_dir(config.shm_dir, caps.get("dir"), spec)
     slots_info = await backend.slots(tokens=True)
-    slots = [_slot_found(s, isolating=bool(config.cache_isolation)) for s in slots_info["slots"]]
+    model_ns = compat_ns(compat)
+    slots = [_slot_found(s, bool(config.cache_isolation), model_ns) for s in slots_info["slots"]]
     n_ctx_slot = int(caps.get("n_ctx_slot") or caps.get("n_ctx") or 0)
     mover = KvMover(backend, layout, compat, shm, metrics)
     sharing = await _sharing(config, name, backend, caps) if config.kv_share else None
+    model = spec.model or await _server_model_name(backend)
     log.info(
-        "%s: %s, %d slots, %d cells, payloads %s%s",
+        "%s: %s, model %r, %d slots, %d cells, payloads %s%s",
         name,
         url,
+        model,
         len(slots),
         int(caps.get("n_cells", 0)),
         f"via {shm}" if shm else "inline",
         ", resident sharing on" if sharing else "",
     )
-    return ServerState(name, backend, mover, slots, n_ctx_slot, sharing)
+    state = ServerState(name, backend, mover, slots, n_ctx_slot, sharing)
+    state.model, state.model_ns, state.named = model, model_ns, bool(spec.model)
+    state.n_cells = int(caps.get("n_cells", 0))
+    return state
 
 
-def _slot_found(entry: dict[str, Any], isolating: bool) -> SlotState:
+async def _server_model_name(backend: Backend) -> str:
+    """The name the server reports (its --alias, else its model file's)."""
+    entry = await _listing(backend)
+    return str(entry.get("id") or "default")
+
+
+def _slot_found(entry: dict[str, Any], isolating: bool, model_ns: str) -> SlotState:
     """A slot as the proxy finds it at startup. Its KV is reused as the shared namespace's only
     without isolation keys: with them, whose KV it is cannot be known, so it is erased first."""
     tokens = np.asarray(entry.get("tokens", []), dtype=np.int32)
     consistent = int(entry.get("pos_max", -1)) + 1 == len(tokens)
     if not len(tokens):
-        return SlotState(int(entry["id"]))
+        return SlotState(int(entry["id"]), ns=model_ns)
     if consistent and not isolating:
-        return SlotState(int(entry["id"]), tokens)
+        return SlotState(int(entry["id"]), tokens, ns=model_ns)
     return SlotState(int(entry["id"]), np.zeros(0, np.int32), ns=None)
 
 
@@ -201,30 +263,47 @@ async def _sharing(config: Config, name: str, backend: Backend, caps: dict[str, 
     )
 
 
-def _usable_shm(mine: Path | None, theirs: str | None) -> Path | None:
-    """Files only when proxy and server name the same directory and the proxy can write it."""
+async def _payload_dir(mine: Path | None, theirs: str | None, spec: BackendSpec) -> Path | None:
+    """The directory payload files go through, or None (inline: KV in the HTTP bodies).
+    ``inline``: never files; ``shared``: files, and the server must name our directory;
+    ``auto``: files when the server names our directory and runs on this host."""
+    if spec.payloads == "inline":
+        return None
+    same_dir = bool(mine and theirs and Path(theirs).resolve() == mine.resolve())
+    if spec.payloads == "shared":
+        if not same_dir or mine is None or not os.access(mine, os.W_OK):
+            raise ConfigError(
+                f"{spec.url} was declared #shared but its payload dir ({theirs}) is not the "
+                f"proxy's writable --shm-dir ({mine})",
+                fix="give both the same directory, or use #inline / #auto",
+            )
+        return mine
     if not mine or not theirs:
         return None
-    if Path(theirs).resolve() != mine.resolve():
+    if not same_dir:
         log.warning("server payload dir %s differs from --shm-dir %s: using inline payloads", theirs, mine)
+        return None
+    if not await is_local_host(spec.url):
+        log.warning("%s is not on this host: inline payloads (declare #shared if it is)", spec.url)
         return None
     return mine if os.access(mine, os.W_OK) else None
 
 
-async def _setup_tokenizer(runtime: Runtime) -> None:
+async def _setup_tokenizer(runtime: Runtime, entry: ModelEntry, backend: Backend) -> None:
     """Use the local tokenizer only if it matches the server's on the built-in corpus."""
-    props = await runtime.primary.get_json("/props")
+    props = await backend.get_json("/props")
     model_path = Path(str(props.get("model_path", "")))
     cache = runtime.config.tokenizer_cache or Path(tempfile.gettempdir()) / "radix-tokenizers"
 
     async def remote(text: str) -> list[int]:
-        return await runtime.primary.tokenize(text, add_special=True, parse_special=True)
+        return await backend.tokenize(text, add_special=True, parse_special=True)
 
     result = await probe(model_path, cache, remote)
-    runtime.tokenizer_note = result.note
-    runtime.metrics.tokenizer_fallback.set(0 if result.tokenizer is not None else 1)
+    entry.tokenizer_note = result.note
+    if result.tokenizer is None or not runtime.models or entry is next(iter(runtime.models.values())):
+        runtime.metrics.tokenizer_fallback.set(0 if result.tokenizer is not None else 1)
     if result.tokenizer is not None:
-        runtime.local_tokenizer = result.tokenizer
+        entry.local_tokenizer = result.tokenizer
         log.info("tokenizer: local tokenizer matches the server on %d corpus texts", len(CORPUS))
     elif result.parity is None:
         log.warning("tokenizer: using the server's /tokenize: %s", result.error)

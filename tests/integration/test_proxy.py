@@ -149,7 +149,7 @@ def test_restored_kv_is_byte_identical_to_saved(proxy: ProxyThread) -> None:
         assert isinstance(rt, Runtime)
         server = rt.coordinator.servers[0]
         tokens = server.slots[slot].tokens
-        match = rt.coordinator.tree.match(tokens[:cached])
+        match = rt.coordinator.tree.match(tokens[:cached], ns=server.model_ns)
         assert match.length == cached
         saved = np.concatenate([s.data for s in rt.coordinator.tree.segments(match, 0, cached)])
         async with server.move_lock:

@@ -592,3 +592,70 @@ async def test_moves_in_flight_count_against_the_tree_budget() -> None:
     coord.tree.check_invariants()
     with pytest.raises(ValueError):
         coord.tree.release(1)
+
+
+async def test_requests_go_only_to_servers_of_their_model_and_queue_per_model() -> None:
+    a, b = server("s0", n_slots=1), server("s1", n_slots=1)
+    a.model, b.model = "smol", "other"
+    coord = coordinator(a, b)
+    held = await coord.acquire("r0", toks(0, 20), model="smol")
+    assert held.server is a
+    # A second smol request waits for smol's slot; it never takes the idle server of "other".
+    waiting = asyncio.create_task(coord.acquire("r1", toks(100, 20), model="smol"))
+    await settle()
+    assert not waiting.done()
+    # A request for "other" is not stuck behind it.
+    other = await asyncio.wait_for(coord.acquire("r2", toks(200, 20), model="other"), 1)
+    assert other.server is b
+    check(coord)
+    coord.release(held)
+    got = await asyncio.wait_for(waiting, 1)
+    assert got.server is a
+    for lease in (got, other):
+        coord.release(lease)
+    check(coord)
+
+
+async def test_session_affinity_breaks_ties_but_never_beats_a_longer_prefix() -> None:
+    s0, s1 = server("s0", n_slots=2), server("s1", n_slots=2)
+    coord = coordinator(s0, s1)
+    # alice lands on s1 while s0 is busy; once both are idle, fresh prompts cost the same
+    # everywhere and her last server takes them (without affinity: s0, the lower index).
+    other = await coord.acquire("r0", toks(0, 40))
+    first = await coord.acquire("r1", toks(2000, 40), session="alice")
+    assert (other.server, first.server) == (s0, s1)
+    for lease in (other, first):
+        coord.release(lease)
+    s1.slots[first.slot.slot_id].tokens = np.zeros(0, np.int32)  # nothing reusable anywhere
+    again = await coord.acquire("r1b", toks(1000, 40), session="alice")
+    assert again.server is s1
+    coord.release(again)
+    s0.slots[0].tokens = np.zeros(0, np.int32)
+    # A long prefix held on s0 wins over alice's affinity to s1.
+    s0.slots[1].tokens = toks(5000, 200)
+    moved = await coord.acquire("r2", toks(5000, 220), session="alice")
+    assert moved.server is s0 and moved.plan.route == Route.A
+    coord.release(moved)
+    # Equal prompts, one server busier: a new session goes to the idler one.
+    busy = await coord.acquire("r3", toks(3000, 40))
+    assert busy.server is s0
+    nxt = await coord.acquire("r4", toks(4000, 40), session="bob")
+    assert nxt.server is s1
+    for lease in (busy, nxt):
+        coord.release(lease)
+    check(coord)
+
+
+async def test_a_slot_saving_its_answer_is_not_counted_as_load() -> None:
+    s0, s1 = server("s0", n_slots=2), server("s1", n_slots=2)
+    coord = coordinator(s0, s1)
+    saving = await coord.acquire("r0", toks(0, 40))
+    assert saving.server is s0
+    saving.finishing = True  # its answer is complete; the slot is being exported
+    running = await coord.acquire("r1", toks(1000, 40))
+    assert running.server is s0  # s0 runs nothing: lower index
+    nxt = await coord.acquire("r2", toks(2000, 40))
+    assert nxt.server is s1  # s0 now runs one request
+    for lease in (saving, running, nxt):
+        coord.release(lease)
+    check(coord)

@@ -429,3 +429,22 @@ def test_a_pinned_namespaced_match_survives_eviction() -> None:
     tree.clear()
     tree.check_invariants()
     assert tree.match(tokens, ns="salt").length == 0
+
+
+def test_each_namespace_keeps_its_own_layout() -> None:
+    """Several models behind one proxy: each compat key in its own namespace, never mixed."""
+    other = KvLayout(1, (1,), (8,), (1,), False, (8,), (0,), (0,))  # 16 bytes per token
+    tree = RadixTree(1 << 20)
+    a = list(range(10))
+    tree.insert(a, seg_for(a), ns="m:a")
+    rows16 = np.repeat(kv_rows(a), 2, axis=1)
+    tree.insert(a, KvSegment(0, other, rows16), ns="m:b")
+    assert tree.match(a, ns="m:a").length == 10 and tree.match(a, ns="m:b").length == 10
+    (got,) = tree.segments(tree.match(a, ns="m:b"), 0, 10)
+    assert got.layout == other and np.array_equal(got.data, rows16)
+    with pytest.raises(PayloadError):
+        tree.insert(a + [99], KvSegment(0, other, np.repeat(kv_rows(a + [99]), 2, axis=1)), ns="m:a")
+    tree.check_invariants()
+    strict = RadixTree(1 << 20, LAYOUT)  # a layout given: every namespace must use it
+    with pytest.raises(PayloadError):
+        strict.insert(a, KvSegment(0, other, rows16), ns="m:b")

@@ -42,9 +42,20 @@ class Coordinator:
         self.moves = KvMoves(config, tree, metrics)
         self.log = DecisionLog(metrics)
 
-    async def acquire(self, request_id: str, tokens: np.ndarray, ns: str = "") -> Lease:
+    async def acquire(
+        self,
+        request_id: str,
+        tokens: np.ndarray,
+        ns: str = "",
+        *,
+        model: str = "",
+        session: str = "",
+        n_predict: int = 0,
+    ) -> Lease:
         """A slot for the request, with its plan (may wait: see ``Leases.acquire``)."""
-        return await self.leases.acquire(request_id, tokens, ns)
+        return await self.leases.acquire(
+            request_id, tokens, ns, model=model, session=session, n_predict=n_predict
+        )
 
     async def restore(self, lease: Lease, n_predict: int) -> None:
         await self.moves.restore(lease, n_predict)

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from proxy.config import Config
-from proxy.core.planner import Plan, PlanInput, SlotView
+from proxy.core.planner import Plan, PlanInput, Route, SlotView
 from proxy.core.planner import plan as choose_plan
 from proxy.core.radix import RadixTree
 from proxy.core.resident import common_prefix
+from proxy.core.routing import CostModel, ServerLoad, choose_server
 from proxy.errors import BadRequest, TooManyRequests, Unavailable
 from proxy.server.coordinator.decisions import divergence
 from proxy.server.coordinator.scan import PrefixScan, ServerScan, scan
@@ -39,6 +40,19 @@ class _Waiter:
     ns: str
     future: asyncio.Future[Lease]
     since: float
+    want: _Want
+
+
+@dataclass(frozen=True)
+class _Want:
+    """What routing needs besides the tokens: which model, whose session, how long an answer."""
+
+    model: str = ""  # "" (unit tests): any server
+    session: str = ""
+    n_predict: int = 0
+
+
+AFFINITY_MAX = 65536  # sessions remembered for the affinity tie-break (least recent forgotten)
 
 
 class Leases:
@@ -57,6 +71,8 @@ class Leases:
         self.waiting_for_prefix = 0
         self.closed = False
         self.on_reject = on_reject  # counts a refused request by reason (metrics)
+        self.cost_model = CostModel()
+        self._affinity: collections.OrderedDict[str, str] = collections.OrderedDict()
         n_slots = sum(len(s.slots) for s in servers)
         self.max_queue = config.max_queue or 4 * n_slots
 
@@ -71,10 +87,21 @@ class Leases:
         self.on_reject(reason)
         return exc
 
-    async def acquire(self, request_id: str, tokens: np.ndarray, ns: str = "") -> Lease:
+    async def acquire(
+        self,
+        request_id: str,
+        tokens: np.ndarray,
+        ns: str = "",
+        *,
+        model: str = "",
+        session: str = "",
+        n_predict: int = 0,
+    ) -> Lease:
         """A leased slot and its plan; waits in a fair FIFO queue while every slot is busy.
-        ``ns``: the request's cache-isolation namespace (see ``RadixTree``)."""
-        limit = min(s.n_ctx_slot for s in self.servers)
+        ``ns``: the request's cache-isolation namespace (see ``RadixTree``); ``model``: only
+        servers of this model ("" = any); ``session``: the affinity tie-break."""
+        want = _Want(model, session, n_predict)
+        limit = min((s.n_ctx_slot for s in self.servers if not model or s.model == model), default=0)
         if len(tokens) >= limit:
             raise BadRequest(
                 f"the request exceeds the available context size: {len(tokens)} prompt tokens, "
@@ -84,11 +111,13 @@ class Leases:
         found = await self._wait_for_shared_prefix(tokens, ns)
         if self.closed:
             raise self._refuse("shutting_down", Unavailable("the proxy is shutting down"))
-        if not self._waiters:
-            lease = self._plan_and_lease(request_id, found)
+        if not self._queued_for(want.model):
+            lease = self._plan_and_lease(request_id, found, want)
             if lease is not None:
                 return lease
-        waiter = _Waiter(request_id, tokens, ns, asyncio.get_running_loop().create_future(), time.monotonic())
+        waiter = _Waiter(
+            request_id, tokens, ns, asyncio.get_running_loop().create_future(), time.monotonic(), want
+        )
         self._waiters.append(waiter)
         try:
             async with asyncio.timeout(self.config.queue_timeout_s):
@@ -158,24 +187,29 @@ class Leases:
             return None
         return blocker if best >= found.best_available() + gain else None
 
-    def _plan_and_lease(self, request_id: str, found: PrefixScan) -> Lease | None:
-        """Pick server, slot and route on pure data, and mark the slot busy (synchronous)."""
-        best: tuple[Plan, ServerState] | None = None
+    def _plan_and_lease(self, request_id: str, found: PrefixScan, want: _Want = _Want()) -> Lease | None:
+        """Pick server, slot and route on pure data, and mark the slot busy (synchronous).
+        Each server's planner gives its best plan; the routing cost model picks the server."""
+        plans: list[tuple[Plan, ServerState]] = []
+        loads: list[ServerLoad] = []
         for sv in found.servers:
-            if not sv.server.healthy:
+            server = sv.server
+            if not server.healthy or (want.model and server.model != want.model):
                 continue
             plan = choose_plan(self._plan_input(sv, found))
             if plan is None:
                 continue
-            server = sv.server
-            if best is None or (plan.predicted_cached, -server.busy_count()) > (
-                best[0].predicted_cached,
-                -best[1].busy_count(),
-            ):
-                best = (plan, server)
-        if best is None:
+            loads.append(self._load(len(plans), plan, server, found, want))
+            plans.append((plan, server))
+        chosen = choose_server(loads, self.cost_model)
+        if chosen is None:
             return None
-        plan, server = best
+        plan, server = plans[chosen.index]
+        if want.session:
+            self._affinity[want.session] = server.name
+            self._affinity.move_to_end(want.session)
+            if len(self._affinity) > AFFINITY_MAX:
+                self._affinity.popitem(last=False)
         host = found.host
         self.tree.touch(host)
         slot = server.slots[plan.slot_id]
@@ -204,6 +238,32 @@ class Leases:
             lease.owner_pinned = True
         self.inflight[request_id] = lease
         return lease
+
+    def _load(
+        self, index: int, plan: Plan, server: ServerState, found: PrefixScan, want: _Want
+    ) -> ServerLoad:
+        """The numbers the routing cost model prices for this server's plan."""
+        # The chosen slot's own KV past what the plan keeps is dropped: those cells count as free.
+        slot = server.slots[plan.slot_id]
+        kept = plan.reuse_len if plan.route in (Route.A, Route.AH) else 0
+        return ServerLoad(
+            index=index,
+            n_prompt=len(found.tokens),
+            cached=plan.predicted_cached,
+            moved_bytes=(plan.host_to - plan.host_from) * server.mover.layout.bytes_per_token,
+            inline=server.mover.shm_dir is None,
+            busy_slots=self._running(server),
+            free_cells=server.free_cells_estimate() + max(0, len(slot.tokens) - kept),
+            n_predict=min(want.n_predict, max(0, server.n_ctx_slot - len(found.tokens))),
+            healthy=server.healthy,
+            affinity=bool(want.session) and self._affinity.get(want.session) == server.name,
+        )
+
+    def _running(self, server: ServerState) -> int:
+        """Requests computing on the server now. A slot still busy saving a finished answer (an
+        export of tens of milliseconds) is not load: counting it would send the next wave of
+        requests to whichever server happened to finish saving first."""
+        return sum(1 for lease in self.inflight.values() if lease.server is server and not lease.finishing)
 
     def _plan_input(self, sv: ServerScan, found: PrefixScan) -> PlanInput:
         server = sv.server
@@ -240,19 +300,27 @@ class Leases:
         lease.done.set()
         self.grant_waiters()
 
+    def _queued_for(self, model: str) -> bool:
+        """Someone waits for a slot this request could take (FIFO within a model)."""
+        return any(not w.future.done() and _overlaps(w.want.model, model) for w in self._waiters)
+
     def grant_waiters(self) -> None:
-        """Hand free slots to the queue's front, in order, while plans exist (after a release,
-        or when a server came back)."""
-        while self._waiters:
-            waiter = self._waiters[0]
+        """Hand free slots to the queue, in order within each model, while plans exist (after a
+        release, or when a server came back). A model whose front waiter gets no plan is skipped,
+        so requests for one model never wait behind requests for another."""
+        blocked: set[str] = set()
+        for waiter in list(self._waiters):
             if waiter.future.done():
-                self._waiters.popleft()
+                self._waiters.remove(waiter)
+                continue
+            if any(_overlaps(waiter.want.model, m) for m in blocked):
                 continue
             found = scan(waiter.tokens, self.servers, self.tree, waiter.ns)
-            granted = self._plan_and_lease(waiter.request_id, found)
+            granted = self._plan_and_lease(waiter.request_id, found, waiter.want)
             if granted is None:
-                break
-            self._waiters.popleft()
+                blocked.add(waiter.want.model)
+                continue
+            self._waiters.remove(waiter)
             waiter.future.set_result(granted)
 
     def close(self) -> None:
@@ -263,3 +331,8 @@ class Leases:
             if not waiter.future.done():
                 self.on_reject("shutting_down")
                 waiter.future.set_exception(Unavailable("the proxy is shutting down"))
+
+
+def _overlaps(a: str, b: str) -> bool:
+    """Two requests may compete for the same slots ("" = any model)."""
+    return not a or not b or a == b

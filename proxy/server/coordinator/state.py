@@ -43,9 +43,23 @@ class ServerState:
     instance: str | None = None  # the server process's id (/kvctl "instance"); a new one: it restarted
     epoch: int = 0  # bumped when the server restarted: what leases from before knew is gone
     reserved_cells: int = 0  # KV cells that admitted, unfinished requests will still fill
+    model: str = ""  # the name clients ask for ("" in tests: any request)
+    named: bool = False  # the operator named the model (--backend-url NAME=URL)
+    model_ns: str = ""  # the model's tree namespace (its compatibility key): see routes.py
+    n_cells: int = 0  # the KV pool's size (0: unknown)
 
     def busy_count(self) -> int:
         return sum(s.busy for s in self.slots)
+
+    def free_cells_estimate(self) -> int:
+        """Free KV cells as the proxy knows them (no I/O): the pool less what idle and busy
+        slots hold, what admitted requests reserved, and cells only owner sequences hold."""
+        if self.n_cells <= 0:
+            return 1 << 30
+        held = sum(len(s.tokens) for s in self.slots) + self.reserved_cells
+        if self.sharing is not None:
+            held += int(self.sharing.last_cells.get("owner_only", 0))
+        return max(0, self.n_cells - held)
 
 
 @dataclass

@@ -1,0 +1,86 @@
+"""Which server takes a request: the routing cost model, on pure data.
+
+The planner (``proxy.core.planner``) picks, on each server, the slot and the route that
+reuse the most. Routing compares those per-server plans and picks the server where the
+request should get its first token soonest. It is a pure function of a few numbers per
+server, so the coordinator and the cluster simulator drive the same code.
+
+Estimated seconds to the first token on a server (``cost_s``)::
+
+    work   = prefill_tokens * prefill_s_per_token       # what the server must compute
+           + moved_bytes / move_bytes_per_s              # host-tree KV imported (H, A+H, S+H)
+    cost_s = work * (1 + busy_weight * busy_slots)       # decodes in flight share its compute
+           + short_cells * prefill_s_per_token           # KV that must be evicted to make room
+
+- ``prefill_tokens`` = prompt tokens the plan does not reuse (``n_prompt - cached``);
+- ``moved_bytes`` is priced at the shared-memory rate, or the (slower) inline HTTP rate
+  when the server does not share the proxy's payload directory;
+- ``busy_slots``: requests running on that server now (its queue depth: the planner only
+  leases idle slots, so the proxy's own queue is the same for every server);
+- ``short_cells`` = cells the request needs (prefill + answer) beyond the server's free
+  cells: someone's cached KV there is evicted, and the work it saved is lost;
+- a server that is down (health monitor) is no candidate at all.
+
+Candidates whose costs are within ``tie_s`` of the cheapest are ties, broken in order by:
+session affinity (the server the session used last), fewer busy slots, lower index. So
+affinity never beats a longer prefix elsewhere unless the two are worth the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Rates calibrated on this project's CPU machine (docs/routing.md)."""
+
+    prefill_s_per_token: float = 1 / 200  # SmolLM2-135M on 2 cores: 150-250 tokens/s
+    move_bytes_per_s: float = 400e6  # host-tree import through shared-memory files
+    inline_bytes_per_s: float = 100e6  # the same over HTTP (msgpack bin), measured lower
+    busy_weight: float = 0.5  # each running request slows the server's prefill by half
+    tie_s: float = 0.005  # costs closer than this are equal
+
+    def __post_init__(self) -> None:
+        if min(self.prefill_s_per_token, self.move_bytes_per_s, self.inline_bytes_per_s) <= 0:
+            raise ValueError("rates must be positive")
+        if self.busy_weight < 0 or self.tie_s < 0:
+            raise ValueError("busy_weight and tie_s must be >= 0")
+
+
+@dataclass(frozen=True)
+class ServerLoad:
+    """One server's best plan for the request, and its load. ``index``: the caller's id."""
+
+    index: int
+    n_prompt: int
+    cached: int  # prompt tokens the plan does not compute (A, S and H together)
+    moved_bytes: int = 0  # KV bytes the plan imports from the host tree
+    inline: bool = False  # those bytes go over HTTP (the server does not share the payload dir)
+    busy_slots: int = 0
+    free_cells: int = 1 << 30
+    n_predict: int = 0  # answer tokens the request may add (cells it will fill)
+    healthy: bool = True
+    affinity: bool = False  # the request's session was last served here
+
+
+def cost_s(load: ServerLoad, model: CostModel) -> float:
+    """Estimated seconds until the first token of the request on this server (inf: never)."""
+    if not load.healthy:
+        return float("inf")
+    prefill = max(0, load.n_prompt - load.cached)
+    rate = model.inline_bytes_per_s if load.inline else model.move_bytes_per_s
+    work = prefill * model.prefill_s_per_token + load.moved_bytes / rate
+    short = max(0, prefill + load.n_predict - load.free_cells)
+    return work * (1 + model.busy_weight * load.busy_slots) + short * model.prefill_s_per_token
+
+
+def choose_server(loads: Sequence[ServerLoad], model: CostModel) -> ServerLoad | None:
+    """The server to take the request (None when no healthy candidate)."""
+    costs = [(cost_s(x, model), x) for x in loads if x.healthy]
+    if not costs:
+        return None
+    cheapest = min(c for c, _ in costs)
+    ties = [x for c, x in costs if c <= cheapest + model.tie_s]
+    return min(ties, key=lambda x: (not x.affinity, x.busy_slots, x.index))

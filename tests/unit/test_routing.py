@@ -1,0 +1,175 @@
+"""The routing cost model on tables, the backend spec syntax, and the model naming rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.config import BackendSpec, parse_backend
+from proxy.core.routing import CostModel, ServerLoad, choose_server, cost_s
+from proxy.errors import BadRequest, NotFound
+from proxy.server.models import ModelEntry, compat_ns, models_listing, pick_model, with_model
+
+pytestmark = pytest.mark.unit
+
+M = CostModel(prefill_s_per_token=0.005, move_bytes_per_s=400e6, inline_bytes_per_s=100e6, busy_weight=0.5)
+TOK = 23_040  # bytes per token of the default model's f16 KV
+
+
+def load(index: int, **kw: object) -> ServerLoad:
+    base: dict[str, object] = {"index": index, "n_prompt": 1000, "cached": 0}
+    return ServerLoad(**{**base, **kw})  # type: ignore[arg-type]
+
+
+# (loads, expected index, why)
+CHOICES = [
+    ([load(0), load(1)], 0, "equal: lower index"),
+    ([load(0, cached=0), load(1, cached=800)], 1, "the longer prefix wins"),
+    ([load(0, busy_slots=1), load(1)], 1, "equal prefixes: the idler server"),
+    (
+        [load(0, cached=900, busy_slots=1), load(1, cached=0)],
+        0,
+        "a long prefix on a busy server beats an idle server that must compute it all",
+    ),
+    (
+        [load(0, cached=200, busy_slots=3), load(1, cached=0)],
+        1,
+        "a short prefix does not make up for three running requests",
+    ),
+    ([load(0, affinity=True), load(1)], 0, "a tie: the session's server"),
+    ([load(0), load(1, affinity=True)], 1, "a tie: the session's server even with a higher index"),
+    (
+        [load(0, cached=500, affinity=True), load(1, cached=900)],
+        1,
+        "affinity never beats a longer prefix elsewhere",
+    ),
+    ([load(0, cached=900, healthy=False), load(1)], 1, "a down server is no candidate"),
+    (
+        [load(0, cached=900, moved_bytes=900 * TOK), load(1, cached=900)],
+        1,
+        "the same prefix: the server that holds it beats importing it",
+    ),
+    (
+        [load(0, cached=900, moved_bytes=900 * TOK), load(1, cached=0)],
+        0,
+        "importing 900 tokens is far cheaper than computing them",
+    ),
+    (
+        [load(0, cached=900, moved_bytes=900 * TOK, inline=True), load(1, cached=900, moved_bytes=900 * TOK)],
+        1,
+        "the same import: over shared memory before over HTTP",
+    ),
+    (
+        [load(0, free_cells=100, n_predict=200), load(1, free_cells=5000, n_predict=200)],
+        1,
+        "room for the request without evicting anything",
+    ),
+]
+
+
+@pytest.mark.parametrize(("loads", "expected", "why"), CHOICES, ids=[c[2] for c in CHOICES])
+def test_choose_server(loads: list[ServerLoad], expected: int, why: str) -> None:
+    chosen = choose_server(loads, M)
+    assert chosen is not None and chosen.index == expected, why
+
+
+def test_no_candidate() -> None:
+    assert choose_server([], M) is None
+    assert choose_server([load(0, healthy=False)], M) is None
+
+
+COSTS = [
+    (load(0), 1000 * 0.005),
+    (load(0, cached=999), 0.005),
+    (load(0, busy_slots=2), 1000 * 0.005 * 2.0),
+    (load(0, cached=1000, moved_bytes=400_000_000), 1.0),
+    (load(0, cached=1000, moved_bytes=100_000_000, inline=True), 1.0),
+    (load(0, free_cells=500, n_predict=100), (1000 + 600) * 0.005),
+    (load(0, cached=1200), 0.0),  # cached past the prompt (never planned) costs nothing, not less
+    (load(0, healthy=False), float("inf")),
+]
+
+
+@pytest.mark.parametrize(("x", "seconds"), COSTS)
+def test_cost_table(x: ServerLoad, seconds: float) -> None:
+    assert cost_s(x, M) == pytest.approx(seconds)
+
+
+def test_tie_window() -> None:
+    # 1 token apart (5 ms) is within a 10 ms tie: the session's server; outside a 1 ms tie: the cheaper.
+    loads = [load(0, cached=500, affinity=True), load(1, cached=501)]
+    wide, narrow = (
+        CostModel(prefill_s_per_token=0.005, tie_s=0.010),
+        CostModel(prefill_s_per_token=0.005, tie_s=0.001),
+    )
+    assert choose_server(loads, wide).index == 0  # type: ignore[union-attr]
+    assert choose_server(loads, narrow).index == 1  # type: ignore[union-attr]
+
+
+def test_cost_model_checks() -> None:
+    with pytest.raises(ValueError):
+        CostModel(prefill_s_per_token=0)
+    with pytest.raises(ValueError):
+        CostModel(busy_weight=-1)
+
+
+SPECS = [
+    ("http://127.0.0.1:8081", BackendSpec("http://127.0.0.1:8081")),
+    ("http://127.0.0.1:8081/", BackendSpec("http://127.0.0.1:8081")),
+    ("smol=http://h:1", BackendSpec("http://h:1", "smol")),
+    ("smol=http://h:1#inline", BackendSpec("http://h:1", "smol", "inline")),
+    ("http://h:1#shared", BackendSpec("http://h:1", "", "shared")),
+    ("a.b-c_d=https://h:1#auto", BackendSpec("https://h:1", "a.b-c_d", "auto")),
+    ("http://h:1/?x=1", BackendSpec("http://h:1/?x=1")),
+]
+
+
+@pytest.mark.parametrize(("text", "spec"), SPECS)
+def test_parse_backend(text: str, spec: BackendSpec) -> None:
+    assert parse_backend(text) == spec
+
+
+@pytest.mark.parametrize("text", ["=http://h:1", "h:1", "smol=h:1", "http://h:1#files", "smol=http://h:1#"])
+def test_parse_backend_refuses(text: str) -> None:
+    if text.endswith("#"):  # an empty mode is the default
+        assert parse_backend(text).payloads == "auto"
+        return
+    with pytest.raises(ValueError):
+        parse_backend(text)
+
+
+def _entry(name: str, named: bool = True, compat: dict[str, object] | None = None) -> ModelEntry:
+    c = compat or {"fingerprint": name}
+    return ModelEntry(name, compat_ns(c), dict(c), named, {"id": "file.gguf", "meta": {"n_vocab": 5}})
+
+
+def test_pick_model() -> None:
+    one_unnamed = {"file.gguf": _entry("file.gguf", named=False)}
+    assert pick_model(one_unnamed, {"model": "gpt-4"}).name == "file.gguf"  # ignored, as llama-server does
+    assert pick_model(one_unnamed, {}).name == "file.gguf"
+    one_named = {"smol": _entry("smol")}
+    assert pick_model(one_named, {"model": "smol"}).name == "smol"
+    with pytest.raises(NotFound) as nf:
+        pick_model(one_named, {"model": "gpt-4"})
+    assert nf.value.to_body()["error"] == {
+        "code": 404,
+        "message": "The model `gpt-4` does not exist. Available: smol",
+        "type": "not_found_error",
+    }
+    two = {"a": _entry("a"), "b": _entry("b")}
+    assert pick_model(two, {"model": "b"}).name == "b"
+    with pytest.raises(BadRequest):
+        pick_model(two, {})
+    with pytest.raises(BadRequest):
+        pick_model(two, {"model": 3})
+
+
+def test_model_namespaces() -> None:
+    a, b = compat_ns({"fingerprint": "x", "k_type": 1}), compat_ns({"k_type": 1, "fingerprint": "x"})
+    assert a == b and a != compat_ns({"fingerprint": "x", "k_type": 8})
+    assert with_model(a, "") == a and with_model(a, "t") == f"{a}/t"
+
+
+def test_models_listing() -> None:
+    listing = models_listing({"a": _entry("a"), "b": _entry("b")})
+    assert [m["id"] for m in listing["data"]] == ["a", "b"]
+    assert listing["data"][0]["meta"] == {"n_vocab": 5} and listing["object"] == "list"
