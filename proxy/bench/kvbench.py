@@ -32,6 +32,7 @@ from proxy.server.metrics import Metrics
 from proxy.server.mover import KvMover
 
 DEFAULT_SIZES = (512, 2048, 8192)
+PREFILL_READ_S = 3600.0
 
 
 class TimedBackend(Backend):
@@ -71,14 +72,15 @@ def clamp_sizes(sizes: tuple[int, ...], n_ctx_slot: int, say: Any) -> tuple[int,
 
 
 async def _prefill(backend: Backend, tokens: list[int]) -> None:
-    """Slot 0 computes ``tokens`` (a long prefill: the completion deadline, not the 10 s one)."""
+    """Slot 0 computes ``tokens`` (a long prefill: not the 10 s deadline of plain calls)."""
     body = {"prompt": tokens, "n_predict": 1, "id_slot": 0, "cache_prompt": True, "temperature": 0}
     async with backend.request(
         "POST",
         "/completion",
         data=orjson.dumps(body),
         headers={"Content-Type": "application/json"},
-        timeout=backend.completion_timeout,
+        # One response after the whole prefill: 8k tokens took over 10 min on a loaded 2-core machine.
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=PREFILL_READ_S),
     ) as resp:
         if resp.status != 200:
             raise RuntimeError(f"prefill of {len(tokens)} tokens answered {resp.status}: {await resp.text()}")
