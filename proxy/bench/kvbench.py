@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import orjson
 from prometheus_client import CollectorRegistry
 
 from proxy.bench.text import prose, seeded
@@ -31,6 +32,7 @@ from proxy.server.metrics import Metrics
 from proxy.server.mover import KvMover
 
 DEFAULT_SIZES = (512, 2048, 8192)
+PREFILL_READ_S = 3600.0
 
 
 class TimedBackend(Backend):
@@ -39,15 +41,49 @@ class TimedBackend(Backend):
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.last_call_s = 0.0
+        self.last_loop_ms: float | None = None
 
     async def kv_post(
         self, route: str, body: Mapping[str, Any], cause: FallbackCause, timeout_s: float = MOVE_BASE_S
     ) -> Any:
         started = time.perf_counter()
+        self.last_loop_ms = None
         try:
-            return await super().kv_post(route, body, cause, timeout_s)
+            reply = await super().kv_post(route, body, cause, timeout_s)
         finally:
             self.last_call_s = time.perf_counter() - started
+        # The server's own time on its main loop for the move (``t_ms``, when it reports one).
+        if isinstance(reply, dict) and isinstance(reply.get("t_ms"), int | float):
+            self.last_loop_ms = float(reply["t_ms"])
+        return reply
+
+
+def clamp_sizes(sizes: tuple[int, ...], n_ctx_slot: int, say: Any) -> tuple[int, ...]:
+    """Sizes a slot can hold: a prompt must be shorter than the slot's context (which the
+    server caps at the model's training context), so larger sizes move ``n_ctx_slot - 1``."""
+    limit = n_ctx_slot - 1
+    for n in sizes:
+        if n > limit:
+            say(
+                f"{n} tokens exceed what one slot can hold (slot context {n_ctx_slot}, capped by "
+                f"the model's training context): moving {limit} tokens instead"
+            )
+    return tuple(sorted({min(n, limit) for n in sizes}))
+
+
+async def _prefill(backend: Backend, tokens: list[int]) -> None:
+    """Slot 0 computes ``tokens`` (a long prefill: not the 10 s deadline of plain calls)."""
+    body = {"prompt": tokens, "n_predict": 1, "id_slot": 0, "cache_prompt": True, "temperature": 0}
+    async with backend.request(
+        "POST",
+        "/completion",
+        data=orjson.dumps(body),
+        headers={"Content-Type": "application/json"},
+        # One response after the whole prefill: 8k tokens took over 10 min on a loaded 2-core machine.
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=PREFILL_READ_S),
+    ) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"prefill of {len(tokens)} tokens answered {resp.status}: {await resp.text()}")
 
 
 def kvctl_ctx_size(sizes: tuple[int, ...]) -> int:
@@ -117,13 +153,11 @@ async def run_kvctl_bench(
             else None
         )
         mover = KvMover(backend, layout, compat, shm, Metrics(CollectorRegistry(), ("s0",)))
+        sizes = clamp_sizes(sizes, int(caps["n_ctx_slot"]), say)
         tokens = await _tokens(plain, max(sizes))
         say(f"prefilling {len(tokens)} tokens into slot 0")
         started = time.perf_counter()
-        await plain.post_json(
-            "/completion",
-            {"prompt": tokens, "n_predict": 1, "id_slot": 0, "cache_prompt": True, "temperature": 0},
-        )
+        await _prefill(plain, tokens)
         prefill_s = time.perf_counter() - started
         slot0 = next(s for s in (await backend.slots(tokens=True))["slots"] if int(s["id"]) == 0)
         held = [int(t) for t in slot0.get("tokens", [])][: int(slot0.get("pos_max", -1)) + 1]
@@ -137,7 +171,7 @@ async def run_kvctl_bench(
             row: dict[str, Any] = {"tokens": n, "bytes": size, "bytes_per_token": layout.bytes_per_token}
             segment = None
             for op in ("export", "import"):
-                totals, servers, probes = [], [], []
+                totals, servers, loops, probes = [], [], [], []
                 for rep in range(reps):
                     with_probe = plain if probe and rep == reps - 1 else None
                     if op == "export":
@@ -153,6 +187,8 @@ async def run_kvctl_bench(
                         total, probe_ms = await _timed(mover.import_(1, 0, held[:n], [segment]), with_probe)
                     totals.append(1000 * total)
                     servers.append(1000 * backend.last_call_s)
+                    if backend.last_loop_ms is not None:
+                        loops.append(backend.last_loop_ms)
                     if probe_ms is not None:
                         probes.append(probe_ms)
                 row[op] = {
@@ -162,6 +198,8 @@ async def run_kvctl_bench(
                     "server_ms_max": max(servers),
                     "mb_s": size / (statistics.median(totals) / 1000) / 1e6,
                     "server_mb_s": size / (statistics.median(servers) / 1000) / 1e6,
+                    "loop_ms_p50": statistics.median(loops) if loops else None,
+                    "loop_ms_max": max(loops) if loops else None,
                     "probe_ms": probes[0] if probes else None,
                 }
             row["memcpy_mb_s"] = memcpy_mb_s(size, max(5, reps))

@@ -348,18 +348,24 @@ def _el_dtype(el: int) -> np.dtype:
     return np.dtype(f"<u{el}") if el in (1, 2, 4, 8) else np.dtype((np.void, el))
 
 
+def _rows(arr: np.ndarray, row: int) -> np.ndarray:
+    """An (n, row) uint8 array whose rows are contiguous as (n, 1) items of `row` bytes:
+    numpy then copies one memmove per row instead of looping over bytes (about twice as fast)."""
+    return arr.view(np.dtype((np.void, row)))
+
+
 def _gather(layout: KvLayout, n: int, order: np.ndarray | None, k: list[_Part], v: list[_Part]) -> np.ndarray:
     """Per-token rows in position order from the blob's per-layer, pool-order blocks."""
     out = np.empty((n, layout.bytes_per_token), dtype=np.uint8)
     for il, (_, row, _, _, blk) in enumerate(k):
-        rows = blk.reshape(n, row)
+        rows = _rows(blk.reshape(n, row), row)
         off = layout.k_offset(il)
-        out[:, off : off + row] = rows if order is None else rows[order]
+        _rows(out[:, off : off + row], row)[...] = rows if order is None else rows[order]
     for il, (_, row, el, embd, blk) in enumerate(v):
         off = layout.v_offset(il)
         if not layout.v_trans:
-            rows = blk.reshape(n, row)
-            out[:, off : off + row] = rows if order is None else rows[order]
+            rows = _rows(blk.reshape(n, row), row)
+            _rows(out[:, off : off + row], row)[...] = rows if order is None else rows[order]
             continue
         # Element-major (embd, n) -> token-major (n, embd), one item per element.
         dt = _el_dtype(el)
@@ -447,9 +453,9 @@ def _put_rows(buf: np.ndarray, off: int, segments: Sequence[KvSegment], col: int
     """One layer's rows, all segments in order, as one (n, row) block."""
     p0 = segments[0].p0
     n = segments[-1].p1 - p0
-    dst = buf[off : off + n * row].reshape(n, row)
+    dst = _rows(buf[off : off + n * row].reshape(n, row), row)
     for seg in segments:
-        dst[seg.p0 - p0 : seg.p1 - p0] = seg.data[:, col : col + row]
+        dst[seg.p0 - p0 : seg.p1 - p0] = _rows(seg.data[:, col : col + row], row)
     return off + n * row
 
 

@@ -107,6 +107,8 @@ async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
         # Saves end by themselves (each under finish_timeout_s); this bounds the wait for all.
         if not await runtime.drain(app[CONFIG].finish_timeout_s + 5):
             log.warning("shutdown: background saves still running after the deadline were abandoned")
+        for server in runtime.coordinator.servers:
+            server.mover.close()  # the idle import payload file
 
 
 async def _health_ctx(app: web.Application) -> AsyncIterator[None]:

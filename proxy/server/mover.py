@@ -1,14 +1,22 @@
 """KV moves between one server and the host: export a range, import segments.
 
 Same host: payloads go through files in the shared-memory directory that both the proxy
-and the server were given (``mmap`` on both sides, one copy each way). Other hosts: inline
-msgpack bytes. Parsing and building payloads run in a worker thread so the event loop
-keeps serving while megabytes are copied.
+and the server were given, mapped on both sides: the server copies between the file and
+its KV cache, the proxy between the file and its per-token rows, one copy each. Other
+hosts: inline msgpack bytes. Parsing and building payloads run in a worker thread so the
+event loop keeps serving while megabytes are copied.
+
+Import files are reused: a fresh tmpfs file costs a page allocation and a fault per page,
+about as much as the copy itself. One idle file (pages allocated, kept mapped) waits for the
+next import. A file goes back to the pool only after the server answered the import: the
+server reads it in place, so a file whose import failed, timed out or was cancelled may
+still be read and is removed, never rewritten.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import itertools
 import logging
@@ -45,6 +53,7 @@ class KvMover:
         self.compat = compat
         self.shm_dir = shm_dir
         self.metrics = metrics
+        self._idle: _PayloadFile | None = None  # the import file waiting for the next import
 
     def _new_name(self) -> str:
         return f"radix-{os.getpid()}-{next(_names)}.kv"
@@ -96,13 +105,15 @@ class KvMover:
             "tokens": [int(t) for t in tokens],
             "compat": self.compat,
         }
-        name = self._new_name() if self.shm_dir else None
         size = blob_size(self.layout, n)
+        file: _PayloadFile | None = None
         try:
-            if name is not None:
+            if self.shm_dir is not None:
+                # Taken on the event loop, so concurrent imports never share a file.
+                file, self._idle = self._idle, None
                 try:
-                    await asyncio.to_thread(self._write_file, self._path(name), segments)
-                    body["segments"] = [{"file": name, "offset": 0, "size": size}]
+                    file = await asyncio.to_thread(self._write_file, file, segments, size)
+                    body["segments"] = [{"file": file.name, "offset": 0, "size": size}]
                 except OSError as exc:
                     if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or size > INLINE_LIMIT:
                         raise
@@ -114,6 +125,10 @@ class KvMover:
             await self.backend.kv_post(
                 "import", body, cause=FallbackCause.IMPORT, timeout_s=move_timeout_s(size)
             )
+            # Answered: the server is done reading the file, so it may be written again.
+            file, done = None, file
+            if done is not None:
+                self._put_idle(done)
         except OSError as exc:
             cause = (
                 FallbackCause.NO_SPACE
@@ -122,8 +137,8 @@ class KvMover:
             )
             raise KvMoveError(cause, f"could not write import payload: {exc}") from exc
         finally:
-            if name is not None:
-                _unlink(self._path(name))
+            if file is not None:
+                file.close()  # not answered: the server may still read it, never reuse it
         self.metrics.kv_move_bytes.labels("import").inc(size)
         self.metrics.kv_move_seconds.labels("import").inc(time.perf_counter() - started)
 
@@ -132,20 +147,78 @@ class KvMover:
         return self.shm_dir / name
 
     def _read_file(self, path: Path) -> KvSegment:
-        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            return parse_blob(memoryview(mm), self.layout)
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            # MAP_POPULATE: the pages are mapped in one call, not one fault at a time.
+            with mmap.mmap(
+                handle.fileno(), size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ
+            ) as mm:
+                return parse_blob(memoryview(mm), self.layout)
 
-    def _write_file(self, path: Path, segments: Sequence[KvSegment]) -> int:
-        size = blob_size(self.layout, sum(s.n for s in segments))
+    def _write_file(
+        self, file: _PayloadFile | None, segments: Sequence[KvSegment], size: int
+    ) -> _PayloadFile:
+        """The import payload written into ``file`` (the idle one) when it is big enough, else a new one."""
+        if file is None or file.capacity < size:
+            if file is not None:
+                file.close()
+            file = _PayloadFile.create(self._path(self._new_name()), size)
+        try:
+            write_blob(segments, file.mm)
+        except BaseException:
+            file.close()
+            raise
+        return file
+
+    def _put_idle(self, file: _PayloadFile) -> None:
+        if self._idle is None:
+            self._idle = file
+        else:
+            file.close()
+
+    def close(self) -> None:
+        """Remove the idle import file (the server's shutdown or the proxy's)."""
+        file, self._idle = self._idle, None
+        if file is not None:
+            file.close()
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+class _PayloadFile:
+    """An import payload file in the shared-memory directory, pages allocated, kept mapped."""
+
+    def __init__(self, path: Path, mm: mmap.mmap) -> None:
+        self.path = path
+        self.mm = mm
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def capacity(self) -> int:
+        return len(self.mm)
+
+    @classmethod
+    def create(cls, path: Path, size: int) -> _PayloadFile:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             # Reserve the pages now: a sparse file on a full tmpfs would SIGBUS the mmap writes.
             os.posix_fallocate(fd, 0, size)
-            with mmap.mmap(fd, size) as mm:
-                write_blob(segments, mm)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+        except BaseException:
+            _unlink(path)
+            raise
         finally:
             os.close(fd)
-        return size
+        return cls(path, mm)
+
+    def close(self) -> None:
+        _unlink(self.path)
+        with contextlib.suppress(BufferError):  # a view still alive: the mapping goes with it
+            self.mm.close()
 
 
 def _unlink(path: Path) -> None:

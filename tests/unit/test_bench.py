@@ -459,7 +459,7 @@ def test_report_pairs_overhead() -> None:
 
 
 def test_kvctl_report_renders(tmp_path: Path) -> None:
-    op = {"total_ms_p50": 5.0, "server_ms_p50": 4.0, "mb_s": 2000.0, "probe_ms": 12.0}
+    op = {"total_ms_p50": 5.0, "server_ms_p50": 4.0, "loop_ms_p50": 1.5, "mb_s": 2000.0, "probe_ms": 12.0}
     rep = {
         "workload": {"name": "kvctl"},
         "probe_idle_ms": 8.0,
@@ -467,7 +467,18 @@ def test_kvctl_report_renders(tmp_path: Path) -> None:
     }
     report_mod.write_report(rep, tmp_path, charts=False)
     md = (tmp_path / "report.md").read_text()
-    assert "| 512 | export | 11.0 MiB | 5.0 | 4.0 | 2000 | 9000 | 12.0 | 8.0 |" in md
+    assert "| 512 | export | 11.0 MiB | 5.0 | 4.0 | 1.5 | 2000 | 9000 | 12.0 | 8.0 |" in md
+
+
+def test_kvctl_sizes_clamped_to_what_a_slot_holds() -> None:
+    from proxy.bench.kvbench import clamp_sizes
+
+    said: list[str] = []
+    # A prompt must be shorter than the slot's context: 8192 in a slot of 8192 moves 8191.
+    assert clamp_sizes((512, 2048, 8192), 8192, said.append) == (512, 2048, 8191)
+    assert len(said) == 1 and "8192 tokens exceed" in said[0] and "8191" in said[0]
+    assert clamp_sizes((512, 9000, 8192), 8192, said.append) == (512, 8191)
+    assert clamp_sizes((512,), 8192, said.append) == (512,)
 
 
 def test_legacy_cache_bytes_from_log(tmp_path: Path) -> None:

@@ -1,0 +1,150 @@
+"""Payload files of KV moves (issue 14), on a real patched server.
+
+The server maps export files (created, and their pages allocated, before its main loop
+writes the KV into them) and reads import files in place; the proxy's mover keeps one
+import file for the next import and removes any file whose import was not answered.
+These tests prove that no file is left behind or reused too early, and that moves through
+the files stay byte-exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client import CollectorRegistry
+
+from proxy.core.payload import KvLayout, KvSegment, tokens_sha256
+from proxy.errors import FallbackCause, KvMoveError
+from proxy.native.launch import ServerProcess
+from proxy.server.backend import Backend
+from proxy.server.metrics import Metrics
+from proxy.server.mover import KvMover
+from tests.helpers import ServerFactory, request
+
+PROMPT = (
+    "A lighthouse keeper kept a notebook of every ship that passed his island: its name, its flag, "
+    "the hour, the weather and what it carried if he could tell. Over forty years the notebook "
+    "grew into eleven volumes, and the harbour office borrowed them whenever a question came up "
+    "about an old voyage, a lost cargo or a family looking for a sailor. "
+) * 3
+
+
+@pytest.fixture(scope="module")
+def server(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
+    return start_server(patched_bin, threads=1)
+
+
+def _kv(server: ServerProcess, method: str, path: str, body: object = None) -> tuple[int, object]:
+    reply = request(
+        server.url + path,
+        method,
+        body,
+        headers={"Authorization": f"Bearer {server.spec.kvctl_key}"},
+        timeout=120,
+    )
+    return reply.status, reply.body
+
+
+def _prefill(server: ServerProcess, slot: int) -> list[int]:
+    reply = request(
+        server.url + "/completion",
+        "POST",
+        {"prompt": PROMPT, "n_predict": 1, "id_slot": slot, "cache_prompt": True, "temperature": 0},
+        timeout=300,
+    )
+    assert reply.status == 200, reply.body
+    status, listing = _kv(server, "GET", "/kvctl/slots?tokens=1")
+    assert status == 200 and isinstance(listing, dict)
+    return [int(t) for t in listing["slots"][slot]["tokens"]]
+
+
+def _files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_export_files_are_complete_or_absent(server: ServerProcess) -> None:
+    """An export that fails after its file was prepared leaves no file, temporary or final;
+    one that succeeds leaves exactly its file, equal to the inline payload."""
+    directory = server.spec.kvctl_dir
+    assert directory is not None
+    tokens = _prefill(server, 0)
+    n = len(tokens)
+    before = _files(directory)
+
+    # 409: the tokens named are not the ones held (checked on the main loop, after the file exists)
+    status, _ = _kv(
+        server,
+        "POST",
+        "/kvctl/export",
+        {"slot": 0, "p0": 0, "p1": n, "expect_sha256": tokens_sha256(tokens[::-1]), "file": "gone.kv"},
+    )
+    assert status == 409
+    # 400: a range the slot does not hold
+    status, _ = _kv(
+        server,
+        "POST",
+        "/kvctl/export",
+        {"slot": 1, "p0": 0, "p1": n, "expect_sha256": tokens_sha256(tokens), "file": "gone.kv"},
+    )
+    assert status in (400, 409)
+    assert _files(directory) == before
+
+    body = {"slot": 0, "p0": 0, "p1": n, "expect_sha256": tokens_sha256(tokens)}
+    status, inline = _kv(server, "POST", "/kvctl/export", body)
+    assert status == 200 and isinstance(inline, dict)
+    status, res = _kv(server, "POST", "/kvctl/export", {**body, "file": "ok.kv"})
+    assert status == 200 and isinstance(res, dict) and res["file"] == "ok.kv"
+    assert isinstance(res["t_ms"], float | int) and res["t_ms"] >= 0
+    assert _files(directory) == sorted([*before, "ok.kv"])
+    assert (directory / "ok.kv").read_bytes() == base64.b64decode(inline["data"])
+    (directory / "ok.kv").unlink()
+
+
+async def _mover_moves(server: ServerProcess, tokens: list[int]) -> None:
+    directory = server.spec.kvctl_dir
+    assert directory is not None
+    async with aiohttp.ClientSession() as session:
+        backend = Backend(server.url, session, server.spec.kvctl_key)
+        caps = await backend.caps()
+        compat = dict(caps["compat"])
+        mover = KvMover(
+            backend, KvLayout.from_caps(compat), compat, directory, Metrics(CollectorRegistry(), ("s0",))
+        )
+        before = set(_files(directory))
+        n = len(tokens)
+        segment = await mover.export({"slot": 0}, 0, tokens)
+        assert set(_files(directory)) == before  # the export file was read and removed
+
+        def new_files() -> list[str]:
+            return sorted(set(_files(directory)) - before)
+
+        # Two imports (one of two segments) go through one file, kept for the next import.
+        await mover.import_(1, 0, tokens, [segment])
+        kept = new_files()
+        assert len(kept) == 1 and kept[0].startswith("radix-")
+        half = n // 2
+        await mover.import_(2, 0, tokens, [segment.slice(0, half), segment.slice(half, n)])
+        assert new_files() == kept
+        # Byte-exact: what the slots hold now re-exports to the very rows that went in.
+        for slot in (1, 2):
+            again = await mover.export({"slot": slot}, 0, tokens)
+            assert isinstance(again, KvSegment) and again == segment
+        # An import the server refuses (slot 3 does not hold the [0, p0) it builds on): the
+        # file it used is removed, never written again.
+        with pytest.raises(KvMoveError) as err:
+            await mover.import_(3, half, tokens, [segment.slice(half, n)])
+        assert err.value.cause == FallbackCause.CONFLICT
+        assert new_files() == []
+        await mover.import_(3, 0, tokens, [segment])
+        assert len(new_files()) == 1 and new_files() != kept
+        mover.close()
+        assert new_files() == []
+
+
+def test_mover_reuses_one_import_file_and_drops_unanswered_ones(server: ServerProcess) -> None:
+    tokens = _prefill(server, 0)
+    asyncio.run(_mover_moves(server, tokens))
