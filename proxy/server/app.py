@@ -107,6 +107,9 @@ async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
         # Saves end by themselves (each under finish_timeout_s); this bounds the wait for all.
         if not await runtime.drain(app[CONFIG].finish_timeout_s + 5):
             log.warning("shutdown: background saves still running after the deadline were abandoned")
+        disk = runtime.coordinator.disk
+        if disk is not None:  # what RAM holds goes to disk too, so a restart is warm
+            await disk.close(runtime.coordinator.tree, app[CONFIG].cache_disk_timeout_s)
 
 
 async def _health_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -20,6 +20,7 @@ from proxy.core.resident import ResidentIndex
 from proxy.errors import ConfigError, FallbackCause, KvMoveError, RadixError
 from proxy.server.backend import Backend
 from proxy.server.coordinator import Coordinator, ServerState, SlotState
+from proxy.server.disk import DiskTier, compat_key
 from proxy.server.metrics import Metrics
 from proxy.server.mover import KvMover
 from proxy.server.recorder import Recorder
@@ -49,11 +50,33 @@ async def create_runtime(
             fix="put one model (and one KV type) behind one proxy",
         )
     tree = RadixTree(config.cache_bytes)
-    runtime = Runtime(config, session, Coordinator(config, servers, tree, metrics), metrics, recorder)
+    coordinator = Coordinator(config, servers, tree, metrics)
+    if config.cache_disk is not None:
+        coordinator.disk = await _disk_tier(config, servers[0], tree, metrics)
+    runtime = Runtime(config, session, coordinator, metrics, recorder)
     runtime.pending = pending
     await _setup_tokenizer(runtime)
     runtime.n_vocab = await _n_vocab(runtime.primary)
     return runtime
+
+
+async def _disk_tier(config: Config, server: ServerState, tree: RadixTree, metrics: Metrics) -> DiskTier:
+    """Open the disk tier (entries of other compatibility keys are skipped) and have the tree
+    demote what it evicts to it."""
+    assert config.cache_disk is not None
+    tier = DiskTier(
+        config.cache_disk,
+        config.cache_disk_bytes,
+        compat_key(server.mover.compat),
+        server.mover.layout,
+        metrics.disk,
+        min_tokens=config.min_restore_tokens,
+        queue_bytes=config.cache_disk_queue_mib * 1024 * 1024,
+        timeout_s=config.cache_disk_timeout_s,
+    )
+    await tier.open()
+    tree.on_evict = tier.demote
+    return tier
 
 
 async def _connect_answering(
