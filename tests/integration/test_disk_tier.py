@@ -32,9 +32,6 @@ from tests.integration.test_proxy import convo, document
 
 pytestmark = pytest.mark.integration
 
-# A prompt here is about 400 tokens, about 9 MiB of KV (SmolLM2: 22.5 KiB a token).
-PROMPT_MIB = 9.5
-
 
 @pytest.fixture(scope="module")
 def backend(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
@@ -219,21 +216,32 @@ def test_a_writer_killed_mid_write_leaves_nothing_that_is_used(
         again.stop()
 
 
+def budgets_for(proxy: ProxyThread, first: list[dict[str, str]], prompts: float) -> int:
+    """Ask `first`, measure what one prompt takes in the tree, and give RAM (and the disk, when
+    there is one) room for `prompts` of them."""
+    ask(proxy, first)
+    one = proxy.call(lambda rt: rt.coordinator.tree.stats().bytes)
+    budget = int(prompts * one)
+    proxy.call(lambda rt: rt.coordinator.tree.set_budget(budget))
+    return budget
+
+
 def test_a_tiny_disk_budget_keeps_the_most_recently_evicted(
     backend: ServerProcess, stock_server: ServerProcess, disk_dir: Path
 ) -> None:
-    # RAM holds one prompt, the disk two: of A, B, C, D the disk keeps B and C (A is dropped).
-    budget_mib = 2 * PROMPT_MIB + 2
-    proxy = start(backend, disk_dir, cache_ram_mib=12, cache_disk_gib=budget_mib / 1024)
+    # RAM and disk each hold two prompts and a half: of A..E, RAM keeps D and E, the disk B
+    # and C (A, the least recently used, is dropped from both).
+    proxy = start(backend, disk_dir)
     try:
-        docs = {name: document(s) for name, s in zip("ABCD", (81, 82, 83, 84), strict=True)}
-        for doc in docs.values():
-            ask(proxy, convo(doc, "Which words appear most often?"))
-        assert metric(proxy, "radix_disk_demotions_total") >= 3
-        assert metric(proxy, "radix_disk_evictions_total") >= 1
-        on_disk = proxy.call(lambda rt: rt.coordinator.disk.index.stats())  # type: ignore[union-attr]
-        assert on_disk.bytes <= budget_mib * 2**20
-        messages = convo(docs["C"], "Name two words that are rare.")
+        docs = {name: document(s) for name, s in zip("ABCDE", (81, 82, 83, 84, 85), strict=True)}
+        budget = budgets_for(proxy, convo(docs["A"], "Which words appear most often?"), 2.5)
+        proxy.call(lambda rt: rt.coordinator.disk.index.set_budget(budget))  # type: ignore[union-attr]
+        for name in "BCDE":
+            ask(proxy, convo(docs[name], "Which words appear most often?"))
+        assert metric(proxy, "radix_disk_demotions_total") == 3  # A, B, C
+        assert metric(proxy, "radix_disk_evictions_total") == 1  # A
+        assert proxy.call(lambda rt: rt.coordinator.disk.index.stats().bytes) <= budget  # type: ignore[union-attr]
+        messages = convo(docs["B"], "Name two words that are rare.")
         got = ask(proxy, messages)
         assert got.headers["X-Radix-Route"] == "H", got.headers
         assert metric(proxy, "radix_disk_promotions_total") == 1
@@ -276,10 +284,11 @@ def test_a_full_or_read_only_directory_only_costs_counted_demotions(
     backend: ServerProcess, stock_server: ServerProcess, kind: str
 ) -> None:
     with _unwritable(kind) as mnt:
-        proxy = start(backend, mnt, cache_ram_mib=12)
+        proxy = start(backend, mnt)
         try:
-            docs = [document(s) for s in (91, 92, 93)]
-            for doc in docs:  # each evicts the one before from RAM: demotions that fail
+            docs = [document(s) for s in (91, 92, 93, 94)]
+            budgets_for(proxy, convo(docs[0], "Which words appear most often?"), 2.5)
+            for doc in docs[1:]:  # C and D evict A and B from RAM: demotions that fail
                 messages = convo(doc, "Which words appear most often?")
                 assert_same_answer(ask(proxy, messages), reference(stock_server, messages))
             failures = sum(
