@@ -161,20 +161,31 @@ class DiskTier:
         if not self.usable:
             self.metrics.demotion_failures.labels(DemoteFailure.IO).inc()
             return
-        seg = spill.segment
-        held = self.index.covers(spill.path, spill.ns, seg.p0)
-        if held.reach >= seg.p1:  # already on disk (e.g. it was promoted from there)
-            self.index.touch(p.entry for p in held.pieces)
+        rest = self._uncovered(spill)
+        if rest is None:
             return
+        seg = rest.segment
         nbytes = HEADER_BYTES + seg.n * (4 + seg.layout.bytes_per_token)
         if nbytes > self.index.budget_bytes:
             self.metrics.demotion_failures.labels(DemoteFailure.TOO_LARGE).inc()
         elif (not flush and self._queued + seg.nbytes > self.queue_bytes) or self._closing:
             self.metrics.demotion_failures.labels(DemoteFailure.QUEUE_FULL).inc()
         else:
-            self._queue.append(_Job(spill, nbytes))
+            self._queue.append(_Job(rest, nbytes))
             self._queued += seg.nbytes
             self._wake.set()
+
+    def _uncovered(self, spill: Spill) -> Spill | None:
+        """The part of `spill` the disk does not hold yet (None: all of it is there, e.g. it
+        was promoted from there). What is there is marked used: it was in use until now."""
+        seg = spill.segment
+        held = self.index.covers(spill.path, spill.ns, seg.p0)
+        self.index.touch(p.entry for p in held.pieces)
+        if held.reach >= seg.p1:
+            return None
+        if held.reach > seg.p0:  # a shared part is stored once: write only the rest
+            return Spill(spill.ns, spill.path, seg.slice(held.reach, seg.p1))
+        return spill
 
     async def _write_loop(self) -> None:
         while True:
@@ -194,10 +205,10 @@ class DiskTier:
                 self._queued -= job.spill.segment.nbytes
 
     async def _write(self, job: _Job) -> None:
-        spill = job.spill
-        held = self.index.covers(spill.path, spill.ns, spill.start)
-        if held.reach >= spill.segment.p1:
+        rest = self._uncovered(job.spill)
+        if rest is None:
             return
+        spill = rest
         await self._delete(self.index.evict_for(job.nbytes))
         try:
             header = await self._io(_write_entry, self.directory, self.key, spill)
