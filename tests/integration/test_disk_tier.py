@@ -151,8 +151,10 @@ def test_corrupted_truncated_and_foreign_entries_are_dropped_and_counted(
         for doc in docs:
             messages = convo(doc, "Name two words that are rare.")
             got = ask(again, messages)
-            # Only the flipped bit is found by reading: that request is prefilled, like the others.
-            assert got.headers["X-Radix-Route"] == "prefill", got.headers
+            # Only the flipped bit is found by reading: that request is prefilled, like the others
+            # (a slot may still give it the chat template's first tokens: route A).
+            assert "H" not in got.headers["X-Radix-Route"], got.headers
+            assert got.body["timings"]["cache_n"] < 32, got.body["timings"]
             assert_same_answer(got, reference(stock_server, messages))
         assert metric(again, "radix_disk_dropped_total", cause="checksum") == 1
         assert metric(again, "radix_disk_promotions_total") == 0
