@@ -298,7 +298,7 @@ def test_a_full_or_read_only_directory_only_costs_counted_demotions(
     with _unwritable(kind) as mnt:
         proxy = start(backend, mnt)
         try:
-            docs = [document(s) for s in (91, 92, 93, 94)]
+            docs = [f"Document {s}. " + document(s) for s in (91, 92, 93, 94)]
             budgets_for(proxy, convo(docs[0], "Which words appear most often?"), 2.5)
             for doc in docs[1:]:  # C and D evict A and B from RAM: demotions that fail
                 messages = convo(doc, "Which words appear most often?")
@@ -307,7 +307,7 @@ def test_a_full_or_read_only_directory_only_costs_counted_demotions(
                 metric(proxy, "radix_disk_demotion_failures_total", cause=c)
                 for c in ("no_space", "read_only", "permission")
             )
-            assert failures >= 2
+            assert failures >= 2, proxy.call(lambda rt: tiers_of(rt))
             assert metric(proxy, "radix_disk_demotions_total") == 0
             assert [p for p in mnt.iterdir() if p.name.endswith(".tmp")] == []  # nothing half-written left
             checked(proxy)
