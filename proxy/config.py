@@ -48,6 +48,13 @@ class Config:
     port: int = 8080
     # Host radix tree budget (payload bytes plus metadata), MiB.
     cache_ram_mib: int = 4096
+    # Disk tier under the host tree (docs/disk-tier.md): segments evicted from RAM go here and
+    # survive restarts. None: RAM only. Budget in GiB; demotions waiting to be written are
+    # bounded in MiB; each disk read or write has a deadline.
+    cache_disk: Path | None = None
+    cache_disk_gib: float = 16.0
+    cache_disk_queue_mib: int = 256
+    cache_disk_timeout_s: float = 30.0
     # Payload files live here when the server shares the host (normally under /dev/shm).
     shm_dir: Path | None = None
     # A host restore shorter than this is not worth a KV move (prefill it instead).
@@ -104,3 +111,7 @@ class Config:
     @property
     def cache_bytes(self) -> int:
         return self.cache_ram_mib * 1024 * 1024
+
+    @property
+    def cache_disk_bytes(self) -> int:
+        return int(self.cache_disk_gib * 1024**3)

@@ -294,6 +294,17 @@ def run_workload_command(
     n_servers = int(sizes.pop("n_servers", None) or 1)
     if n_servers < 1:
         raise ConfigError("--servers must be at least 1", fix="pass e.g. --servers 2")
+    tier, tier_sizes = sizes.pop("tier", "ram"), sizes.pop("tier_sizes", None)
+    if tier == "disk":
+        from proxy.bench.disktier import run_disk_restore
+
+        out = out_dir or _default_out("restore-disk")
+        settings = _settings(
+            out, model_arg, n_parallel, ctx_size, threads, batch_size, ubatch_size, build_backend
+        )
+        arm_names = tuple(a.strip() for a in (arms or "disk,ram,legacy,prefill").split(",") if a.strip())
+        run_disk_restore(settings, _sizes(tier_sizes or "1024,2048,4096,8192"), out, arm_names)
+        return
     workload = make_workload(name, **sizes)
     out = out_dir or _default_out(name)
     out.mkdir(parents=True, exist_ok=True)
@@ -341,6 +352,23 @@ def _workload_options(name: str) -> list[Callable[[Any], Any]]:
         options += CAPACITY_OPTIONS
     if name in CLUSTER_WORKLOADS:
         options.append(SERVERS_OPTION)
+    if name == "restore":
+        options += [
+            click.option(
+                "--tier",
+                type=click.Choice(["ram", "disk"]),
+                default="ram",
+                show_default=True,
+                help="disk: TTFT of a restore from the disk tier after a proxy restart, against the RAM "
+                "tree, stock's host cache and a full prefill (arms disk,ram,legacy,prefill), per --sizes.",
+            ),
+            click.option(
+                "--sizes",
+                "tier_sizes",
+                default=None,
+                help="With --tier disk: prompt sizes in tokens [default: 1024,2048,4096,8192].",
+            ),
+        ]
     return options
 
 

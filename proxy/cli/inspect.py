@@ -147,14 +147,46 @@ def _preview_text(p: dict[str, str] | None, width: int = 48) -> str:
     return f"{snippet(p['head'], half)} … {snippet(p['tail'], half, tail=True)}"
 
 
+def tier_lines(tiers: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """One line per tier of the host cache (RAM, and disk with --cache-disk)."""
+    if not tiers:
+        return []
+    r, d = tiers["ram"], tiers.get("disk")
+    out = [
+        (
+            "tier ram",
+            f"{r['entries']} nodes, {r['tokens']} tokens, {human_bytes(r['bytes'])} of {human_bytes(r['budget_bytes'])}",
+        )
+    ]
+    if d is None:
+        return out + [("tier disk", "off (--cache-disk)")]
+    problems = {
+        **d.get("demotion_failures", {}),
+        **{f"dropped {c}": n for c, n in d.get("dropped", {}).items()},
+    }
+    out.append(
+        (
+            "tier disk",
+            f"{d['entries']} entries, {d['tokens']} tokens, {human_bytes(d['bytes'])} of "
+            f"{human_bytes(d['budget_bytes'])} in {d['dir']}{'' if d.get('usable', True) else ' (unusable)'}; "
+            f"promotions {d['promotions']} ({d['promoted_tokens']} tokens), demotions {d['demotions']}, "
+            f"evictions {d['evictions']}"
+            + ("; " + ", ".join(f"{k} {v}" for k, v in problems.items()) if problems else ""),
+        )
+    )
+    return out
+
+
 def format_tree(data: dict[str, Any]) -> str:
     s = data["stats"]
+    tiers = [f"{k}: {v}" for k, v in tier_lines(data.get("tiers"))]
     lines = [
         f"host tree: {s['nodes']} nodes ({s['leaves']} terminal), {human_bytes(s['bytes'])} of "
         f"{human_bytes(s['budget_bytes'])}, {s['unique_tokens']} unique / {s['logical_tokens']} logical tokens "
         f"(dedup {data.get('dedup_ratio', 0):.2f}x)",
         f"saves {s['saves']} ({s['saved_tokens']} tokens), loads {s['loads']} ({s['loaded_tokens']} tokens), "
         f"evictions {s['evictions']} ({s['evicted_tokens']} tokens), pinned nodes {s['pinned_nodes']}",
+        *tiers,
         "",
     ]
     if not data["top"]:
@@ -253,6 +285,7 @@ def format_stats(d: dict[str, Any]) -> str:
         ("host traffic", f"saves {t['saves']}, loads {t['loads']}, evictions {t['evictions']}"),
         ("KV moves", moves),
         ("fallbacks", fallbacks),
+        *tier_lines(d.get("tiers")),
     ]
     for server, pool in (d.get("pool") or {}).items():
         lines.append(

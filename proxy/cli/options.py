@@ -41,6 +41,22 @@ cache_ram_option = click.option(
     envvar="RADIX_CACHE_RAM",
     help="Host radix tree budget in MiB (payload plus metadata).",
 )
+cache_disk_option = click.option(
+    "--cache-disk",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="RADIX_CACHE_DISK",
+    help="Directory of the disk tier: KV evicted from RAM is kept there and survives restarts "
+    "(created owner-only). Unset: RAM only.",
+)
+cache_disk_size_option = click.option(
+    "--cache-disk-size",
+    "cache_disk_gib",
+    type=click.FloatRange(min=0, min_open=True),
+    default=16.0,
+    show_default=True,
+    envvar="RADIX_CACHE_DISK_SIZE",
+    help="Disk tier budget in GiB (segment files, headers included).",
+)
 shm_dir_option = click.option(
     "--shm-dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -255,6 +271,8 @@ PROXY_OPTIONS = [
     host_option,
     port_option,
     cache_ram_option,
+    cache_disk_option,
+    cache_disk_size_option,
     shm_dir_option,
     min_restore_tokens_option,
     kvctl_key_option,

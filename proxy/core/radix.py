@@ -23,7 +23,7 @@ Pure: numpy only. Not thread-safe: the proxy calls it from one event loop.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,6 +62,20 @@ class TreeStats:
     loaded_tokens: int
     evictions: int
     evicted_tokens: int
+
+
+@dataclass(frozen=True)
+class Spill:
+    """A node's KV leaving RAM (or copied out at shutdown): the KV of path[start:], where
+    `path` is every token from position 0 to the node's end, in namespace `ns`."""
+
+    ns: str
+    path: np.ndarray
+    segment: KvSegment
+
+    @property
+    def start(self) -> int:
+        return self.segment.p0
 
 
 @dataclass(frozen=True)
@@ -189,6 +203,8 @@ class RadixTree:
         self._saves = self._saved_tokens = 0
         self._loads = self._loaded_tokens = 0
         self._evictions = self._evicted_tokens = 0
+        # Told of every evicted leaf before its KV is dropped (the disk tier demotes it).
+        self.on_evict: Callable[[Spill], None] | None = None
 
     # ------------------------------------------------------------ lookups
 
@@ -369,6 +385,21 @@ class RadixTree:
             out.append(PrefixInfo(node.end, node.hits, nbytes, tuple(int(t) for t in head)))
         return out
 
+    def spill_all(self) -> list[Spill]:
+        """Every node's KV, least recently used first (a child before its parent, as eviction
+        would take them), for a copy to disk at shutdown. Views: use them before the tree
+        changes."""
+        nodes = sorted(self._iter_nodes(), key=lambda n: (n.last_used, -n.start, n.uid))
+        return [self._spill(n) for n in nodes]
+
+    def _spill(self, node: _Node) -> Spill:
+        assert node.segment is not None
+        path = self._path_to(node)
+        cur: _Node = node
+        while cur.parent is not None:
+            cur = cur.parent
+        return Spill(cur.ns, np.concatenate([p.tokens for p in path]), node.segment)
+
     # ------------------------------------------------------------ internals
 
     def _new_root(self, ns: str) -> _Node:
@@ -522,6 +553,8 @@ class RadixTree:
             self._leaves -= 1
             self._logical -= leaf.end
         self._release_buffer(leaf)
+        if self.on_evict is not None:
+            self.on_evict(self._spill(leaf))
         leaf.segment = None  # a stale HostMatch still points here: let the KV go anyway
         self._push_if_evictable(parent)
         if parent.parent is None and not parent.children and parent.pins == 0 and parent.ns:

@@ -30,6 +30,7 @@ from aiohttp import web
 
 from proxy.errors import BadRequest, Forbidden, RadixError, Unauthorized
 from proxy.server.coordinator import Decision
+from proxy.server.disk_metrics import DEMOTE_FAILURES, DROP_CAUSES
 from proxy.server.metrics import DIRECTIONS, FALLBACK_CAUSES, ROUTES
 from proxy.server.observe import refresh_pool_gauges, server_json, set_resident
 from proxy.server.runtime import RUNTIME, Runtime
@@ -178,7 +179,41 @@ async def _tree(request: web.Request, runtime: Runtime) -> dict[str, Any]:
             }
         )
     dedup = stats.logical_tokens / stats.unique_tokens if stats.unique_tokens else 0.0
-    return {"stats": asdict(stats), "dedup_ratio": dedup, "top": prefixes}
+    return {"stats": asdict(stats), "dedup_ratio": dedup, "top": prefixes, "tiers": tiers(runtime)}
+
+
+def tiers(runtime: Runtime) -> dict[str, Any]:
+    """Each tier of the host cache: RAM (the tree) and, with --cache-disk, the disk."""
+    t, disk, m = runtime.coordinator.tree.stats(), runtime.coordinator.disk, runtime.metrics
+    out: dict[str, Any] = {
+        "ram": {
+            "entries": t.nodes,
+            "tokens": t.unique_tokens,
+            "bytes": t.bytes,
+            "budget_bytes": t.budget_bytes,
+        },
+        "disk": None,
+    }
+    if disk is not None:
+        d = disk.index.stats()
+        out["disk"] = {
+            "dir": str(disk.directory),
+            "usable": disk.usable,
+            **asdict(d),
+            "promotions": int(m.value("radix_disk_promotions_total")),
+            "promoted_tokens": int(m.value("radix_disk_promoted_tokens_total")),
+            "demotions": int(m.value("radix_disk_demotions_total")),
+            "evictions": int(m.value("radix_disk_evictions_total")),
+            "demotion_failures": {
+                c: int(n)
+                for c in DEMOTE_FAILURES
+                if (n := m.value("radix_disk_demotion_failures_total", cause=c))
+            },
+            "dropped": {
+                c: int(n) for c in DROP_CAUSES if (n := m.value("radix_disk_dropped_total", cause=c))
+            },
+        }
+    return out
 
 
 # ---- /radix/slots ------------------------------------------------------------------------
@@ -283,5 +318,6 @@ async def stats(runtime: Runtime) -> dict[str, Any]:
             s.name: asdict(s.sharing.index.stats()) if s.sharing is not None else None
             for s in runtime.coordinator.servers
         },
+        "tiers": tiers(runtime),
         "tokenizer": runtime.tokenizer_note,
     }

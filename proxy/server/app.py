@@ -109,6 +109,9 @@ async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
             log.warning("shutdown: background saves still running after the deadline were abandoned")
         for server in runtime.coordinator.servers:
             server.mover.close()  # the idle import payload file
+        disk = runtime.coordinator.disk
+        if disk is not None:  # what RAM holds goes to disk too, so a restart is warm
+            await disk.close(runtime.coordinator.tree, app[CONFIG].cache_disk_timeout_s)
 
 
 async def _health_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from proxy.core.planner import Route
 from proxy.core.radix import TreeStats
 from proxy.errors import FallbackCause
+from proxy.server.disk_metrics import DiskMetrics
 
 ROUTES = tuple(r.value for r in Route)
 # The reference implementation's per-path families; a mixed route (A+H, S+H) counts under
@@ -80,6 +81,7 @@ class Metrics:
         self.registry = registry
         self.servers = servers
         self.started = time.time()
+        self.disk = DiskMetrics(registry)  # the disk tier's families (docs/disk-tier.md)
         ns = "radix"
         # ---- per request (coordinator.record) ------------------------------------------
         self.requests = Counter(
@@ -301,6 +303,7 @@ class Metrics:
         self.tree_loaded_tokens.set(stats.loaded_tokens)
         self.tree_evictions.set(stats.evictions)
         self.tree_evicted_tokens.set(stats.evicted_tokens)
+        self.disk.sync(stats, None)
 
     def set_pool(self, server: str, cells: Mapping[str, Any] | None) -> None:
         """The server's KV pool counts from GET /kvctl/cells; None: the server did not answer."""

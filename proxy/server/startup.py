@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import tempfile
@@ -20,6 +21,7 @@ from proxy.core.resident import ResidentIndex
 from proxy.errors import ConfigError, FallbackCause, KvMoveError, RadixError
 from proxy.server.backend import Backend
 from proxy.server.coordinator import Coordinator, ServerState, SlotState
+from proxy.server.disk import DiskTier, compat_key
 from proxy.server.metrics import Metrics
 from proxy.server.models import ModelEntry, compat_ns
 from proxy.server.mover import KvMover
@@ -50,7 +52,16 @@ async def create_runtime(
     servers, pending = await _connect_answering(config, session, metrics, names)
     models = await _models(servers)
     tree = RadixTree(config.cache_bytes)
-    runtime = Runtime(config, session, Coordinator(config, servers, tree, metrics), metrics, recorder)
+    coordinator = Coordinator(config, servers, tree, metrics)
+    if config.cache_disk is not None:
+        if len({json.dumps(s.mover.compat, sort_keys=True) for s in servers}) > 1:
+            # One tier directory holds one compatibility key's layout (checked on every read).
+            raise ConfigError(
+                "--cache-disk serves one model (one KV layout); the servers run several",
+                fix="run one proxy per model with a disk tier, or leave --cache-disk unset",
+            )
+        coordinator.disk = await _disk_tier(config, servers[0], tree, metrics)
+    runtime = Runtime(config, session, coordinator, metrics, recorder)
     runtime.pending = pending
     runtime.models = models
     for entry in models.values():
@@ -86,6 +97,25 @@ async def _listing(backend: Backend) -> dict[str, Any]:
     reply = await backend.get_json("/v1/models")
     data = reply.get("data") or [{}]
     return dict(data[0]) if isinstance(data[0], dict) else {}
+
+
+async def _disk_tier(config: Config, server: ServerState, tree: RadixTree, metrics: Metrics) -> DiskTier:
+    """Open the disk tier (entries of other compatibility keys are skipped) and have the tree
+    demote what it evicts to it."""
+    assert config.cache_disk is not None
+    tier = DiskTier(
+        config.cache_disk,
+        config.cache_disk_bytes,
+        compat_key(server.mover.compat),
+        server.mover.layout,
+        metrics.disk,
+        min_tokens=config.min_restore_tokens,
+        queue_bytes=config.cache_disk_queue_mib * 1024 * 1024,
+        timeout_s=config.cache_disk_timeout_s,
+    )
+    await tier.open()
+    tree.on_evict = tier.demote
+    return tier
 
 
 async def _connect_answering(

@@ -15,6 +15,7 @@ from proxy.cli.inspect import (
     format_tree,
     snippet,
     table,
+    tier_lines,
     why_text,
 )
 from proxy.core.payload import KvLayout, KvSegment
@@ -274,3 +275,34 @@ def test_cache_summary_and_tree_mirror() -> None:
     runtime.metrics.sync_tree(tree.stats())
     assert runtime.metrics.value("radix_host_tree_leaves") == 2
     assert runtime.metrics.value("radix_host_tree_logical_tokens") == 17
+
+
+def test_tier_lines_show_ram_and_disk() -> None:
+    ram = {"entries": 3, "tokens": 100, "bytes": 3 << 20, "budget_bytes": 1 << 30}
+    assert tier_lines(None) == []
+    assert tier_lines({"ram": ram, "disk": None})[1] == ("tier disk", "off (--cache-disk)")
+    disk = {
+        "dir": "/var/cache/radix",
+        "usable": True,
+        "entries": 7,
+        "tokens": 900,
+        "bytes": 20 << 20,
+        "budget_bytes": 16 << 30,
+        "pinned": 0,
+        "promotions": 2,
+        "promoted_tokens": 640,
+        "demotions": 5,
+        "evictions": 1,
+        "demotion_failures": {"no_space": 1},
+        "dropped": {"checksum": 1},
+    }
+    lines = dict(tier_lines({"ram": ram, "disk": disk}))
+    assert lines["tier ram"] == "3 nodes, 100 tokens, 3.0 MiB of 1.0 GiB"
+    assert lines["tier disk"] == (
+        "7 entries, 900 tokens, 20.0 MiB of 16.0 GiB in /var/cache/radix; promotions 2 (640 tokens), "
+        "demotions 5, evictions 1; no_space 1, dropped checksum 1"
+    )
+    tree = format_tree(
+        {"stats": tree_stats(), "dedup_ratio": 1.0, "top": [], "tiers": {"ram": ram, "disk": disk}}
+    )
+    assert "tier disk: 7 entries" in tree

@@ -24,7 +24,9 @@ from proxy.errors import FallbackCause
 from proxy.server.coordinator.decisions import Decision, DecisionLog, Divergence
 from proxy.server.coordinator.leases import Leases
 from proxy.server.coordinator.moves import KvMoves
+from proxy.server.coordinator.scan import scan as scan_prefixes
 from proxy.server.coordinator.state import EMPTY, Lease, ServerState, SlotState
+from proxy.server.disk import DiskTier
 from proxy.server.metrics import Metrics
 
 log = logging.getLogger("radix")
@@ -41,6 +43,7 @@ class Coordinator:
         )
         self.moves = KvMoves(config, tree, metrics)
         self.log = DecisionLog(metrics)
+        self.disk: DiskTier | None = None  # set by startup with --cache-disk
 
     async def acquire(
         self,
@@ -52,7 +55,12 @@ class Coordinator:
         session: str = "",
         n_predict: int = 0,
     ) -> Lease:
-        """A slot for the request, with its plan (may wait: see ``Leases.acquire``)."""
+        """A slot for the request, with its plan (may wait: see ``Leases.acquire``). A match
+        the disk tier carries further than anything in RAM or a slot is read into the host
+        tree first, so the plan sees it as a host hit."""
+        if self.disk is not None:
+            floor = scan_prefixes(tokens, self.servers, self.tree, ns).best_available()
+            await self.disk.promote(self.tree, tokens, ns, floor)
         return await self.leases.acquire(
             request_id, tokens, ns, model=model, session=session, n_predict=n_predict
         )

@@ -1,0 +1,421 @@
+"""The disk tier's I/O: the directory, atomic segment files, demotion, promotion, startup scan.
+
+Segments the RAM tree evicts are queued (bounded in bytes) and written by one writer task;
+a match that ends where the disk goes on is read back, every byte checked, and inserted
+into the RAM tree before the request is planned, so the restore is an ordinary host hit.
+All file work runs on a small thread pool, each call under a deadline: the event loop
+never waits on the disk. Writes are atomic (a temporary file in the same directory,
+fsync, rename, fsync of the directory), so a proxy killed mid-write leaves at most a
+temporary file, which the next start deletes. Any write error (a full or read-only disk)
+is counted by cause and serving goes on; any entry that fails a check is deleted, counted
+by cause, and the request is prefilled. See docs/disk-tier.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import logging
+import os
+import secrets
+import stat
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+from proxy.core.diskindex import (
+    HEADER_BYTES,
+    SUFFIX,
+    DemoteFailure,
+    DiskEntry,
+    DiskEntryError,
+    DiskIndex,
+    DiskMatch,
+    DropCause,
+    EntryHeader,
+    decode_header,
+    encode_header,
+    make_header,
+    sha,
+    verify_entry,
+)
+from proxy.core.payload import KvLayout, KvSegment
+from proxy.core.radix import RadixTree, Spill
+from proxy.server.disk_metrics import DiskMetrics
+
+log = logging.getLogger("radix")
+
+T = TypeVar("T")
+TMP_SUFFIX = ".tmp"
+
+
+def compat_key(compat: dict[str, Any]) -> bytes:
+    """sha256 of the servers' compatibility key as canonical JSON."""
+    return sha(json.dumps(compat, sort_keys=True, separators=(",", ":")).encode())
+
+
+@dataclass
+class _Job:
+    spill: Spill
+    nbytes: int
+
+
+def _failure(exc: OSError) -> DemoteFailure:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return DemoteFailure.NO_SPACE
+    if exc.errno == errno.EROFS:
+        return DemoteFailure.READ_ONLY
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return DemoteFailure.PERMISSION
+    return DemoteFailure.IO
+
+
+class DiskTier:
+    def __init__(
+        self,
+        directory: Path,
+        budget_bytes: int,
+        key: bytes,
+        layout: KvLayout,
+        metrics: DiskMetrics,
+        *,
+        min_tokens: int,
+        queue_bytes: int,
+        timeout_s: float,
+    ) -> None:
+        self.directory = directory
+        self.key = key
+        self.layout = layout
+        self.metrics = metrics
+        self.min_tokens = min_tokens
+        self.queue_bytes = queue_bytes
+        self.timeout_s = timeout_s
+        self.index = DiskIndex(budget_bytes)
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="radix-disk")
+        self._queue: deque[_Job] = deque()
+        self._queued = 0
+        self._wake = asyncio.Event()
+        self._writer: asyncio.Task[None] | None = None
+        self._closing = False
+        self.usable = True  # False when the directory could not be opened at all
+
+    # ---- start and stop ----------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Create the directory (owner only), delete temporary files, index valid entries."""
+        try:
+            found, drops = await self._io(
+                _scan, self.directory, self.key, self.layout.bytes_per_token, timeout=None
+            )
+        except OSError as exc:
+            self.usable = False
+            log.error("disk tier %s cannot be used, serving from RAM only: %s", self.directory, exc)
+            return
+        for cause, n in drops.items():
+            self.metrics.dropped.labels(cause).inc(n)
+        for header, tokens in found:
+            self.index.add(DiskEntry(header, tokens))
+        await self._delete(self.index.evict_for(0))
+        self._sync()
+        st = self.index.stats()
+        log.info(
+            "disk tier %s: %d entries, %d tokens, %.1f MiB of %.1f MiB%s",
+            self.directory,
+            st.entries,
+            st.tokens,
+            st.bytes / 2**20,
+            st.budget_bytes / 2**20,
+            "".join(f", {n} dropped ({c})" for c, n in drops.items()),
+        )
+        self._writer = asyncio.get_running_loop().create_task(self._write_loop())
+
+    async def close(self, tree: RadixTree | None, timeout_s: float) -> None:
+        """Copy what RAM holds and the disk lacks (when `tree` is given), finish the queue
+        within `timeout_s`, stop. What is not written by then is lost, not half-written."""
+        if tree is not None and self.usable:
+            for spill in tree.spill_all():
+                self.demote(spill, flush=True)
+        self._closing = True
+        self._wake.set()
+        if self._writer is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._writer), timeout_s)
+            except TimeoutError:
+                log.warning("disk tier: %d segments not written by the shutdown deadline", len(self._queue))
+                self._writer.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- demotion ----------------------------------------------------------------------
+
+    def demote(self, spill: Spill, flush: bool = False) -> None:
+        """The RAM tree dropped (or, at shutdown, offers: `flush`, views of what it keeps, so
+        not bounded by the queue) this segment: queue it for the disk. Synchronous and
+        quick: called from inside the tree's eviction."""
+        if not self.usable:
+            self.metrics.demotion_failures.labels(DemoteFailure.IO).inc()
+            return
+        rest = self._uncovered(spill)
+        if rest is None:
+            return
+        seg = rest.segment
+        nbytes = HEADER_BYTES + seg.n * (4 + seg.layout.bytes_per_token)
+        if nbytes > self.index.budget_bytes:
+            self.metrics.demotion_failures.labels(DemoteFailure.TOO_LARGE).inc()
+        elif (not flush and self._queued + seg.nbytes > self.queue_bytes) or self._closing:
+            self.metrics.demotion_failures.labels(DemoteFailure.QUEUE_FULL).inc()
+        else:
+            self._queue.append(_Job(rest, nbytes))
+            self._queued += seg.nbytes
+            self._wake.set()
+
+    def _uncovered(self, spill: Spill) -> Spill | None:
+        """The part of `spill` the disk does not hold yet (None: all of it is there, e.g. it
+        was promoted from there). What is there is marked used: it was in use until now."""
+        seg = spill.segment
+        held = self.index.covers(spill.path, spill.ns, seg.p0)
+        self.index.touch(p.entry for p in held.pieces)
+        if held.reach >= seg.p1:
+            return None
+        if held.reach > seg.p0:  # a shared part is stored once: write only the rest
+            return Spill(spill.ns, spill.path, seg.slice(held.reach, seg.p1))
+        return spill
+
+    async def _write_loop(self) -> None:
+        while True:
+            if not self._queue:
+                if self._closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            job = self._queue.popleft()
+            try:
+                await self._write(job)
+            except Exception:  # a bug here must not stop demotions for the process's life
+                log.exception("disk tier: writing a segment failed")
+                self.metrics.demotion_failures.labels(DemoteFailure.IO).inc()
+            finally:
+                self._queued -= job.spill.segment.nbytes
+
+    async def _write(self, job: _Job) -> None:
+        rest = self._uncovered(job.spill)
+        if rest is None:
+            return
+        spill = rest
+        await self._delete(self.index.evict_for(job.nbytes))
+        try:
+            header = await self._io(_write_entry, self.directory, self.key, spill)
+        except OSError as exc:
+            cause = _failure(exc)
+            self.metrics.demotion_failures.labels(cause).inc()
+            log.warning("disk tier: a demotion failed (%s): %s", cause, exc)
+            return
+        except TimeoutError:
+            self.metrics.demotion_failures.labels(DemoteFailure.TIMEOUT).inc()
+            return
+        tokens = np.asarray(spill.path[spill.start :], dtype=np.int32)
+        # Others may have filled the disk while this one was written: keep to the budget.
+        await self._delete(self.index.evict_for(header.size))
+        if self.index.add(DiskEntry(header, tokens.copy())):
+            self.metrics.demotions.inc()
+            self.metrics.demoted_bytes.inc(header.size)
+        self._sync()
+
+    # ---- promotion ---------------------------------------------------------------------
+
+    def lookup(self, tree: RadixTree, tokens: np.ndarray, ns: str) -> DiskMatch:
+        return self.index.walk(tokens, ns, tree.match(tokens, touch=False, ns=ns).length)
+
+    async def promote(self, tree: RadixTree, tokens: np.ndarray, ns: str, floor: int = 0) -> int:
+        """When the disk carries the request's match past both the RAM tree and `floor` (what a
+        slot or a resident prefix already offers) by at least `min_tokens`, read those entries,
+        check every byte, and insert them into the RAM tree. Returns the tokens inserted; 0
+        when nothing was worth it or anything failed (then the request is planned as before)."""
+        if not self.usable:
+            return 0
+        ram = tree.match(tokens, touch=False, ns=ns)
+        found = self.index.walk(tokens, ns, ram.length)
+        if found.reach - max(floor, ram.length) < self.min_tokens:
+            return 0
+        entries = [p.entry for p in found.pieces]
+        tree.pin(ram)
+        self.index.pin(entries)
+        held = tree.reserve(self.layout.bytes_per_token * found.gain)
+        try:
+            rows = await self._read(found, tokens)
+            if rows is None:
+                return 0
+            segment = KvSegment(ram.length, self.layout, rows)
+            tree.release(held)  # the same step as the insert that counts them
+            held = 0
+            stored = tree.insert(tokens[: found.reach], segment, ns=ns)
+        finally:
+            tree.release(held)
+            self.index.unpin(entries)
+            tree.unpin(ram)
+        self.index.touch(entries)
+        self.metrics.promotions.inc()
+        self.metrics.promoted_tokens.inc(stored)
+        self._sync()
+        return stored
+
+    async def _read(self, found: DiskMatch, tokens: np.ndarray) -> np.ndarray | None:
+        try:
+            return await self._io(_read_pieces, self.directory, self.key, found, tokens)
+        except DiskEntryError as exc:
+            self.metrics.dropped.labels(exc.cause).inc()
+            log.warning("disk tier: entry dropped, the request is prefilled: %s", exc)
+            bad = self.index.get(exc.name) if exc.name else None
+            if bad is not None:
+                self.index.remove(bad)  # its pins are this read's: unpin() of a dead entry is a no-op
+                await self._delete([bad], evicted=False)
+                self._sync()
+        except (OSError, TimeoutError) as exc:
+            self.metrics.dropped.labels(DropCause.IO).inc()
+            log.warning("disk tier: a read failed, the request is prefilled: %s", exc)
+        return None
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    async def _delete(self, entries: list[DiskEntry], evicted: bool = True) -> None:
+        if not entries:
+            return
+        if evicted:
+            self.metrics.evictions.inc(len(entries))
+        names = [e.name for e in entries]
+        try:
+            await self._io(_unlink_all, self.directory, names)
+        except (OSError, TimeoutError) as exc:
+            log.warning("disk tier: deleting %d entries failed: %s", len(names), exc)
+
+    async def _io(self, fn: Callable[..., T], *args: Any, timeout: float | None = -1.0) -> T:
+        """`fn(*args)` on the tier's threads, bounded by the tier's deadline."""
+        limit = self.timeout_s if timeout == -1.0 else timeout
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await asyncio.wait_for(fut, limit)
+
+    def _sync(self) -> None:
+        st = self.index.stats()
+        self.metrics.tier_bytes.labels("disk").set(st.bytes)
+        self.metrics.tier_budget.labels("disk").set(st.budget_bytes)
+        self.metrics.tier_entries.labels("disk").set(st.entries)
+
+
+# ---- on the tier's threads ---------------------------------------------------------------
+
+
+def _scan(
+    directory: Path, key: bytes, row_bytes: int
+) -> tuple[list[tuple[EntryHeader, np.ndarray]], dict[str, int]]:
+    """Entries in the directory, oldest first (by mtime), with their checked headers and
+    token ids. Temporary files and broken entries are deleted; foreign ones are left alone."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    mode = stat.S_IMODE(directory.stat().st_mode)
+    if mode & 0o077:
+        log.warning("disk tier: %s is readable by others (mode %o); chmod 700 it", directory, mode)
+    drops: dict[str, int] = {}
+    found: list[tuple[float, EntryHeader, np.ndarray]] = []
+    for path in directory.iterdir():
+        if path.name.endswith(TMP_SUFFIX):
+            _drop(path, DropCause.PARTIAL, drops)
+            continue
+        if not path.name.endswith(SUFFIX):
+            continue
+        try:
+            st = path.stat()
+            with open(path, "rb") as f:
+                head = f.read(HEADER_BYTES)
+                header = decode_header(head)
+                if header.key != key:
+                    drops[DropCause.FOREIGN_KEY] = drops.get(DropCause.FOREIGN_KEY, 0) + 1
+                    continue  # another model's: not ours to delete
+                if header.row_bytes != row_bytes or path.name != header.name:
+                    raise DiskEntryError(DropCause.HEADER, "row size or file name differs from the header")
+                if st.st_size != header.size:
+                    raise DiskEntryError(
+                        DropCause.TRUNCATED, f"{st.st_size} bytes, header says {header.size}"
+                    )
+                raw = f.read(4 * header.n)
+            tokens = np.frombuffer(raw, dtype="<i4").astype(np.int32)
+            if sha(raw) != header.tokens:
+                raise DiskEntryError(DropCause.TOKENS, "token ids do not match their checksum")
+        except DiskEntryError as exc:
+            _drop(path, exc.cause, drops)
+            continue
+        except OSError:
+            drops[DropCause.IO] = drops.get(DropCause.IO, 0) + 1
+            continue
+        found.append((st.st_mtime, header, tokens))
+    found.sort(key=lambda x: x[0])
+    return [(h, t) for _, h, t in found], drops
+
+
+def _drop(path: Path, cause: DropCause, drops: dict[str, int]) -> None:
+    drops[cause] = drops.get(cause, 0) + 1
+    with contextlib.suppress(OSError):  # a read-only directory: it stays, skipped again next time
+        path.unlink()
+
+
+def _write_entry(directory: Path, key: bytes, spill: Spill) -> EntryHeader:
+    """Write one entry atomically: temporary file, fsync, rename, fsync of the directory."""
+    data = np.ascontiguousarray(spill.segment.data)
+    header, tokens = make_header(key, spill.ns, spill.path, spill.start, data)
+    final = directory / header.name
+    tmp = directory / f".{header.name}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb", closefd=True) as f:
+            f.write(encode_header(header))
+            f.write(tokens.tobytes())
+            f.write(data.data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    dfd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return header
+
+
+def _read_pieces(directory: Path, key: bytes, found: DiskMatch, tokens: np.ndarray) -> np.ndarray:
+    """The rows of positions [found.start, found.reach), every entry checked whole first:
+    its header as indexed, its size, its key, its token ids (against the index and the
+    request), its bytes."""
+    parts = []
+    for piece in found.pieces:
+        entry = piece.entry
+        try:
+            with open(directory / entry.name, "rb") as f:
+                raw = f.read(entry.header.size + 1)
+            _, toks, rows = verify_entry(raw, key, entry.header)
+            if not np.array_equal(toks, entry.tokens):
+                raise DiskEntryError(DropCause.TOKENS, "token ids differ from the index")
+            if not np.array_equal(
+                toks[piece.a - entry.start : piece.b - entry.start], tokens[piece.a : piece.b]
+            ):
+                raise DiskEntryError(DropCause.TOKENS, "token ids differ from the request's")
+        except DiskEntryError as exc:
+            raise DiskEntryError(exc.cause, f"{entry.name}: {exc}", entry.name) from None
+        except FileNotFoundError as exc:
+            raise DiskEntryError(DropCause.TRUNCATED, f"{entry.name} is gone", entry.name) from exc
+        parts.append(rows[piece.a - entry.start : piece.b - entry.start])
+    return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+
+
+def _unlink_all(directory: Path, names: list[str]) -> None:
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            (directory / name).unlink()
