@@ -284,4 +284,5 @@ async def stats(runtime: Runtime) -> dict[str, Any]:
             for s in runtime.coordinator.servers
         },
         "tokenizer": runtime.tokenizer_note,
+        "chat_template": runtime.template_note,
     }

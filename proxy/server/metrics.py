@@ -263,6 +263,12 @@ class Metrics:
             "unavailable or differed from the server's",
             registry=registry,
         )
+        self.template_fallback = Gauge(
+            f"{ns}_chat_template_server_fallback",
+            "1 when every chat request is rendered by the server's /apply-template because the "
+            "local chat template is unknown or differed from the server's",
+            registry=registry,
+        )
 
         for server in servers:
             self.queue_wait.labels(server)

@@ -65,8 +65,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     if not isinstance(body.get("messages"), list) or not body["messages"]:
         raise BadRequest("'messages' must be a non-empty array")
-    headers = forward_headers(request)
-    prompt = await runtime.on_any_server(lambda backend: backend.apply_template(body, headers))
+    prompt = await runtime.render(body, forward_headers(request))
     tokens = await runtime.tokenize(prompt)
     return await _steered(request, body, tokens)
 

@@ -26,6 +26,7 @@ from proxy.server.recorder import Recorder
 from proxy.server.runtime import Runtime
 from proxy.server.sharing import Sharing
 from proxy.tokenizer import CORPUS, probe
+from proxy.tokenizer.template import probe_template
 
 log = logging.getLogger("radix")
 
@@ -52,6 +53,7 @@ async def create_runtime(
     runtime = Runtime(config, session, Coordinator(config, servers, tree, metrics), metrics, recorder)
     runtime.pending = pending
     await _setup_tokenizer(runtime)
+    await _setup_template(runtime)
     runtime.n_vocab = await _n_vocab(runtime.primary)
     return runtime
 
@@ -233,3 +235,34 @@ async def _setup_tokenizer(runtime: Runtime) -> None:
             "tokenizer: local tokenizer differs from the server on %d texts; using the server's",
             result.mismatches,
         )
+
+
+async def _setup_template(runtime: Runtime) -> None:
+    """Render chat templates locally only if the template renders as the server's does on the
+    parity conversations (tokenizer/template.py); else every request asks /apply-template."""
+    backend = runtime.primary
+    props = await backend.get_json("/props")
+    bos, eos = str(props.get("bos_token") or ""), str(props.get("eos_token") or "")
+    # Whether the vocab adds BOS / EOS itself (the server then strips them from the rendering):
+    # what the server's tokenizer adds to an empty text.
+    added = await backend.tokenize("", add_special=True)
+    bos_ids = await backend.tokenize(bos, add_special=False) if bos else []
+    eos_ids = await backend.tokenize(eos, add_special=False) if eos else []
+    add_bos = bool(added and bos_ids == added[:1])
+    add_eos = bool(added and eos_ids == added[-1:] and (len(added) > 1 or not add_bos))
+
+    async def remote(messages: list[dict[str, str]]) -> str:
+        return await backend.apply_template({"messages": messages}, {})
+
+    result = await probe_template(str(props.get("chat_template") or ""), bos, eos, add_bos, add_eos, remote)
+    runtime.template, runtime.template_note = result.template, result.note
+    runtime.metrics.template_fallback.set(0 if result.template is not None else 1)
+    if result.template is not None:
+        log.info(
+            "chat template: rendered locally (matches the server on %d conversations)",
+            result.parity.checked if result.parity else 0,
+        )
+    else:
+        log.warning("chat template: using the server's /apply-template: %s", result.reason)
+        for line in result.parity.mismatches if result.parity else []:
+            log.warning("chat template parity: %s", line)
