@@ -191,6 +191,11 @@ class Metrics:
             f"{ns}_host_saved_tokens", "New tokens stored in the host tree", registry=registry
         )
         self.tree_loads = Counter(f"{ns}_host_loads", "Host restores into a slot", registry=registry)
+        self.room_erases = Counter(
+            f"{ns}_room_erases",
+            "Idle slots erased to make room for the KV cells of admitted requests (resident sharing)",
+            registry=registry,
+        )
         self.tree_loaded_tokens = SyncedCounter(
             Counter(
                 f"{ns}_host_loaded_tokens", "Tokens restored from the host tree into slots", registry=registry

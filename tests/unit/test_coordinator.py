@@ -45,6 +45,7 @@ class FakeServer:
         self.fail_erase = False
         self.imports: list[tuple[int, int, int]] = []
         self.erased: list[int] = []
+        self.erased_cells: list[int] = []  # what each erased slot held (sharing_server)
 
     async def kv_post(self, route: str, body: dict[str, Any], cause: FallbackCause) -> dict[str, Any]:
         assert route == "erase", route
@@ -549,20 +550,40 @@ async def test_an_empty_slot_takes_the_namespace_of_the_request_it_serves() -> N
     check(coord)
 
 
+class FakeSharing:
+    """Owners that give no cells; the pool has ``free`` cells plus what erased slots held."""
+
+    def __init__(self, fake: FakeServer, free: int = 1 << 30) -> None:
+        from proxy.core.resident import ResidentIndex
+
+        self.index = ResidentIndex(range(4, 8), 0)
+        self.asked: list[int] = []
+        self.fake, self.free = fake, free
+
+    async def ensure_free(self, need: int) -> bool:
+        self.asked.append(need)
+        return need <= self.free + sum(self.fake.erased_cells)
+
+
+def sharing_server(
+    n_slots: int, free: int = 1 << 30, held: dict[int, list[int]] | None = None
+) -> ServerState:
+    s0 = server("s0", n_slots=n_slots, held=held)
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+    real_post = fake.kv_post
+
+    async def kv_post(route: str, body: dict[str, Any], cause: FallbackCause) -> dict[str, Any]:
+        fake.erased_cells.append(len(fake.held[body["slot"]]))
+        return await real_post(route, body, cause)
+
+    fake.kv_post = kv_post  # type: ignore[method-assign]
+    s0.sharing = FakeSharing(fake, free)  # type: ignore[assignment]
+    return s0
+
+
 async def test_cells_are_reserved_across_requests_admitted_together() -> None:
-    from proxy.core.resident import ResidentIndex
-
-    class FakeSharing:
-        def __init__(self) -> None:
-            self.index = ResidentIndex(range(4, 8), 0)
-            self.asked: list[int] = []
-
-        async def ensure_free(self, need: int) -> None:
-            self.asked.append(need)
-
-    s0 = server("s0", n_slots=2)
-    sharing = FakeSharing()
-    s0.sharing = sharing  # type: ignore[assignment]
+    s0 = sharing_server(2)
+    sharing: FakeSharing = s0.sharing  # type: ignore[assignment]
     coord = coordinator(s0)
     a = await coord.acquire("a", toks(0, 100))
     b = await coord.acquire("b", toks(5000, 300))
@@ -574,6 +595,52 @@ async def test_cells_are_reserved_across_requests_admitted_together() -> None:
     assert s0.reserved_cells == 4096
     coord.release(b)
     assert s0.reserved_cells == 0
+    check(coord)
+
+
+async def test_room_is_made_by_erasing_idle_slots_least_recently_used_first() -> None:
+    held = {0: list(range(1000, 1400)), 1: list(range(2000, 2300)), 2: []}
+    s0 = sharing_server(3, free=250, held=held)
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+    s0.slots[0].last_used, s0.slots[1].last_used = 2.0, 1.0  # slot 1 is the older cache
+    coord = coordinator(s0)
+    lease = await coord.acquire("a", toks(0, 500))
+    assert lease.slot.slot_id == 2
+    await coord.restore(lease, 16)  # 516 cells: 250 free, slot 1 gives 300 more
+    assert fake.erased == [1] and len(s0.slots[1].tokens) == 0 and len(s0.slots[0].tokens) == 400
+    assert s0.reserved_cells == 516 and not s0.slots[1].busy
+    assert coord.metrics.room_erases._value.get() == 1
+    coord.release(lease)
+    check(coord)
+
+
+async def test_a_request_without_room_waits_for_one_in_flight() -> None:
+    s0 = sharing_server(2, free=600)
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+    coord = coordinator(s0)
+    a = await coord.acquire("a", toks(0, 400))
+    await coord.restore(a, 100)  # reserves 500 of the 600
+    b = await coord.acquire("b", toks(5000, 300))
+    waiting = asyncio.ensure_future(coord.restore(b, 100))  # 400 more: not before a is done
+    await settle()
+    assert not waiting.done() and s0.reserved_cells == 500
+    fake.held[a.slot.slot_id] = toks(0, 500).tolist()  # a's answer filled its 500 cells
+    a.slot.tokens = toks(0, 500)
+    s0.sharing.free = 100  # type: ignore[union-attr]
+    coord.release(a)  # a's reservation ends; its idle slot is erased for b
+    await asyncio.wait_for(waiting, 5)
+    assert fake.erased == [a.slot.slot_id] and s0.reserved_cells == 400
+    coord.release(b)
+    check(coord)
+
+
+async def test_no_room_and_nothing_in_flight_goes_ahead() -> None:
+    s0 = sharing_server(1, free=10)
+    coord = coordinator(s0)
+    lease = await coord.acquire("a", toks(0, 100))
+    await asyncio.wait_for(coord.restore(lease, 16), 5)  # the server will say no room itself
+    assert s0.reserved_cells == 116
+    coord.release(lease)
     check(coord)
 
 

@@ -45,16 +45,9 @@ class KvMoves:
             lease.unpin(self.tree)
             return  # nothing moves: the server's own reuse does it; the lock is for moves only
         try:
+            if server.sharing is not None:
+                await self._reserve(lease, n_predict)
             async with server.move_lock:
-                if server.sharing is not None:
-                    # Cells this request will fill: its uncached prompt and its answer (no more than
-                    # the slot can hold). Requests admitted before it and not finished yet have
-                    # reserved theirs: room is made for all of them, not for this one alone.
-                    answer = max(0, min(n_predict, server.n_ctx_slot - len(lease.tokens)))
-                    need = len(lease.tokens) - plan.predicted_cached + answer
-                    await server.sharing.ensure_free(need + server.reserved_cells)
-                    server.reserved_cells += need
-                    lease.reserved_cells = need
                 if attach and server.sharing is not None and plan.owner_id is not None:
                     await server.sharing.attach(plan.owner_id, slot.slot_id, plan.reuse_len)
                     slot.tokens = lease.tokens[: plan.reuse_len].copy()
@@ -69,6 +62,62 @@ class KvMoves:
             log.warning("restore into %s slot %d failed, prefilling: %s", server.name, slot.slot_id, exc)
         finally:
             lease.unpin(self.tree)
+
+    async def _reserve(self, lease: Lease, n_predict: int) -> None:
+        """Reserve the KV cells this request will fill (its uncached prompt and its answer, no
+        more than the slot holds) on top of those reserved by requests admitted before it and
+        not finished, and make room for all of them: release owners, then erase idle slots
+        (their KV is a cache), then wait for a request in flight to finish. Past
+        ``queue_timeout_s`` the request goes ahead anyway (the server then reports no room)."""
+        server, plan = lease.server, lease.plan
+        answer = max(0, min(n_predict, server.n_ctx_slot - len(lease.tokens)))
+        need = len(lease.tokens) - plan.predicted_cached + answer
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.queue_timeout_s
+        while True:
+            async with server.move_lock:
+                if await self._make_room(lease, need + server.reserved_cells):
+                    break
+                freed = server.room_freed  # taken under the lock: no release is missed
+            if server.reserved_cells == 0 or loop.time() >= deadline:
+                log.warning(
+                    "%s: no room for %d KV cells of request %s; sending it anyway",
+                    server.name,
+                    need,
+                    lease.request_id,
+                )
+                break
+            try:
+                async with asyncio.timeout(max(0.0, deadline - loop.time())):
+                    await freed.wait()
+            except TimeoutError:
+                pass
+        server.reserved_cells += need
+        lease.reserved_cells = need
+
+    async def _make_room(self, lease: Lease, cells: int) -> bool:
+        """True when ``cells`` plus the headroom are free, after releasing owners and erasing
+        idle slots, least recently used first (under the move lock)."""
+        server = lease.server
+        assert server.sharing is not None
+        if await server.sharing.ensure_free(cells):
+            return True
+        idle = [s for s in server.slots if not s.busy and s is not lease.slot and len(s.tokens)]
+        for slot in sorted(idle, key=lambda s: s.last_used):
+            slot.busy = True  # not leased while the server erases it
+            try:
+                await server.backend.kv_post("erase", {"slot": slot.slot_id}, cause=FallbackCause.ERASE)
+                slot.tokens, slot.ns = EMPTY, ""
+                server.sharing.index.slot_changed(slot.slot_id, EMPTY)
+                self.metrics.room_erases.inc()
+            except KvMoveError as exc:
+                log.warning("erasing idle %s slot %d for room failed: %s", server.name, slot.slot_id, exc)
+                slot.tokens, slot.ns = EMPTY, None  # unknown: erased before anyone reuses it
+            finally:
+                slot.busy = False
+            if await server.sharing.ensure_free(cells):
+                return True
+        return False
 
     async def _erase(self, lease: Lease) -> bool:
         """Clear a slot holding another namespace's KV, so the server cannot reuse it for

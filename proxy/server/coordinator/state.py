@@ -43,6 +43,14 @@ class ServerState:
     instance: str | None = None  # the server process's id (/kvctl "instance"); a new one: it restarted
     epoch: int = 0  # bumped when the server restarted: what leases from before knew is gone
     reserved_cells: int = 0  # KV cells that admitted, unfinished requests will still fill
+    # Set (and replaced) when a reservation ends: requests waiting for room look again.
+    room_freed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def reservation_ended(self, cells: int) -> None:
+        self.reserved_cells -= cells
+        if cells:
+            self.room_freed.set()
+            self.room_freed = asyncio.Event()
 
     def busy_count(self) -> int:
         return sum(s.busy for s in self.slots)
