@@ -319,7 +319,17 @@ def render_markdown(report: dict[str, Any], chart_note: str = "") -> str:
             "",
         ]
         lines += _table(
-            ["arm", "pairs", "residual p50", "residual p90", "residual p99", "TTFT p50", "TTFT p90", "e2e p50", "e2e p90"],
+            [
+                "arm",
+                "pairs",
+                "residual p50",
+                "residual p90",
+                "residual p99",
+                "TTFT p50",
+                "TTFT p90",
+                "e2e p50",
+                "e2e p90",
+            ],
             [
                 [
                     n,

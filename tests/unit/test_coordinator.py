@@ -659,3 +659,63 @@ async def test_moves_in_flight_count_against_the_tree_budget() -> None:
     coord.tree.check_invariants()
     with pytest.raises(ValueError):
         coord.tree.release(1)
+
+
+async def test_move_lock_serves_restores_before_queued_saves() -> None:
+    from proxy.server.coordinator.state import MoveLock
+
+    lock = MoveLock()
+    order: list[str] = []
+
+    async def hold(name: str, first: bool) -> None:
+        async with lock.first() if first else lock:
+            order.append(name)
+            await asyncio.sleep(0)
+
+    await lock.acquire()  # a save in progress
+    tasks = [
+        asyncio.ensure_future(hold("save-1", False)),
+        asyncio.ensure_future(hold("save-2", False)),
+        asyncio.ensure_future(hold("restore-1", True)),
+        asyncio.ensure_future(hold("restore-2", True)),
+    ]
+    cancelled = asyncio.ensure_future(hold("restore-cancelled", True))
+    await settle()
+    cancelled.cancel()
+    await settle()
+    lock.release()
+    await asyncio.gather(*tasks)
+    assert order == ["restore-1", "restore-2", "save-1", "save-2"]
+    assert not lock.locked()
+
+
+async def test_move_lock_passes_on_when_a_waiter_is_cancelled_after_the_handover() -> None:
+    from proxy.server.coordinator.state import MoveLock
+
+    lock = MoveLock()
+    await lock.acquire()
+    waiter = asyncio.ensure_future(lock.acquire(first=True))
+    other = asyncio.ensure_future(lock.acquire())
+    await settle()
+    lock.release()  # handed to `waiter`, which is cancelled before it runs
+    waiter.cancel()
+    await asyncio.wait_for(other, 5)  # the lock went on to the next one
+    assert lock.locked()
+    lock.release()
+    assert not lock.locked()
+
+
+async def test_restore_time_and_lock_wait_are_recorded() -> None:
+    s0 = sharing_server(2)
+    coord = coordinator(s0)
+    lease = await coord.acquire("a", toks(0, 100))
+    await s0.move_lock.acquire()  # a save holds the lock
+    restoring = asyncio.ensure_future(coord.restore(lease, 16))
+    await asyncio.sleep(0.05)
+    s0.move_lock.release()
+    await restoring
+    assert lease.lock_wait_s >= 0.04 and lease.restore_s >= lease.lock_wait_s
+    decision = coord.record(lease, {"cache_n": 0, "prompt_n": 100}, 0.1, 200)
+    assert decision.lock_wait_s == lease.lock_wait_s
+    coord.release(lease)
+    check(coord)

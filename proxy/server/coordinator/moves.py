@@ -8,7 +8,10 @@ slot's tokens (the server already dropped what it wrote) and the request is pref
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
+from collections.abc import AsyncIterator
 
 import numpy as np
 
@@ -34,6 +37,21 @@ class KvMoves:
 
     async def restore(self, lease: Lease, n_predict: int) -> None:
         """Do the plan's KV moves into the leased slot; on failure fall back to prefill."""
+        started = time.monotonic()
+        try:
+            await self._restore(lease, n_predict)
+        finally:
+            lease.restore_s += time.monotonic() - started
+
+    @contextlib.asynccontextmanager
+    async def _locked(self, lease: Lease) -> AsyncIterator[None]:
+        """The server's move lock for a restore step: ahead of queued saves, the wait timed."""
+        waited = time.monotonic()
+        async with lease.server.move_lock.first():
+            lease.lock_wait_s += time.monotonic() - waited
+            yield
+
+    async def _restore(self, lease: Lease, n_predict: int) -> None:
         plan, slot, server = lease.plan, lease.slot, lease.server
         if lease.erase_first and not await self._erase(lease):
             lease.unpin(self.tree)
@@ -47,7 +65,7 @@ class KvMoves:
         try:
             if server.sharing is not None:
                 await self._reserve(lease, n_predict)
-            async with server.move_lock:
+            async with self._locked(lease):
                 if attach and server.sharing is not None and plan.owner_id is not None:
                     await server.sharing.attach(plan.owner_id, slot.slot_id, plan.reuse_len)
                     slot.tokens = lease.tokens[: plan.reuse_len].copy()
@@ -75,7 +93,7 @@ class KvMoves:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.queue_timeout_s
         while True:
-            async with server.move_lock:
+            async with self._locked(lease):
                 if await self._make_room(lease, need + server.reserved_cells):
                     break
                 freed = server.room_freed  # taken under the lock: no release is missed
@@ -124,7 +142,7 @@ class KvMoves:
         this request. If that fails, the request runs with the server's reuse off."""
         slot, server = lease.slot, lease.server
         try:
-            async with server.move_lock:
+            async with self._locked(lease):
                 await server.backend.kv_post("erase", {"slot": slot.slot_id}, cause=FallbackCause.ERASE)
         except KvMoveError as exc:
             lease.fallback, lease.no_cache, lease.route = exc.cause, True, Route.PREFILL

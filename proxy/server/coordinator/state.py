@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,6 +20,58 @@ from proxy.server.mover import KvMover
 from proxy.server.sharing import Sharing
 
 EMPTY = np.zeros(0, dtype=np.int32)
+
+
+class MoveLock:
+    """One server's KV-move lock: ``async with lock`` like ``asyncio.Lock`` (first come, first
+    served), except that holders taken with ``lock.first()`` (restores: a request's first
+    token waits on them) go before every queued plain holder (saves after an answer, which
+    only keep their own slot busy a little longer)."""
+
+    def __init__(self) -> None:
+        self._held = False
+        self._first: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._plain: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    def locked(self) -> bool:
+        return self._held
+
+    async def acquire(self, first: bool = False) -> None:
+        if not self._held:
+            self._held = True
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        (self._first if first else self._plain).append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():  # handed over, then cancelled: pass it on
+                self.release()
+            raise
+
+    def release(self) -> None:
+        """Hand the lock to the next waiter (restores first), or free it."""
+        for queue in (self._first, self._plain):
+            while queue:
+                waiter = queue.popleft()
+                if not waiter.done():  # skip waiters cancelled while queued
+                    waiter.set_result(None)  # the lock stays held: handed over, no barging
+                    return
+        self._held = False
+
+    async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+    @contextlib.asynccontextmanager
+    async def first(self) -> AsyncIterator[None]:
+        await self.acquire(first=True)
+        try:
+            yield
+        finally:
+            self.release()
 
 
 @dataclass
@@ -37,7 +92,7 @@ class ServerState:
     slots: list[SlotState]
     n_ctx_slot: int
     sharing: Sharing | None = None
-    move_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    move_lock: MoveLock = field(default_factory=MoveLock)
     healthy: bool = True  # answering: may get new leases
     down_reason: str = ""
     instance: str | None = None  # the server process's id (/kvctl "instance"); a new one: it restarted
@@ -73,6 +128,8 @@ class Lease:
     erase_first: bool = False  # the slot holds another namespace's KV: clear it before use
     no_cache: bool = False  # the slot's KV could not be cleared: the server must not reuse it
     queued_s: float = 0.0
+    restore_s: float = 0.0  # in restore: making room, erasing, attaching, importing
+    lock_wait_s: float = 0.0  # of which waiting for the server's move lock (saves, other restores)
     route: Route = Route.PREFILL
     fallback: FallbackCause | None = None
     owner_pinned: bool = False
