@@ -26,7 +26,7 @@ from proxy.server.recorder import Recorder
 from proxy.server.runtime import Runtime
 from proxy.server.sharing import Sharing
 from proxy.tokenizer import CORPUS, probe
-from proxy.tokenizer.template import probe_template
+from proxy.tokenizer.template import TemplateProbe, probe_template
 
 log = logging.getLogger("radix")
 
@@ -240,7 +240,20 @@ async def _setup_tokenizer(runtime: Runtime) -> None:
 async def _setup_template(runtime: Runtime) -> None:
     """Render chat templates locally only if the template renders as the server's does on the
     parity conversations (tokenizer/template.py); else every request asks /apply-template."""
-    backend = runtime.primary
+    result = await probe_chat_template(runtime.primary)
+    runtime.template, runtime.template_note = result.template, result.note
+    runtime.metrics.template_fallback.set(0 if result.template is not None else 1)
+    if result.template is not None:
+        checked = result.parity.checked if result.parity else 0
+        log.info("chat template: rendered locally (matches the server on %d conversations)", checked)
+    else:
+        log.warning("chat template: using the server's /apply-template: %s", result.reason)
+        for line in result.parity.mismatches if result.parity else []:
+            log.warning("chat template parity: %s", line)
+
+
+async def probe_chat_template(backend: Backend) -> TemplateProbe:
+    """The proxy's startup probe of the chat template (also run by `radixctl doctor`)."""
     props = await backend.get_json("/props")
     bos, eos = str(props.get("bos_token") or ""), str(props.get("eos_token") or "")
     # Whether the vocab adds BOS / EOS itself (the server then strips them from the rendering):
@@ -254,15 +267,4 @@ async def _setup_template(runtime: Runtime) -> None:
     async def remote(messages: list[dict[str, str]]) -> str:
         return await backend.apply_template({"messages": messages}, {})
 
-    result = await probe_template(str(props.get("chat_template") or ""), bos, eos, add_bos, add_eos, remote)
-    runtime.template, runtime.template_note = result.template, result.note
-    runtime.metrics.template_fallback.set(0 if result.template is not None else 1)
-    if result.template is not None:
-        log.info(
-            "chat template: rendered locally (matches the server on %d conversations)",
-            result.parity.checked if result.parity else 0,
-        )
-    else:
-        log.warning("chat template: using the server's /apply-template: %s", result.reason)
-        for line in result.parity.mismatches if result.parity else []:
-            log.warning("chat template parity: %s", line)
+    return await probe_template(str(props.get("chat_template") or ""), bos, eos, add_bos, add_eos, remote)
