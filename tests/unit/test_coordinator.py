@@ -719,3 +719,18 @@ async def test_restore_time_and_lock_wait_are_recorded() -> None:
     assert decision.lock_wait_s == lease.lock_wait_s
     coord.release(lease)
     check(coord)
+
+
+async def test_no_room_within_the_queue_deadline_is_a_503() -> None:
+    s0 = sharing_server(2, free=600)
+    coord = coordinator(s0, queue_timeout_s=0.2)
+    a = await coord.acquire("a", toks(0, 400))
+    await coord.restore(a, 100)
+    b = await coord.acquire("b", toks(5000, 300))
+    with pytest.raises(Unavailable, match="no room"):
+        await coord.restore(b, 100)
+    assert s0.reserved_cells == 500 and b.reserved_cells == 0
+    assert coord.metrics.rejected.labels("no_room")._value.get() == 1
+    coord.release(b)
+    coord.release(a)
+    check(coord)

@@ -19,7 +19,7 @@ from proxy.config import Config
 from proxy.core.planner import Route
 from proxy.core.radix import RadixTree
 from proxy.core.resident import common_prefix
-from proxy.errors import FallbackCause, KvMoveError
+from proxy.errors import FallbackCause, KvMoveError, Unavailable
 from proxy.server.coordinator.state import EMPTY, Lease
 from proxy.server.metrics import Metrics
 
@@ -85,8 +85,9 @@ class KvMoves:
         """Reserve the KV cells this request will fill (its uncached prompt and its answer, no
         more than the slot holds) on top of those reserved by requests admitted before it and
         not finished, and make room for all of them: release owners, then erase idle slots
-        (their KV is a cache), then wait for a request in flight to finish. Past
-        ``queue_timeout_s`` the request goes ahead anyway (the server then reports no room)."""
+        (their KV is a cache), then wait for a request in flight to finish. With nothing in
+        flight to wait for the request goes ahead (the server then decides); past
+        ``queue_timeout_s`` it is refused (503), not sent to run every active slot out of cells."""
         server, plan = lease.server, lease.plan
         answer = max(0, min(n_predict, server.n_ctx_slot - len(lease.tokens)))
         need = len(lease.tokens) - plan.predicted_cached + answer
@@ -97,14 +98,20 @@ class KvMoves:
                 if await self._make_room(lease, need + server.reserved_cells):
                     break
                 freed = server.room_freed  # taken under the lock: no release is missed
-            if server.reserved_cells == 0 or loop.time() >= deadline:
+            if server.reserved_cells == 0:
                 log.warning(
-                    "%s: no room for %d KV cells of request %s; sending it anyway",
+                    "%s: no room for %d KV cells of request %s and nothing in flight; sending it",
                     server.name,
                     need,
                     lease.request_id,
                 )
                 break
+            if loop.time() >= deadline:
+                self.metrics.rejected.labels("no_room").inc()
+                raise Unavailable(
+                    f"no room for {need} KV cells within {self.config.queue_timeout_s:g} s "
+                    "(the requests in flight hold the pool)"
+                )
             try:
                 async with asyncio.timeout(max(0.0, deadline - loop.time())):
                     await freed.wait()
