@@ -734,3 +734,24 @@ async def test_no_room_within_the_queue_deadline_is_a_503() -> None:
     coord.release(b)
     coord.release(a)
     check(coord)
+
+
+async def test_a_request_is_sent_after_the_restores_pending_on_its_server() -> None:
+    s0 = server("s0", n_slots=2)
+    coord = coordinator(s0)
+    t = toks(0, 200)
+    coord.tree.insert(t, KvSegment(0, LAYOUT, rows(t.tolist())))
+    first = await coord.acquire("a", toks(5000, 50))  # nothing to restore: sent at once...
+    other = await coord.acquire("b", toks(0, 210))  # ...unless this one's host import is pending
+    assert other.host is not None
+    await s0.move_lock.acquire()  # a save holds the lock: b's import waits behind it
+    importing = asyncio.ensure_future(coord.restore(other, 16))
+    sending = asyncio.ensure_future(coord.restore(first, 16))
+    await settle()
+    assert not sending.done()  # waits for b's restore, so that both prefills run together
+    s0.move_lock.release()
+    await asyncio.wait_for(asyncio.gather(importing, sending), 5)
+    assert other.route == Route.H or other.plan.host_to == 200
+    coord.release(first)
+    coord.release(other)
+    check(coord)

@@ -25,6 +25,7 @@ from proxy.server.metrics import Metrics
 
 log = logging.getLogger("radix")
 
+RESTORES_FIRST_S = 5.0  # a request waits at most this long for other restores before it is sent
 BUSY_POLLS = 100  # a cancelled request may still be winding down: poll its slot this often
 BUSY_POLL_S = 0.02
 
@@ -40,6 +41,7 @@ class KvMoves:
         started = time.monotonic()
         try:
             await self._restore(lease, n_predict)
+            await lease.server.move_lock.restores_done(RESTORES_FIRST_S)
         finally:
             lease.restore_s += time.monotonic() - started
 

@@ -32,6 +32,9 @@ class MoveLock:
         self._held = False
         self._first: collections.deque[asyncio.Future[None]] = collections.deque()
         self._plain: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._restores = 0  # restore steps holding or waiting for the lock
+        self._no_restores = asyncio.Event()
+        self._no_restores.set()
 
     def locked(self) -> bool:
         return self._held
@@ -67,11 +70,29 @@ class MoveLock:
 
     @contextlib.asynccontextmanager
     async def first(self) -> AsyncIterator[None]:
-        await self.acquire(first=True)
+        self._restores += 1
+        self._no_restores.clear()
         try:
-            yield
+            await self.acquire(first=True)
+            try:
+                yield
+            finally:
+                self.release()
         finally:
-            self.release()
+            self._restores -= 1
+            if not self._restores:
+                self._no_restores.set()
+
+    async def restores_done(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until no restore holds or waits for the lock. A
+        /kvctl move waits for the server's main loop, which a prompt being computed keeps
+        busy: a request sent while another's restore is pending makes that restore wait for
+        its whole prefill, where sending it a moment later lets both prefills run together."""
+        if self._no_restores.is_set():
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._no_restores.wait()
 
 
 @dataclass
