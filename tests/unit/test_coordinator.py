@@ -755,3 +755,18 @@ async def test_a_request_is_sent_after_the_restores_pending_on_its_server() -> N
     coord.release(first)
     coord.release(other)
     check(coord)
+
+
+async def test_only_the_answer_stays_reserved_once_the_prompt_is_computed() -> None:
+    s0 = sharing_server(2, free=600)
+    coord = coordinator(s0)
+    a = await coord.acquire("a", toks(0, 400))
+    await coord.restore(a, 100)
+    assert s0.reserved_cells == 500
+    a.prompt_computed()  # the first token came: the prompt's 400 cells show in the free count
+    assert s0.reserved_cells == 100 and a.reserved_cells == 100
+    a.prompt_computed()
+    assert s0.reserved_cells == 100
+    coord.release(a)
+    assert s0.reserved_cells == 0
+    check(coord)

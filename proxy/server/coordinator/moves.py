@@ -120,7 +120,7 @@ class KvMoves:
             except TimeoutError:
                 pass
         server.reserved_cells += need
-        lease.reserved_cells = need
+        lease.reserved_cells, lease.answer_cells = need, answer
 
     async def _make_room(self, lease: Lease, cells: int) -> bool:
         """True when ``cells`` plus the headroom are free, after releasing owners and erasing

@@ -146,6 +146,7 @@ class Lease:
     ns: str = ""  # cache-isolation namespace of the request
     epoch: int = 0  # the server's epoch when leased
     reserved_cells: int = 0  # its part of server.reserved_cells, returned on release
+    answer_cells: int = 0  # of which for the answer (the rest is the prompt's)
     erase_first: bool = False  # the slot holds another namespace's KV: clear it before use
     no_cache: bool = False  # the slot's KV could not be cleared: the server must not reuse it
     queued_s: float = 0.0
@@ -157,6 +158,14 @@ class Lease:
     finishing: bool = False  # the answer is complete; the slot is being saved
     started: float = field(default_factory=time.monotonic)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def prompt_computed(self) -> None:
+        """The server sent the first token: the prompt's cells are filled (the pool's free count
+        shows them now), so only the answer's stay reserved."""
+        drop = self.reserved_cells - self.answer_cells
+        if drop > 0:
+            self.reserved_cells -= drop
+            self.server.reservation_ended(drop)
 
     def unpin(self, tree: RadixTree) -> None:
         """Drop the plan's pins on the host path and the resident owner (idempotent)."""
