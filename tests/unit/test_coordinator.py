@@ -770,3 +770,32 @@ async def test_only_the_answer_stays_reserved_once_the_prompt_is_computed() -> N
     coord.release(a)
     assert s0.reserved_cells == 0
     check(coord)
+
+
+async def test_requests_arriving_together_are_sent_after_each_others_restores() -> None:
+    s0 = server("s0", n_slots=2)
+    coord = coordinator(s0)
+    t = toks(0, 200)
+    coord.tree.insert(t, KvSegment(0, LAYOUT, rows(t.tolist())))
+    sent: list[str] = []
+
+    async def handle(name: str, tokens: np.ndarray) -> Lease:
+        lease = await coord.acquire(name, tokens)
+        await coord.restore(lease, 16)
+        sent.append(name)
+        return lease
+
+    await s0.move_lock.acquire()  # b's import will wait behind a save
+    # a has nothing to restore and runs first, b's import is not pending yet when a is done
+    tasks = [
+        asyncio.ensure_future(handle("a", toks(5000, 50))),
+        asyncio.ensure_future(handle("b", toks(0, 210))),
+    ]
+    await settle()
+    assert sent == []  # a waits for b's restore
+    s0.move_lock.release()
+    leases = await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    assert sorted(sent) == ["a", "b"]
+    for lease in leases:
+        coord.release(lease)
+    check(coord)

@@ -25,6 +25,7 @@ from proxy.server.metrics import Metrics
 
 log = logging.getLogger("radix")
 
+WAVE_YIELDS = 3
 RESTORES_FIRST_S = 5.0  # a request waits at most this long for other restores before it is sent
 BUSY_POLLS = 100  # a cancelled request may still be winding down: poll its slot this often
 BUSY_POLL_S = 0.02
@@ -41,6 +42,10 @@ class KvMoves:
         started = time.monotonic()
         try:
             await self._restore(lease, n_predict)
+            # Requests that arrived together (a wave) get a few turns of the loop to reach their
+            # own restore before this one is sent (an I/O poll, then their handlers' first step).
+            for _ in range(WAVE_YIELDS):
+                await asyncio.sleep(0)
             await lease.server.move_lock.restores_done(RESTORES_FIRST_S)
         finally:
             lease.restore_s += time.monotonic() - started
