@@ -215,7 +215,7 @@ def restore(
 
 
 def overhead(
-    pairs: int = 40, prompt_tokens: int = 32, max_tokens: int = 1, delay_s: float = 0.2, seed: int = 0
+    pairs: int = 100, prompt_tokens: int = 32, max_tokens: int = 1, delay_s: float = 0.2, seed: int = 0
 ) -> Workload:
     """Short distinct prompts, alternately through the arm's front and to its server directly.
 

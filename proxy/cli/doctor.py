@@ -203,6 +203,8 @@ async def _doctor(
             )
         )
 
+    checks.append(await _template_check(backend))
+
     # 5. tokenizer parity (add_special and parse_special, as the chat path tokenizes)
     checks.append(await _parity_check(backend, model_path, tokenizer_cache))
     return checks
@@ -306,6 +308,29 @@ def _caps_checks(caps: dict[str, Any], shm_dir: Path | None, layout_cls: Any) ->
             )
         )
     return out
+
+
+async def _template_check(backend: Any) -> Check:
+    """Whether the proxy will render chat templates itself (the startup probe, as a check)."""
+    from proxy.server.startup import probe_chat_template
+
+    try:
+        found = await probe_chat_template(backend)
+    except (RadixError, KeyError) as exc:
+        return Check("chat template parity", "warn", f"could not probe: {exc}")
+    if found.template is not None:
+        checked = found.parity.checked if found.parity else 0
+        return Check(
+            "chat template parity",
+            "ok",
+            f"rendered in the proxy: identical to /apply-template on {checked} chats",
+        )
+    return Check(
+        "chat template parity",
+        "warn",
+        f"rendered by the server's /apply-template ({found.reason}): one more HTTP call per request",
+        "nothing to change (same prompts, slower); or report the template",
+    )
 
 
 async def _parity_check(backend: Any, model_path: Path, cache: Path) -> Check:

@@ -188,7 +188,10 @@ def up_forever(
 
     def ready(runtime: Runtime) -> None:
         base = f"http://{config.host}:{config.port}/v1"
-        say(f"proxy ready. OpenAI base URL: {base}   (tokenizer: {runtime.tokenizer_note})")
+        say(
+            f"proxy ready. OpenAI base URL: {base}   (tokenizer: {runtime.tokenizer_note}, "
+            f"chat template: {runtime.template_note})"
+        )
         say(
             "try:\n  curl " + base + "/chat/completions -H 'Content-Type: application/json' \\\n"
             '    -d \'{"messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 32}\''

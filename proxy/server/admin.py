@@ -320,4 +320,5 @@ async def stats(runtime: Runtime) -> dict[str, Any]:
         },
         "tiers": tiers(runtime),
         "tokenizer": runtime.tokenizer_note,
+        "chat_template": runtime.template_note,
     }

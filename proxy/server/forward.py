@@ -130,7 +130,7 @@ async def forward_completion(
             )
             await stream.prepare(request)
             started = True
-            await _relay(request, up, stream, arrived, outcome, show, buffer_bytes, on_upstream_done)
+            await _relay(request, up, stream, lease, arrived, outcome, show, buffer_bytes, on_upstream_done)
             return stream
     except (aiohttp.ClientError, TimeoutError) as exc:
         if not started:
@@ -142,6 +142,7 @@ async def _relay(
     request: web.Request,
     up: aiohttp.ClientResponse,
     stream: web.StreamResponse,
+    lease: Lease,
     arrived: float,
     outcome: Outcome,
     show: bool,
@@ -158,6 +159,7 @@ async def _relay(
             async for chunk in up.content.iter_any():
                 if outcome.ttft_s is None:
                     outcome.ttft_s = time.monotonic() - arrived
+                    lease.prompt_computed()
                 outcome.feed_sse(chunk)
                 buffered += len(chunk)
                 if buffered > buffer_bytes:

@@ -38,7 +38,7 @@ SHARE_PATHS = {
 }
 FALLBACK_CAUSES = tuple(c.value for c in FallbackCause)
 DIRECTIONS = ("export", "import")
-REJECT_REASONS = ("queue_full", "queue_timeout", "shutting_down")
+REJECT_REASONS = ("queue_full", "queue_timeout", "shutting_down", "no_room")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 
 # GET /kvctl/cells field -> pool gauge (all per server, in KV cells).
@@ -193,6 +193,11 @@ class Metrics:
             f"{ns}_host_saved_tokens", "New tokens stored in the host tree", registry=registry
         )
         self.tree_loads = Counter(f"{ns}_host_loads", "Host restores into a slot", registry=registry)
+        self.room_erases = Counter(
+            f"{ns}_room_erases",
+            "Idle slots erased to make room for the KV cells of admitted requests (resident sharing)",
+            registry=registry,
+        )
         self.tree_loaded_tokens = SyncedCounter(
             Counter(
                 f"{ns}_host_loaded_tokens", "Tokens restored from the host tree into slots", registry=registry
@@ -263,6 +268,12 @@ class Metrics:
             f"{ns}_tokenizer_server_fallback",
             "1 when the server's /tokenize is used because the local tokenizer is "
             "unavailable or differed from the server's",
+            registry=registry,
+        )
+        self.template_fallback = Gauge(
+            f"{ns}_chat_template_server_fallback",
+            "1 when every chat request is rendered by the server's /apply-template because the "
+            "local chat template is unknown or differed from the server's",
             registry=registry,
         )
 

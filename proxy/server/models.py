@@ -22,6 +22,7 @@ import orjson
 
 from proxy.errors import BadRequest, NotFound
 from proxy.tokenizer import PromptTokenizer
+from proxy.tokenizer.template import ChatTemplate
 
 
 @dataclass
@@ -34,6 +35,8 @@ class ModelEntry:
     n_vocab: int = 1 << 31
     local_tokenizer: PromptTokenizer | None = None
     tokenizer_note: str = "server"
+    template: ChatTemplate | None = None  # rendered locally: passed the startup parity check
+    template_note: str = "server"
 
 
 def compat_ns(compat: dict[str, Any]) -> str:

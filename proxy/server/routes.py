@@ -70,8 +70,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     if not isinstance(body.get("messages"), list) or not body["messages"]:
         raise BadRequest("'messages' must be a non-empty array")
     model = pick_model(runtime.models, body)
-    headers = forward_headers(request)
-    prompt = await runtime.on_any_server(lambda backend: backend.apply_template(body, headers), model.name)
+    prompt = await runtime.render(body, forward_headers(request), model)
     tokens = await runtime.tokenize(prompt, model)
     return await _steered(request, body, tokens, model)
 

@@ -19,8 +19,13 @@ from proxy.server.metrics import Metrics
 from proxy.server.models import ModelEntry
 from proxy.server.recorder import Recorder
 from proxy.tokenizer import PromptTokenizer
+from proxy.tokenizer.template import ChatTemplate
 
 T = TypeVar("T")
+
+# Prompts up to this many characters are tokenized on the event loop: for them the hop to a
+# worker thread and back (two wake-ups) costs more than the tokenizing (piece cache, ~50 us).
+INLINE_TOKENIZE_CHARS = 4096
 
 
 class Runtime:
@@ -47,13 +52,32 @@ class Runtime:
         self.tokenizer_note = "server"
         # Served models by name (startup); the attributes above describe the first one.
         self.models: dict[str, ModelEntry] = {}
+        self.template: ChatTemplate | None = None  # the first model's, where it renders as the server's
+        self.template_note = "server"
         self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def render(
+        self, body: dict[str, Any], headers: dict[str, str], model: ModelEntry | None = None
+    ) -> str:
+        """The chat request's prompt exactly as the server renders it: locally when the model's
+        template passed the startup parity check and the request has the plain shape, else by a
+        server of the model."""
+        template = model.template if model is not None else self.template
+        if template is not None:
+            prompt = template.render(body)
+            if prompt is not None:
+                return prompt
+        name = model.name if model is not None else ""
+        return await self.on_any_server(lambda backend: backend.apply_template(body, headers), name)
 
     async def tokenize(self, prompt: str, model: ModelEntry | None = None) -> np.ndarray:
         """The prompt's tokens exactly as the server's chat path makes them."""
         local = model.local_tokenizer if model is not None else self.local_tokenizer
         if local is not None:
-            ids = await asyncio.to_thread(local.encode, prompt)
+            if len(prompt) <= INLINE_TOKENIZE_CHARS:
+                ids = local.encode(prompt)
+            else:
+                ids = await asyncio.to_thread(local.encode, prompt)
         else:
             name = model.name if model is not None else ""
             ids = await self.on_any_server(

@@ -103,14 +103,16 @@ class Sharing:
         await self._release(new_owner)
         return False
 
-    async def ensure_free(self, need: int) -> None:
-        """Release owners until ``need`` cells plus the headroom are free (if owners can give them)."""
+    async def ensure_free(self, need: int) -> bool:
+        """Release owners until ``need`` cells plus the headroom are free; False when owners
+        could not give that many."""
         cells = await self.cells()
         for victim in self.index.release_order():
             if int(cells["free"]) >= need + self.headroom:
-                return
+                return True
             await self._release(victim)
             cells = await self.cells()
+        return int(cells["free"]) >= need + self.headroom
 
     async def _release(self, owner_id: int) -> None:
         try:

@@ -30,6 +30,7 @@ from proxy.server.recorder import Recorder
 from proxy.server.runtime import Runtime
 from proxy.server.sharing import Sharing
 from proxy.tokenizer import CORPUS, probe
+from proxy.tokenizer.template import TemplateProbe, probe_template
 
 log = logging.getLogger("radix")
 
@@ -67,9 +68,11 @@ async def create_runtime(
     for entry in models.values():
         backend = next(s.backend for s in servers if s.model == entry.name)
         await _setup_tokenizer(runtime, entry, backend)
+        await _setup_template(runtime, entry, backend)
         entry.n_vocab = await _n_vocab(backend)
     first = next(iter(models.values()))
     runtime.local_tokenizer, runtime.tokenizer_note = first.local_tokenizer, first.tokenizer_note
+    runtime.template, runtime.template_note = first.template, first.template_note
     runtime.n_vocab = first.n_vocab
     return runtime
 
@@ -342,3 +345,37 @@ async def _setup_tokenizer(runtime: Runtime, entry: ModelEntry, backend: Backend
             "tokenizer: local tokenizer differs from the server on %d texts; using the server's",
             result.mismatches,
         )
+
+
+async def _setup_template(runtime: Runtime, entry: ModelEntry, backend: Backend) -> None:
+    """Render chat templates locally only if the template renders as the server's does on the
+    parity conversations (tokenizer/template.py); else every request asks /apply-template."""
+    result = await probe_chat_template(backend)
+    entry.template, entry.template_note = result.template, result.note
+    if result.template is None or entry is next(iter(runtime.models.values())):
+        runtime.metrics.template_fallback.set(0 if result.template is not None else 1)
+    if result.template is not None:
+        checked = result.parity.checked if result.parity else 0
+        log.info("chat template: rendered locally (matches the server on %d conversations)", checked)
+    else:
+        log.warning("chat template: using the server's /apply-template: %s", result.reason)
+        for line in result.parity.mismatches if result.parity else []:
+            log.warning("chat template parity: %s", line)
+
+
+async def probe_chat_template(backend: Backend) -> TemplateProbe:
+    """The proxy's startup probe of the chat template (also run by `radixctl doctor`)."""
+    props = await backend.get_json("/props")
+    bos, eos = str(props.get("bos_token") or ""), str(props.get("eos_token") or "")
+    # Whether the vocab adds BOS / EOS itself (the server then strips them from the rendering):
+    # what the server's tokenizer adds to an empty text.
+    added = await backend.tokenize("", add_special=True)
+    bos_ids = await backend.tokenize(bos, add_special=False) if bos else []
+    eos_ids = await backend.tokenize(eos, add_special=False) if eos else []
+    add_bos = bool(added and bos_ids == added[:1])
+    add_eos = bool(added and eos_ids == added[-1:] and (len(added) > 1 or not add_bos))
+
+    async def remote(messages: list[dict[str, str]]) -> str:
+        return await backend.apply_template({"messages": messages}, {})
+
+    return await probe_template(str(props.get("chat_template") or ""), bos, eos, add_bos, add_eos, remote)

@@ -70,6 +70,12 @@ def test_caps_checks_say_what_to_change(tmp_path: Path) -> None:
     assert bad["fault injection"].status == "warn" and bad["context"].status == "warn"
 
 
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 class FakeBackend:
     url = "http://fake"
 
@@ -87,6 +93,9 @@ class FakeBackend:
                 "total_slots": 4,
                 "model_path": self.model,
                 "modalities": {"vision": False},
+                "chat_template": TEMPLATE,
+                "bos_token": "",
+                "eos_token": "",
             }
         )
 
@@ -99,7 +108,12 @@ class FakeBackend:
         return {"slots": [{}] * 4, "owners": []} if route == "slots" else {"used": 0, "n_cells": 8192}
 
     async def apply_template(self, body: Any, headers: Any) -> str:
-        return "<|im_start|>user\nhi"
+        return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in body["messages"]) + (
+            "<|im_start|>assistant\n"
+        )
+
+    async def tokenize(self, text: str, add_special: bool, parse_special: bool = True) -> list[int]:
+        return [ord(c) for c in text]
 
 
 @pytest.mark.parametrize(("status", "fix"), [(404, "--kvctl"), (401, "--kvctl-key")])
@@ -123,6 +137,8 @@ def test_doctor_on_a_patched_server(tmp_path: Path) -> None:
     assert {"kvctl", "KV layout", "sharing", "/kvctl/slots", "/kvctl/cells", "chat template"} <= {
         c.name for c in checks
     }
+    (parity,) = [c for c in checks if c.name == "chat template parity"]
+    assert parity.status == "ok" and "rendered in the proxy" in parity.detail
 
 
 def test_doctor_tokenizer_check_uses_the_startup_probe(tmp_path: Path) -> None:

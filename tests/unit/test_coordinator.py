@@ -45,6 +45,7 @@ class FakeServer:
         self.fail_erase = False
         self.imports: list[tuple[int, int, int]] = []
         self.erased: list[int] = []
+        self.erased_cells: list[int] = []  # what each erased slot held (sharing_server)
 
     async def kv_post(self, route: str, body: dict[str, Any], cause: FallbackCause) -> dict[str, Any]:
         assert route == "erase", route
@@ -549,20 +550,40 @@ async def test_an_empty_slot_takes_the_namespace_of_the_request_it_serves() -> N
     check(coord)
 
 
+class FakeSharing:
+    """Owners that give no cells; the pool has ``free`` cells plus what erased slots held."""
+
+    def __init__(self, fake: FakeServer, free: int = 1 << 30) -> None:
+        from proxy.core.resident import ResidentIndex
+
+        self.index = ResidentIndex(range(4, 8), 0)
+        self.asked: list[int] = []
+        self.fake, self.free = fake, free
+
+    async def ensure_free(self, need: int) -> bool:
+        self.asked.append(need)
+        return need <= self.free + sum(self.fake.erased_cells)
+
+
+def sharing_server(
+    n_slots: int, free: int = 1 << 30, held: dict[int, list[int]] | None = None
+) -> ServerState:
+    s0 = server("s0", n_slots=n_slots, held=held)
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+    real_post = fake.kv_post
+
+    async def kv_post(route: str, body: dict[str, Any], cause: FallbackCause) -> dict[str, Any]:
+        fake.erased_cells.append(len(fake.held[body["slot"]]))
+        return await real_post(route, body, cause)
+
+    fake.kv_post = kv_post  # type: ignore[method-assign]
+    s0.sharing = FakeSharing(fake, free)  # type: ignore[assignment]
+    return s0
+
+
 async def test_cells_are_reserved_across_requests_admitted_together() -> None:
-    from proxy.core.resident import ResidentIndex
-
-    class FakeSharing:
-        def __init__(self) -> None:
-            self.index = ResidentIndex(range(4, 8), 0)
-            self.asked: list[int] = []
-
-        async def ensure_free(self, need: int) -> None:
-            self.asked.append(need)
-
-    s0 = server("s0", n_slots=2)
-    sharing = FakeSharing()
-    s0.sharing = sharing  # type: ignore[assignment]
+    s0 = sharing_server(2)
+    sharing: FakeSharing = s0.sharing  # type: ignore[assignment]
     coord = coordinator(s0)
     a = await coord.acquire("a", toks(0, 100))
     b = await coord.acquire("b", toks(5000, 300))
@@ -574,6 +595,52 @@ async def test_cells_are_reserved_across_requests_admitted_together() -> None:
     assert s0.reserved_cells == 4096
     coord.release(b)
     assert s0.reserved_cells == 0
+    check(coord)
+
+
+async def test_room_is_made_by_erasing_idle_slots_least_recently_used_first() -> None:
+    held = {0: list(range(1000, 1400)), 1: list(range(2000, 2300)), 2: []}
+    s0 = sharing_server(3, free=250, held=held)
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+    s0.slots[0].last_used, s0.slots[1].last_used = 2.0, 1.0  # slot 1 is the older cache
+    coord = coordinator(s0)
+    lease = await coord.acquire("a", toks(0, 500))
+    assert lease.slot.slot_id == 2
+    await coord.restore(lease, 16)  # 516 cells: 250 free, slot 1 gives 300 more
+    assert fake.erased == [1] and len(s0.slots[1].tokens) == 0 and len(s0.slots[0].tokens) == 400
+    assert s0.reserved_cells == 516 and not s0.slots[1].busy
+    assert coord.metrics.room_erases._value.get() == 1
+    coord.release(lease)
+    check(coord)
+
+
+async def test_a_request_without_room_waits_for_one_in_flight() -> None:
+    s0 = sharing_server(2, free=600)
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+    coord = coordinator(s0)
+    a = await coord.acquire("a", toks(0, 400))
+    await coord.restore(a, 100)  # reserves 500 of the 600
+    b = await coord.acquire("b", toks(5000, 300))
+    waiting = asyncio.ensure_future(coord.restore(b, 100))  # 400 more: not before a is done
+    await settle()
+    assert not waiting.done() and s0.reserved_cells == 500
+    fake.held[a.slot.slot_id] = toks(0, 500).tolist()  # a's answer filled its 500 cells
+    a.slot.tokens = toks(0, 500)
+    s0.sharing.free = 100  # type: ignore[union-attr]
+    coord.release(a)  # a's reservation ends; its idle slot is erased for b
+    await asyncio.wait_for(waiting, 5)
+    assert fake.erased == [a.slot.slot_id] and s0.reserved_cells == 400
+    coord.release(b)
+    check(coord)
+
+
+async def test_no_room_and_nothing_in_flight_goes_ahead() -> None:
+    s0 = sharing_server(1, free=10)
+    coord = coordinator(s0)
+    lease = await coord.acquire("a", toks(0, 100))
+    await asyncio.wait_for(coord.restore(lease, 16), 5)  # the server will say no room itself
+    assert s0.reserved_cells == 116
+    coord.release(lease)
     check(coord)
 
 
@@ -657,5 +724,145 @@ async def test_a_slot_saving_its_answer_is_not_counted_as_load() -> None:
     nxt = await coord.acquire("r2", toks(2000, 40))
     assert nxt.server is s1  # s0 now runs one request
     for lease in (saving, running, nxt):
+        coord.release(lease)
+    check(coord)
+
+
+async def test_move_lock_serves_restores_before_queued_saves() -> None:
+    from proxy.server.coordinator.state import MoveLock
+
+    lock = MoveLock()
+    order: list[str] = []
+
+    async def hold(name: str, first: bool) -> None:
+        async with lock.first() if first else lock:
+            order.append(name)
+            await asyncio.sleep(0)
+
+    await lock.acquire()  # a save in progress
+    tasks = [
+        asyncio.ensure_future(hold("save-1", False)),
+        asyncio.ensure_future(hold("save-2", False)),
+        asyncio.ensure_future(hold("restore-1", True)),
+        asyncio.ensure_future(hold("restore-2", True)),
+    ]
+    cancelled = asyncio.ensure_future(hold("restore-cancelled", True))
+    await settle()
+    cancelled.cancel()
+    await settle()
+    lock.release()
+    await asyncio.gather(*tasks)
+    assert order == ["restore-1", "restore-2", "save-1", "save-2"]
+    assert not lock.locked()
+
+
+async def test_move_lock_passes_on_when_a_waiter_is_cancelled_after_the_handover() -> None:
+    from proxy.server.coordinator.state import MoveLock
+
+    lock = MoveLock()
+    await lock.acquire()
+    waiter = asyncio.ensure_future(lock.acquire(first=True))
+    other = asyncio.ensure_future(lock.acquire())
+    await settle()
+    lock.release()  # handed to `waiter`, which is cancelled before it runs
+    waiter.cancel()
+    await asyncio.wait_for(other, 5)  # the lock went on to the next one
+    assert lock.locked()
+    lock.release()
+    assert not lock.locked()
+
+
+async def test_restore_time_and_lock_wait_are_recorded() -> None:
+    s0 = sharing_server(2)
+    coord = coordinator(s0)
+    lease = await coord.acquire("a", toks(0, 100))
+    await s0.move_lock.acquire()  # a save holds the lock
+    restoring = asyncio.ensure_future(coord.restore(lease, 16))
+    await asyncio.sleep(0.05)
+    s0.move_lock.release()
+    await restoring
+    assert lease.lock_wait_s >= 0.04 and lease.restore_s >= lease.lock_wait_s
+    decision = coord.record(lease, {"cache_n": 0, "prompt_n": 100}, 0.1, 200)
+    assert decision.lock_wait_s == lease.lock_wait_s
+    coord.release(lease)
+    check(coord)
+
+
+async def test_no_room_within_the_queue_deadline_is_a_503() -> None:
+    s0 = sharing_server(2, free=600)
+    coord = coordinator(s0, queue_timeout_s=0.2)
+    a = await coord.acquire("a", toks(0, 400))
+    await coord.restore(a, 100)
+    b = await coord.acquire("b", toks(5000, 300))
+    with pytest.raises(Unavailable, match="no room"):
+        await coord.restore(b, 100)
+    assert s0.reserved_cells == 500 and b.reserved_cells == 0
+    assert coord.metrics.rejected.labels("no_room")._value.get() == 1
+    coord.release(b)
+    coord.release(a)
+    check(coord)
+
+
+async def test_a_request_is_sent_after_the_restores_pending_on_its_server() -> None:
+    s0 = server("s0", n_slots=2)
+    coord = coordinator(s0)
+    t = toks(0, 200)
+    coord.tree.insert(t, KvSegment(0, LAYOUT, rows(t.tolist())))
+    first = await coord.acquire("a", toks(5000, 50))  # nothing to restore: sent at once...
+    other = await coord.acquire("b", toks(0, 210))  # ...unless this one's host import is pending
+    assert other.host is not None
+    await s0.move_lock.acquire()  # a save holds the lock: b's import waits behind it
+    importing = asyncio.ensure_future(coord.restore(other, 16))
+    sending = asyncio.ensure_future(coord.restore(first, 16))
+    await settle()
+    assert not sending.done()  # waits for b's restore, so that both prefills run together
+    s0.move_lock.release()
+    await asyncio.wait_for(asyncio.gather(importing, sending), 5)
+    assert other.route == Route.H or other.plan.host_to == 200
+    coord.release(first)
+    coord.release(other)
+    check(coord)
+
+
+async def test_only_the_answer_stays_reserved_once_the_prompt_is_computed() -> None:
+    s0 = sharing_server(2, free=600)
+    coord = coordinator(s0)
+    a = await coord.acquire("a", toks(0, 400))
+    await coord.restore(a, 100)
+    assert s0.reserved_cells == 500
+    a.prompt_computed()  # the first token came: the prompt's 400 cells show in the free count
+    assert s0.reserved_cells == 100 and a.reserved_cells == 100
+    a.prompt_computed()
+    assert s0.reserved_cells == 100
+    coord.release(a)
+    assert s0.reserved_cells == 0
+    check(coord)
+
+
+async def test_requests_arriving_together_are_sent_after_each_others_restores() -> None:
+    s0 = server("s0", n_slots=2)
+    coord = coordinator(s0)
+    t = toks(0, 200)
+    coord.tree.insert(t, KvSegment(0, LAYOUT, rows(t.tolist())))
+    sent: list[str] = []
+
+    async def handle(name: str, tokens: np.ndarray) -> Lease:
+        lease = await coord.acquire(name, tokens)
+        await coord.restore(lease, 16)
+        sent.append(name)
+        return lease
+
+    await s0.move_lock.acquire()  # b's import will wait behind a save
+    # a has nothing to restore and runs first, b's import is not pending yet when a is done
+    tasks = [
+        asyncio.ensure_future(handle("a", toks(5000, 50))),
+        asyncio.ensure_future(handle("b", toks(0, 210))),
+    ]
+    await settle()
+    assert sent == []  # a waits for b's restore
+    s0.move_lock.release()
+    leases = await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    assert sorted(sent) == ["a", "b"]
+    for lease in leases:
         coord.release(lease)
     check(coord)

@@ -56,6 +56,8 @@ class Decision:
     fallback: FallbackCause | None
     status: int
     why: Divergence
+    restore_s: float = 0.0  # KV moves before the answer (making room, attach, import)
+    lock_wait_s: float = 0.0  # of which waiting for the server's move lock
 
     def summary(self) -> dict[str, Any]:
         """The flat fields of the admin API (the token windows are rendered separately)."""
@@ -139,12 +141,14 @@ class DecisionLog:
             fallback=lease.fallback,
             status=status,
             why=lease.why,
+            restore_s=lease.restore_s,
+            lock_wait_s=lease.lock_wait_s,
         )
         self.decisions.append(decision)
         self._count(decision, time.monotonic() - lease.started)
         log.info(
             "request %s route=%s server=%s slot=%d prompt=%d predicted=%d cached=%s prefilled=%s "
-            "ttft_ms=%s queued_ms=%.0f diverge_at=%s status=%d%s",
+            "ttft_ms=%s queued_ms=%.0f restore_ms=%.0f lock_wait_ms=%.0f diverge_at=%s status=%d%s",
             decision.request_id,
             decision.route,
             decision.server,
@@ -155,6 +159,8 @@ class DecisionLog:
             prefilled,
             f"{ttft_s * 1000:.0f}" if ttft_s is not None else "-",
             decision.queued_s * 1000,
+            decision.restore_s * 1000,
+            decision.lock_wait_s * 1000,
             decision.why.at,
             status,
             f" fallback={decision.fallback}" if decision.fallback else "",

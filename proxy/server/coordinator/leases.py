@@ -292,7 +292,7 @@ class Leases:
             self._forget(lease)
 
     def _forget(self, lease: Lease) -> None:
-        lease.server.reserved_cells -= lease.reserved_cells
+        lease.server.reservation_ended(lease.reserved_cells)
         lease.reserved_cells = 0
         if lease.epoch != lease.server.epoch:  # the server restarted under this lease: contents unknown
             lease.slot.tokens, lease.slot.ns = EMPTY, None

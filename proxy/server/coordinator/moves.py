@@ -8,7 +8,10 @@ slot's tokens (the server already dropped what it wrote) and the request is pref
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
+from collections.abc import AsyncIterator
 
 import numpy as np
 
@@ -16,12 +19,14 @@ from proxy.config import Config
 from proxy.core.planner import Route
 from proxy.core.radix import RadixTree
 from proxy.core.resident import common_prefix
-from proxy.errors import FallbackCause, KvMoveError
+from proxy.errors import FallbackCause, KvMoveError, Unavailable
 from proxy.server.coordinator.state import EMPTY, Lease
 from proxy.server.metrics import Metrics
 
 log = logging.getLogger("radix")
 
+WAVE_YIELDS = 3
+RESTORES_FIRST_S = 5.0  # a request waits at most this long for other restores before it is sent
 BUSY_POLLS = 100  # a cancelled request may still be winding down: poll its slot this often
 BUSY_POLL_S = 0.02
 
@@ -34,6 +39,26 @@ class KvMoves:
 
     async def restore(self, lease: Lease, n_predict: int) -> None:
         """Do the plan's KV moves into the leased slot; on failure fall back to prefill."""
+        started = time.monotonic()
+        try:
+            await self._restore(lease, n_predict)
+            # Requests that arrived together (a wave) get a few turns of the loop to reach their
+            # own restore before this one is sent (an I/O poll, then their handlers' first step).
+            for _ in range(WAVE_YIELDS):
+                await asyncio.sleep(0)
+            await lease.server.move_lock.restores_done(RESTORES_FIRST_S)
+        finally:
+            lease.restore_s += time.monotonic() - started
+
+    @contextlib.asynccontextmanager
+    async def _locked(self, lease: Lease) -> AsyncIterator[None]:
+        """The server's move lock for a restore step: ahead of queued saves, the wait timed."""
+        waited = time.monotonic()
+        async with lease.server.move_lock.first():
+            lease.lock_wait_s += time.monotonic() - waited
+            yield
+
+    async def _restore(self, lease: Lease, n_predict: int) -> None:
         plan, slot, server = lease.plan, lease.slot, lease.server
         if lease.erase_first and not await self._erase(lease):
             lease.unpin(self.tree)
@@ -45,16 +70,9 @@ class KvMoves:
             lease.unpin(self.tree)
             return  # nothing moves: the server's own reuse does it; the lock is for moves only
         try:
-            async with server.move_lock:
-                if server.sharing is not None:
-                    # Cells this request will fill: its uncached prompt and its answer (no more than
-                    # the slot can hold). Requests admitted before it and not finished yet have
-                    # reserved theirs: room is made for all of them, not for this one alone.
-                    answer = max(0, min(n_predict, server.n_ctx_slot - len(lease.tokens)))
-                    need = len(lease.tokens) - plan.predicted_cached + answer
-                    await server.sharing.ensure_free(need + server.reserved_cells)
-                    server.reserved_cells += need
-                    lease.reserved_cells = need
+            if server.sharing is not None:
+                await self._reserve(lease, n_predict)
+            async with self._locked(lease):
                 if attach and server.sharing is not None and plan.owner_id is not None:
                     await server.sharing.attach(plan.owner_id, slot.slot_id, plan.reuse_len)
                     slot.tokens = lease.tokens[: plan.reuse_len].copy()
@@ -70,12 +88,75 @@ class KvMoves:
         finally:
             lease.unpin(self.tree)
 
+    async def _reserve(self, lease: Lease, n_predict: int) -> None:
+        """Reserve the KV cells this request will fill (its uncached prompt and its answer, no
+        more than the slot holds) on top of those reserved by requests admitted before it and
+        not finished, and make room for all of them: release owners, then erase idle slots
+        (their KV is a cache), then wait for a request in flight to finish. With nothing in
+        flight to wait for the request goes ahead (the server then decides); past
+        ``queue_timeout_s`` it is refused (503), not sent to run every active slot out of cells."""
+        server, plan = lease.server, lease.plan
+        answer = max(0, min(n_predict, server.n_ctx_slot - len(lease.tokens)))
+        need = len(lease.tokens) - plan.predicted_cached + answer
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.queue_timeout_s
+        while True:
+            async with self._locked(lease):
+                if await self._make_room(lease, need + server.reserved_cells):
+                    break
+                freed = server.room_freed  # taken under the lock: no release is missed
+            if server.reserved_cells == 0:
+                log.warning(
+                    "%s: no room for %d KV cells of request %s and nothing in flight; sending it",
+                    server.name,
+                    need,
+                    lease.request_id,
+                )
+                break
+            if loop.time() >= deadline:
+                self.metrics.rejected.labels("no_room").inc()
+                raise Unavailable(
+                    f"no room for {need} KV cells within {self.config.queue_timeout_s:g} s "
+                    "(the requests in flight hold the pool)"
+                )
+            try:
+                async with asyncio.timeout(max(0.0, deadline - loop.time())):
+                    await freed.wait()
+            except TimeoutError:
+                pass
+        server.reserved_cells += need
+        lease.reserved_cells, lease.answer_cells = need, answer
+
+    async def _make_room(self, lease: Lease, cells: int) -> bool:
+        """True when ``cells`` plus the headroom are free, after releasing owners and erasing
+        idle slots, least recently used first (under the move lock)."""
+        server = lease.server
+        assert server.sharing is not None
+        if await server.sharing.ensure_free(cells):
+            return True
+        idle = [s for s in server.slots if not s.busy and s is not lease.slot and len(s.tokens)]
+        for slot in sorted(idle, key=lambda s: s.last_used):
+            slot.busy = True  # not leased while the server erases it
+            try:
+                await server.backend.kv_post("erase", {"slot": slot.slot_id}, cause=FallbackCause.ERASE)
+                slot.tokens, slot.ns = EMPTY, ""
+                server.sharing.index.slot_changed(slot.slot_id, EMPTY)
+                self.metrics.room_erases.inc()
+            except KvMoveError as exc:
+                log.warning("erasing idle %s slot %d for room failed: %s", server.name, slot.slot_id, exc)
+                slot.tokens, slot.ns = EMPTY, None  # unknown: erased before anyone reuses it
+            finally:
+                slot.busy = False
+            if await server.sharing.ensure_free(cells):
+                return True
+        return False
+
     async def _erase(self, lease: Lease) -> bool:
         """Clear a slot holding another namespace's KV, so the server cannot reuse it for
         this request. If that fails, the request runs with the server's reuse off."""
         slot, server = lease.slot, lease.server
         try:
-            async with server.move_lock:
+            async with self._locked(lease):
                 await server.backend.kv_post("erase", {"slot": slot.slot_id}, cause=FallbackCause.ERASE)
         except KvMoveError as exc:
             lease.fallback, lease.no_cache, lease.route = exc.cause, True, Route.PREFILL

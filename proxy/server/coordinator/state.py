@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,6 +20,79 @@ from proxy.server.mover import KvMover
 from proxy.server.sharing import Sharing
 
 EMPTY = np.zeros(0, dtype=np.int32)
+
+
+class MoveLock:
+    """One server's KV-move lock: ``async with lock`` like ``asyncio.Lock`` (first come, first
+    served), except that holders taken with ``lock.first()`` (restores: a request's first
+    token waits on them) go before every queued plain holder (saves after an answer, which
+    only keep their own slot busy a little longer)."""
+
+    def __init__(self) -> None:
+        self._held = False
+        self._first: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._plain: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._restores = 0  # restore steps holding or waiting for the lock
+        self._no_restores = asyncio.Event()
+        self._no_restores.set()
+
+    def locked(self) -> bool:
+        return self._held
+
+    async def acquire(self, first: bool = False) -> None:
+        if not self._held:
+            self._held = True
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        (self._first if first else self._plain).append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():  # handed over, then cancelled: pass it on
+                self.release()
+            raise
+
+    def release(self) -> None:
+        """Hand the lock to the next waiter (restores first), or free it."""
+        for queue in (self._first, self._plain):
+            while queue:
+                waiter = queue.popleft()
+                if not waiter.done():  # skip waiters cancelled while queued
+                    waiter.set_result(None)  # the lock stays held: handed over, no barging
+                    return
+        self._held = False
+
+    async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+    @contextlib.asynccontextmanager
+    async def first(self) -> AsyncIterator[None]:
+        self._restores += 1
+        self._no_restores.clear()
+        try:
+            await self.acquire(first=True)
+            try:
+                yield
+            finally:
+                self.release()
+        finally:
+            self._restores -= 1
+            if not self._restores:
+                self._no_restores.set()
+
+    async def restores_done(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until no restore holds or waits for the lock. A
+        /kvctl move waits for the server's main loop, which a prompt being computed keeps
+        busy: a request sent while another's restore is pending makes that restore wait for
+        its whole prefill, where sending it a moment later lets both prefills run together."""
+        if self._no_restores.is_set():
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._no_restores.wait()
 
 
 @dataclass
@@ -37,7 +113,7 @@ class ServerState:
     slots: list[SlotState]
     n_ctx_slot: int
     sharing: Sharing | None = None
-    move_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    move_lock: MoveLock = field(default_factory=MoveLock)
     healthy: bool = True  # answering: may get new leases
     down_reason: str = ""
     instance: str | None = None  # the server process's id (/kvctl "instance"); a new one: it restarted
@@ -47,6 +123,14 @@ class ServerState:
     named: bool = False  # the operator named the model (--backend-url NAME=URL)
     model_ns: str = ""  # the model's tree namespace (its compatibility key): see routes.py
     n_cells: int = 0  # the KV pool's size (0: unknown)
+    # Set (and replaced) when a reservation ends: requests waiting for room look again.
+    room_freed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def reservation_ended(self, cells: int) -> None:
+        self.reserved_cells -= cells
+        if cells:
+            self.room_freed.set()
+            self.room_freed = asyncio.Event()
 
     def busy_count(self) -> int:
         return sum(s.busy for s in self.slots)
@@ -76,15 +160,26 @@ class Lease:
     ns: str = ""  # cache-isolation namespace of the request
     epoch: int = 0  # the server's epoch when leased
     reserved_cells: int = 0  # its part of server.reserved_cells, returned on release
+    answer_cells: int = 0  # of which for the answer (the rest is the prompt's)
     erase_first: bool = False  # the slot holds another namespace's KV: clear it before use
     no_cache: bool = False  # the slot's KV could not be cleared: the server must not reuse it
     queued_s: float = 0.0
+    restore_s: float = 0.0  # in restore: making room, erasing, attaching, importing
+    lock_wait_s: float = 0.0  # of which waiting for the server's move lock (saves, other restores)
     route: Route = Route.PREFILL
     fallback: FallbackCause | None = None
     owner_pinned: bool = False
     finishing: bool = False  # the answer is complete; the slot is being saved
     started: float = field(default_factory=time.monotonic)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def prompt_computed(self) -> None:
+        """The server sent the first token: the prompt's cells are filled (the pool's free count
+        shows them now), so only the answer's stay reserved."""
+        drop = self.reserved_cells - self.answer_cells
+        if drop > 0:
+            self.reserved_cells -= drop
+            self.server.reservation_ended(drop)
 
     def unpin(self, tree: RadixTree) -> None:
         """Drop the plan's pins on the host path and the resident owner (idempotent)."""
