@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from proxy.sim.calibrate import fit_prefill, measure
 from proxy.sim.engine import SimConfig, Simulator
 from proxy.sim.model import Calibration
 from proxy.sim.policies import POLICIES
@@ -55,6 +56,7 @@ def sim() -> None:
 @click.option("--share/--no-share", default=False, show_default=True, help="Resident sharing (route S).")
 @click.option("--cache-ram-mib", default=4096, show_default=True, help="Host tree budget (real bytes).")
 @click.option("--prefill-tok-s", default=DEFAULTS.prefill_tok_s, show_default=True)
+@click.option("--prefill-ctx-tokens", default=DEFAULTS.prefill_ctx_tokens, show_default=True)
 @click.option("--decode-tok-s", default=DEFAULTS.decode_tok_s, show_default=True)
 @click.option("--move-mb-s", default=DEFAULTS.move_mb_s, show_default=True)
 @click.option("--seed", default=0, show_default=True)
@@ -70,6 +72,7 @@ def run(
     share: bool,
     cache_ram_mib: int,
     prefill_tok_s: float,
+    prefill_ctx_tokens: float,
     decode_tok_s: float,
     move_mb_s: float,
     seed: int,
@@ -107,3 +110,23 @@ def run(
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
+
+
+@sim.command("calibrate")
+@click.option("--url", required=True, help="A running llama-server (idle: nothing else sent meanwhile).")
+@click.option("--words", default="300,1500", show_default=True, help="Two prompt sizes, in words.")
+@click.option("--n-predict", default=64, show_default=True)
+def calibrate(url: str, words: str, n_predict: int) -> None:
+    """Measure prefill and decode rates and print the `sim run` options they give."""
+    sizes = _ints(words)
+    if len(sizes) != 2:
+        raise click.BadParameter("give two prompt sizes")
+    samples = [measure(url, w, n_predict) for w in sizes]
+    for s in samples:
+        click.echo(
+            f"prompt {s.prompt_n} tokens in {s.prompt_s:.3f} s ({s.prompt_n / s.prompt_s:.1f} tok/s); "
+            f"{s.predicted_n} decoded in {s.predicted_s:.3f} s ({s.predicted_n / s.predicted_s:.1f} tok/s)"
+        )
+    rate, ctx = fit_prefill(*samples)
+    decode = sum(s.predicted_n for s in samples) / sum(s.predicted_s for s in samples)
+    click.echo(f"--prefill-tok-s {rate:.1f} --prefill-ctx-tokens {ctx:.0f} --decode-tok-s {decode:.1f}")

@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from proxy.core.planner import Route
+from proxy.sim.calibrate import Sample, fit_prefill
 from proxy.sim.cli import sim
 from proxy.sim.engine import SimConfig, Simulator
 from proxy.sim.model import Calibration
@@ -183,3 +184,12 @@ def test_cli_runs_and_prints_every_row() -> None:
     bad = CliRunner().invoke(sim, ["run", "--policies", "random"])
     assert bad.exit_code != 0 and "unknown policy" in bad.output
     assert table([]).count("\n") == 1
+
+
+def test_fit_prefill_recovers_the_model() -> None:
+    truth = Calibration(prefill_tok_s=250.0, prefill_ctx_tokens=4000.0)
+    a, b = (Sample(n, truth.prefill_s(0, n), 64, 2.0) for n in (400, 2000))
+    rate, ctx = fit_prefill(a, b)
+    assert rate == pytest.approx(250.0) and ctx == pytest.approx(4000.0)
+    rate, ctx = fit_prefill(Sample(100, 1.0, 1, 1.0), Sample(200, 1.5, 1, 1.0))  # faster per token: flat
+    assert rate == pytest.approx(300 / 2.5) and ctx == 1e18
