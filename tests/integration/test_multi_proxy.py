@@ -166,4 +166,5 @@ def test_api_key_is_the_fallback_key(
 def test_admin_and_metrics_are_not_exposed(balancer: str, proxies: list[ProxyThread]) -> None:
     assert get(f"{balancer}/radix/stats").status == 404
     assert get(f"{balancer}/metrics").status == 404
+    assert get(f"{balancer}/healthz").status == 200
     assert get(f"{proxies[0].url}/metrics").status == 200  # scraped on each proxy directly
