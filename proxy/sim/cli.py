@@ -35,6 +35,17 @@ def _policies(text: str) -> list[str]:
     return names
 
 
+def _arms(names: list[str], stock: bool, proxies: list[int], servers: int) -> list[tuple[str, bool, int]]:
+    """(policy, host tree, proxies) to run: each policy with the proxy at each proxy count up to
+    the number of servers, and the baselines once over stock servers (no proxy, so no count)."""
+    out = []
+    for name in names:
+        out += [(name, True, p) for p in proxies if p <= servers]
+        if stock and name != "cache-aware":
+            out.append((name, False, 1))
+    return out
+
+
 @click.group()
 def sim() -> None:
     """Discrete-event simulation of many servers behind a routing policy."""
@@ -48,6 +59,13 @@ def sim() -> None:
     default=True,
     show_default=True,
     help="Also run the baselines over stock servers (slot reuse only, no host tree).",
+)
+@click.option(
+    "--proxies",
+    default="1",
+    show_default=True,
+    help="Proxy counts, comma-separated: each owns servers/proxies servers and its own host tree, "
+    "behind a balancer hashing the session (deploy/nginx).",
 )
 @click.option("--slots", default=4, show_default=True, help="Slots per server.")
 @click.option("--sessions-per-server", default=50, show_default=True)
@@ -65,6 +83,7 @@ def run(
     servers: str,
     policies: str,
     stock: bool,
+    proxies: str,
     slots: int,
     sessions_per_server: int,
     load: float,
@@ -82,29 +101,32 @@ def run(
     if load <= 0 or sessions_per_server < 1 or slots < 1 or systems < 1:
         raise click.BadParameter("--load, --sessions-per-server, --slots and --systems must be positive")
     calib = dataclasses.replace(
-        DEFAULTS, prefill_tok_s=prefill_tok_s, decode_tok_s=decode_tok_s, move_mb_s=move_mb_s
+        DEFAULTS,
+        prefill_tok_s=prefill_tok_s,
+        prefill_ctx_tokens=prefill_ctx_tokens,
+        decode_tok_s=decode_tok_s,
+        move_mb_s=move_mb_s,
     )
     results: list[Summary] = []
     for n in _ints(servers):
         spec = WorkloadSpec(
             sessions=n * sessions_per_server, rate_per_s=n * load / 60, systems=systems, seed=seed
         )
-        for name in _policies(policies):
-            caches = [True, False] if stock and name != "cache-aware" else [True]
-            for host_tree in caches:
-                cfg = SimConfig(
-                    servers=n,
-                    slots=slots,
-                    policy=name,
-                    host_tree=host_tree,
-                    share=share and host_tree,
-                    host_budget_mib=cache_ram_mib,
-                    calib=calib,
-                    workload=spec,
-                )
-                summary = summarize(Simulator(cfg).run())
-                results.append(summary)
-                click.echo(f"[sim] {n} servers, {name}, {summary.cache}: done", err=True)
+        for name, host_tree, n_proxies in _arms(_policies(policies), stock, _ints(proxies), n):
+            cfg = SimConfig(
+                servers=n,
+                proxies=n_proxies,
+                slots=slots,
+                policy=name,
+                host_tree=host_tree,
+                share=share and host_tree,
+                host_budget_mib=cache_ram_mib,
+                calib=calib,
+                workload=spec,
+            )
+            summary = summarize(Simulator(cfg).run())
+            results.append(summary)
+            click.echo(f"[sim] {n} servers, {n_proxies} proxies, {name}, {summary.cache}: done", err=True)
     text = table(results)
     click.echo(text)
     if out is not None:

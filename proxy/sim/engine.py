@@ -19,7 +19,7 @@ from proxy.core.payload import KvLayout, KvSegment
 from proxy.core.planner import Plan, Route, plan
 from proxy.core.radix import RadixTree
 from proxy.sim.model import Calibration
-from proxy.sim.policies import POLICIES, Policy
+from proxy.sim.policies import POLICIES, Policy, stable_hash
 from proxy.sim.state import Request, SimServer, SimSlot
 from proxy.sim.workload import Session, WorkloadSpec, generate
 
@@ -32,6 +32,9 @@ class SimConfig:
     slots: int = 4
     policy: str = "cache-aware"
     host_tree: bool = True
+    # Proxies, each owning servers // proxies servers and its own host tree, behind an L7
+    # balancer that hashes the session id (deploy/nginx): 1 is one proxy in front of all.
+    proxies: int = 1
     share: bool = False
     host_budget_mib: int = 4096  # as `--cache-ram` (real bytes)
     min_restore_tokens: int = 64
@@ -48,6 +51,7 @@ class Served:
     route: Route
     n_prompt: int
     cached: int
+    restored: int  # of which imported from the host tree (route H, A+H, S+H)
     ttft_s: float
     e2e_s: float
 
@@ -67,6 +71,8 @@ class Simulator:
     def __init__(self, config: SimConfig, policy: Policy | None = None) -> None:
         if config.servers < 1 or config.slots < 1:
             raise ValueError("servers and slots must be >= 1")
+        if not 1 <= config.proxies <= config.servers:
+            raise ValueError("proxies must be between 1 and the number of servers")
         if policy is None and config.policy not in POLICIES:
             raise ValueError(f"unknown policy {config.policy!r} (one of {', '.join(POLICIES)})")
         self.cfg = config
@@ -83,9 +89,12 @@ class Simulator:
             for i in range(config.servers)
         ]
         scale = (SIM_LAYOUT.bytes_per_token + 4) / (config.calib.bytes_per_token + 4)
-        self.tree = (
-            RadixTree(int(config.host_budget_mib * 2**20 * scale), SIM_LAYOUT) if config.host_tree else None
-        )
+        budget = int(config.host_budget_mib * 2**20 * scale)
+        # Server i belongs to proxy i % proxies; each proxy has its own tree.
+        self.trees = [
+            RadixTree(budget, SIM_LAYOUT) if config.host_tree else None for _ in range(config.proxies)
+        ]
+        self.groups = [self.servers[g :: config.proxies] for g in range(config.proxies)]
         self.events: list[tuple[float, int, Callable[[float], None]]] = []
         self.seq = 0
         self.next_id = 0
@@ -113,7 +122,7 @@ class Simulator:
             [s.engine_busy_s for s in self.servers],
             [s.served for s in self.servers],
             now,
-            self.tree.stats().bytes if self.tree is not None else 0,
+            sum(t.stats().bytes for t in self.trees if t is not None),
             sum(1 for v in self.where.values() if len(v) > 1),
         )
 
@@ -124,12 +133,15 @@ class Simulator:
             self.arrive(now, req)
 
     def arrive(self, now: float, req: Request) -> None:
-        if self.tree is not None:
-            req.host_len = self.tree.match(req.tokens, touch=False).length
-        i = self.policy(req, self.servers, now)
-        if not 0 <= i < len(self.servers):
-            raise ValueError(f"policy returned server {i} of {len(self.servers)}")
-        server = self.servers[i]
+        # The balancer's key (X-Session-Id); salted apart from session-sticky's own hash.
+        g = stable_hash(f"balancer-{req.session_id}") % self.cfg.proxies
+        tree, group = self.trees[g], self.groups[g]
+        if tree is not None:
+            req.host_len = tree.match(req.tokens, touch=False).length
+        i = self.policy(req, group, now)
+        if not 0 <= i < len(group):
+            raise ValueError(f"policy returned server {i} of {len(group)}")
+        server = group[i]
         est = server.estimate(req.tokens, req.host_len)
         req.est_s = server.job_s(est, len(req.tokens))
         server.queue.append(req)
@@ -141,7 +153,8 @@ class Simulator:
     def dispatch(self, now: float, server: SimServer) -> None:
         while server.queue and server.idle_slot():
             req = server.queue.popleft()
-            host_len = self.tree.match(req.tokens).length if self.tree is not None else 0
+            tree = self.tree_of(server)
+            host_len = tree.match(req.tokens).length if tree is not None else 0
             p = plan(server.plan_input(req.tokens, host_len))
             assert p is not None  # a slot is idle
             self.start(now, server, req, p)
@@ -151,8 +164,9 @@ class Simulator:
         slot.busy = True
         if p.owner_id is not None and server.residents is not None:
             server.residents.attached(p.owner_id, slot.slot_id, p.reuse_len, now)
-        if self.tree is not None and p.host_to > p.host_from:
-            self.tree.record_load(p.host_to - p.host_from)
+        tree = self.tree_of(server)
+        if tree is not None and p.host_to > p.host_from:
+            tree.record_load(p.host_to - p.host_from)
         first = server.run(now, server.job_s(p, len(req.tokens)))
         done = first + self.calib.decode_s(len(req.answer))
         slot.free_at = done
@@ -165,6 +179,7 @@ class Simulator:
                 p.route,
                 n,
                 p.predicted_cached,
+                p.host_to - p.host_from,
                 first - req.arrival_s,
                 done - req.arrival_s,
             )
@@ -185,15 +200,16 @@ class Simulator:
 
     def save(self, now: float, server: SimServer, slot: SimSlot) -> float:
         """Export what the host tree lacks (moves.save): engine time; returns when it ends."""
-        if self.tree is None:
+        tree = self.tree_of(server)
+        if tree is None:
             return now
         tokens = slot.tokens
-        match = self.tree.match(tokens)
+        match = tree.match(tokens)
         missing = len(tokens) - match.length
         if missing < max(1, self.cfg.min_restore_tokens // 4):
             return now
         end = server.run(now, self.calib.move_s(missing))
-        self.tree.insert(tokens, KvSegment(match.length, SIM_LAYOUT, np.zeros((missing, 1024), np.uint8)))
+        tree.insert(tokens, KvSegment(match.length, SIM_LAYOUT, np.zeros((missing, 1024), np.uint8)))
         return end
 
     def share(self, now: float, server: SimServer, slot: SimSlot, req: Request, p: Plan) -> None:
@@ -215,6 +231,9 @@ class Simulator:
                 return
             server.run(now, self.calib.attach_s)  # publish: an ownership copy, no K/V copy
             index.add(owner, slot.tokens[:n], slot.slot_id, now)
+
+    def tree_of(self, server: SimServer) -> RadixTree | None:
+        return self.trees[server.index % self.cfg.proxies]
 
     def release(self, now: float, server: SimServer, slot: SimSlot) -> None:
         slot.busy = False

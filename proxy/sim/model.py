@@ -18,13 +18,19 @@ class Calibration:
     ``(n - c) / prefill_tok_s * (1 + (n + c) / 2 / prefill_ctx_tokens)``: a rate that falls
     as the context grows (attention reads the whole context)."""
 
-    prefill_tok_s: float = 260.0
-    prefill_ctx_tokens: float = 6_000.0
+    # Two cold prefills measured on a quiet machine (ARCHITECTURE.md, docs/results): 1,533
+    # tokens in 7.1 s and 2,000 in 9.5 s; the per-token time grows with the mean context.
+    prefill_tok_s: float = 236.0
+    prefill_ctx_tokens: float = 8_260.0
+    # Not in the measured reports: an assumption (decode occupies a slot, not the engine, in
+    # this model; docs/scale.md shows the figures with half and double this rate).
     decode_tok_s: float = 30.0  # per slot, slots decoding together (batched)
-    move_mb_s: float = 300.0  # KV export / import through /kvctl (payload files in /dev/shm)
-    move_call_s: float = 0.010  # fixed cost of one /kvctl call
-    attach_s: float = 0.005  # route S: add cell ownership, no copy
-    request_overhead_s: float = 0.004  # proxy: template, tokenize, forward
+    # docs/design.md: the payload path runs at ~400 MB/s and a host restore of 2,400 tokens
+    # (55 MB) costs ~0.2 s: 0.14 s of bytes plus ~0.06 s per move.
+    move_mb_s: float = 400.0
+    move_call_s: float = 0.060
+    attach_s: float = 0.005  # route S: one /kvctl call, cell ownership only, no copy (assumed)
+    request_overhead_s: float = 0.0033  # proxy on a miss (docs/results/overhead: 3.3 ms)
     bytes_per_token: int = REAL_BYTES_PER_TOKEN
 
     def __post_init__(self) -> None:

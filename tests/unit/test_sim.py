@@ -193,3 +193,21 @@ def test_fit_prefill_recovers_the_model() -> None:
     assert rate == pytest.approx(250.0) and ctx == pytest.approx(4000.0)
     rate, ctx = fit_prefill(Sample(100, 1.0, 1, 1.0), Sample(200, 1.5, 1, 1.0))  # faster per token: flat
     assert rate == pytest.approx(300 / 2.5) and ctx == 1e18
+
+
+def test_proxies_each_own_their_servers_and_tree() -> None:
+    """Two proxies of one server each: a session stays behind one proxy (its balancer key),
+    so turn 2 finds turn 1 in the same slot; one proxy of two servers round-robins it away
+    and restores it from the shared tree instead."""
+    split = SimConfig(servers=2, slots=1, proxies=2, policy="round-robin", calib=EXACT)
+    first, second = Simulator(split).run([two_turn_session()]).served
+    assert first.server == second.server and (second.route, second.cached, second.restored) == (Route.A, 209, 0)
+    shared = dataclasses.replace(split, proxies=1)
+    assert Simulator(shared).run([two_turn_session()]).served[1].restored == 209
+    result = Simulator(dataclasses.replace(split, servers=8, slots=4, proxies=4, workload=SMALL)).run()
+    groups: dict[int, set[int]] = {}
+    for s in result.served:
+        groups.setdefault(s.session_id, set()).add(s.server % 4)
+    assert all(len(g) == 1 for g in groups.values())
+    with pytest.raises(ValueError, match="proxies"):
+        Simulator(dataclasses.replace(split, proxies=3))
