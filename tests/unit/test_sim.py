@@ -201,7 +201,11 @@ def test_proxies_each_own_their_servers_and_tree() -> None:
     and restores it from the shared tree instead."""
     split = SimConfig(servers=2, slots=1, proxies=2, policy="round-robin", calib=EXACT)
     first, second = Simulator(split).run([two_turn_session()]).served
-    assert first.server == second.server and (second.route, second.cached, second.restored) == (Route.A, 209, 0)
+    assert first.server == second.server and (second.route, second.cached, second.restored) == (
+        Route.A,
+        209,
+        0,
+    )
     shared = dataclasses.replace(split, proxies=1)
     assert Simulator(shared).run([two_turn_session()]).served[1].restored == 209
     result = Simulator(dataclasses.replace(split, servers=8, slots=4, proxies=4, workload=SMALL)).run()
