@@ -221,16 +221,23 @@ class Simulator:
         for n in sorted({len(req.tokens), p.host_to}):
             if n < 32 or n > len(slot.tokens) or index.has(slot.tokens[:n]):
                 continue
+            # Release least useful owners until one id is free and the newcomer fits the
+            # owner budget (counted as the sum of entry lengths: shared cells counted twice).
             owner = index.free_owner()
             for victim in index.release_order():
-                if owner is not None and sum(e.n for e in index.entries.values()) + n <= self.cfg.share_cells:
+                if owner is not None and self._owner_tokens(server) + n <= self.cfg.share_cells:
                     break
                 index.remove(victim)
                 owner = index.free_owner()
-            if owner is None:
+            if owner is None or self._owner_tokens(server) + n > self.cfg.share_cells:
                 return
             server.run(now, self.calib.attach_s)  # publish: an ownership copy, no K/V copy
             index.add(owner, slot.tokens[:n], slot.slot_id, now)
+
+    @staticmethod
+    def _owner_tokens(server: SimServer) -> int:
+        assert server.residents is not None
+        return sum(e.n for e in server.residents.entries.values())
 
     def tree_of(self, server: SimServer) -> RadixTree | None:
         return self.trees[server.index % self.cfg.proxies]

@@ -215,3 +215,17 @@ def test_proxies_each_own_their_servers_and_tree() -> None:
     assert all(len(g) == 1 for g in groups.values())
     with pytest.raises(ValueError, match="proxies"):
         Simulator(dataclasses.replace(split, proxies=3))
+
+
+def test_resident_sharing_attaches_and_keeps_the_index_valid() -> None:
+    sim_ = Simulator(SimConfig(servers=2, share=True, workload=SMALL))
+    result = sim_.run()
+    routes = Counter(s.route for s in result.served)
+    assert routes[Route.S] + routes[Route.SH] > 0, routes
+    for server in sim_.servers:
+        assert server.residents is not None
+        server.residents.check_invariants()
+        assert sum(e.n for e in server.residents.entries.values()) <= sim_.cfg.share_cells
+    for tree in sim_.trees:
+        assert tree is not None
+        tree.check_invariants()
