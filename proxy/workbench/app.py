@@ -34,11 +34,6 @@ METRIC_PREFIXES = (
     "radix_prompt_tokens_total",
     "radix_fallbacks_total",
 )
-    "radix_requests_total",
-    "radix_route_total",
-    "radix_cached_tokens_total",
-    "radix_prompt_tokens_total",
-)
 
 
 @dataclass(frozen=True)
