@@ -13,6 +13,7 @@ from proxy.cli.build import build, model, patch
 from proxy.cli.doctor import doctor
 from proxy.cli.inspect import routes, slots, stats, tree
 from proxy.cli.serve import serve, up
+from proxy.workbench.cli import workbench
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "RADIX"})
@@ -31,6 +32,7 @@ main.add_command(slots)
 main.add_command(stats)
 main.add_command(doctor)
 main.add_command(bench)
+main.add_command(workbench)
 
 if __name__ == "__main__":
     main()
