@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from proxy.bench.runner import ManifestEntry, base_url, replay_manifest
 from proxy.workbench.graph import RunContext, build_graph, run_turn
@@ -61,34 +62,24 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"code": status, "message": message, "type": kind}}, status=status)
 
 
+def _bad(message: str) -> web.HTTPBadRequest:
+    """A 400 in llama-server's error shape, raised from helpers."""
+    body = {"error": {"code": 400, "message": message, "type": "invalid_request_error"}}
+    return web.HTTPBadRequest(text=json.dumps(body), content_type="application/json")
+
+
 async def _body(request: web.Request) -> dict[str, Any]:
     try:
         body = await request.json()
     except ValueError as exc:
-        raise web.HTTPBadRequest(
-            text=json.dumps(
-                {"error": {"code": 400, "message": "body must be JSON", "type": "invalid_request_error"}}
-            ),
-            content_type="application/json",
-        ) from exc
+        raise _bad("body must be JSON") from exc
     if not isinstance(body, dict):
-        raise web.HTTPBadRequest(
-            text=json.dumps(
-                {
-                    "error": {
-                        "code": 400,
-                        "message": "body must be a JSON object",
-                        "type": "invalid_request_error",
-                    }
-                }
-            ),
-            content_type="application/json",
-        )
+        raise _bad("body must be a JSON object")
     return body
 
 
 @web.middleware
-async def not_found_shape(request: web.Request, handler: Any) -> web.StreamResponse:
+async def not_found_shape(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except NotFound as exc:
@@ -147,18 +138,7 @@ async def get_session(request: web.Request) -> web.Response:
 def _turn_args(store: Store, sid: str, body: dict[str, Any]) -> tuple[str, str | None]:
     message, parent = body.get("message"), body.get("parent")
     if not isinstance(message, str) or not message.strip() or len(message) > MAX_MESSAGE:
-        raise web.HTTPBadRequest(
-            text=json.dumps(
-                {
-                    "error": {
-                        "code": 400,
-                        "message": f"message must be text of 1 to {MAX_MESSAGE} characters",
-                        "type": "invalid_request_error",
-                    }
-                }
-            ),
-            content_type="application/json",
-        )
+        raise _bad(f"message must be text of 1 to {MAX_MESSAGE} characters")
     if parent is not None:
         store.turn(sid, str(parent))
     store.session(sid)

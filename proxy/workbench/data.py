@@ -89,15 +89,16 @@ def device_id(model: str, i: int) -> str:
     return f"{DEVICE_MODELS[model]}-{400 + 7 * i:04d}"
 
 
-def readings(device: str, code: str, n: int, seed: object) -> list[dict[str, Any]]:
-    """``n`` sensor readings of a device, drifting towards ``code`` in the last three."""
+def readings(device: str, code: str, n: int, seed: object, drift: bool = True) -> list[dict[str, Any]]:
+    """``n`` sensor readings of a device, drifting (unless ``drift`` is off) towards ``code``,
+    which the last three report."""
     rng = seeded(seed, "log", device)
-    rows = []
+    rows, d = [], 1 if drift else 0
     for k in range(n):
         temp, vib, bar = (
-            rng.uniform(55, 70) + 2 * k,
-            rng.uniform(1.5, 3.0) + 0.3 * k,
-            rng.uniform(3.5, 4.2) - 0.05 * k,
+            rng.uniform(55, 70) + 2 * k * d,
+            rng.uniform(1.5, 3.0) + 0.3 * k * d,
+            rng.uniform(3.5, 4.2) - 0.05 * k * d,
         )
         rows.append(
             {
@@ -111,11 +112,11 @@ def readings(device: str, code: str, n: int, seed: object) -> list[dict[str, Any
     return rows
 
 
-def device_log(device: str, code: str, n: int, seed: object) -> list[str]:
+def device_log(device: str, code: str, n: int, seed: object, drift: bool = True) -> list[str]:
     return [
         f"{r['time']} {device} temp={r['temp_c']:.1f}C vib={r['vibration_mm_s']:.2f}mm/s "
         f"p={r['pressure_bar']:.2f}bar status={r['status']}"
-        for r in readings(device, code, n, seed)
+        for r in readings(device, code, n, seed, drift)
     ]
 
 

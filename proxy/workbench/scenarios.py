@@ -187,7 +187,7 @@ async def list_devices(_ctx: ToolContext, _args: dict[str, Any]) -> Any:
 
 async def get_device_status(_ctx: ToolContext, args: dict[str, Any]) -> Any:
     device, info = _device(args)
-    last = data.readings(device, info["code"], READINGS, SEED)[-1]
+    last = data.readings(device, info["code"], READINGS, SEED, info["code"] != "OK")[-1]
     alarm = info["code"] != "OK"
     return {
         "device_id": device,
@@ -201,7 +201,7 @@ async def get_device_status(_ctx: ToolContext, args: dict[str, Any]) -> Any:
 async def get_sensor_trend(_ctx: ToolContext, args: dict[str, Any]) -> Any:
     device, info = _device(args)
     sensor = pick(args, "sensor", SENSORS)
-    values = [r[sensor] for r in data.readings(device, info["code"], READINGS, SEED)]
+    values = [r[sensor] for r in data.readings(device, info["code"], READINGS, SEED, info["code"] != "OK")]
     limit = SENSORS[sensor]
     over = [v for v in values if (v < limit if sensor == "pressure_bar" else v > limit)]
     return {
@@ -217,7 +217,7 @@ async def get_sensor_trend(_ctx: ToolContext, args: dict[str, Any]) -> Any:
 async def read_device_log(_ctx: ToolContext, args: dict[str, Any]) -> Any:
     device, info = _device(args)
     n = number(args, "last_n", 6, 1, READINGS)
-    return data.device_log(device, info["code"], READINGS, SEED)[-n:]
+    return data.device_log(device, info["code"], READINGS, SEED, info["code"] != "OK")[-n:]
 
 
 async def lookup_manual(_ctx: ToolContext, args: dict[str, Any]) -> Any:
