@@ -156,9 +156,7 @@ async def test_incident_tools_read_the_service_over_http() -> None:
         tools = SCENARIOS["edge_incident"].tool_map()
         status = json.loads(await run_tool(tools, ctx, "get_service_status", {"service": "checkout-api"}))
         assert status["health"] == "degraded"
-        logs = json.loads(
-            await run_tool(tools, ctx, "query_logs", {"service": "checkout-api", "limit": 3})
-        )
+        logs = json.loads(await run_tool(tools, ctx, "query_logs", {"service": "checkout-api", "limit": 3}))
         assert len(logs["lines"]) == 3
         made = json.loads(
             await run_tool(tools, ctx, "propose_action", {"action": "restart", "target": "checkout-api"})
