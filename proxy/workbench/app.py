@@ -52,6 +52,7 @@ class State:
     store: Store
     graph: Any
     http: aiohttp.ClientSession | None = None
+    hints: dict[str, bool] = field(default_factory=dict)  # see graph.RunContext
 
 
 STATE = web.AppKey("workbench", State)
@@ -175,7 +176,9 @@ async def send_turn(request: web.Request) -> web.StreamResponse:
 
     assert st.http is not None
     model = OpenAIModel(st.config.llm_base_url, st.http, st.config.api_key)
-    run = RunContext(scenario, st.config.settings, model, ToolContext(st.config.incident_url, st.http), emit)
+    run = RunContext(
+        scenario, st.config.settings, model, ToolContext(st.config.incident_url, st.http), emit, st.hints
+    )
     result = await run_turn(st.graph, run, st.store.history(sid, parent), message)
     turn = st.store.add_turn(
         sid, parent, message, result.messages, result.final, result.calls, result.tools, result.error

@@ -11,7 +11,7 @@ from __future__ import annotations
 import operator
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, TypedDict
 
 from langchain_core.runnables import RunnableConfig
@@ -51,6 +51,9 @@ class RunContext:
     model: ChatModel
     tool_ctx: ToolContext
     emit: Emit
+    # Shared by the turns of one app: {"tools_ignored": True} once a forced step got no
+    # call back through the tools API, so later forced steps go straight to the schema.
+    hints: dict[str, bool] = field(default_factory=dict)
 
 
 async def _no_emit(_event: dict[str, Any]) -> None:
@@ -115,13 +118,20 @@ async def model_node(state: TurnState, config: RunnableConfig) -> dict[str, Any]
     run: RunContext = config["configurable"]["run"]
     step = state.get("steps", 0) + 1
     kind = step_kind(run.settings, step, state.get("first_turn", False))
+    auto = run.settings.protocol == "auto"
+    if kind == "force" and auto and run.hints.get("tools_ignored"):
+        kind = "force_text"
     reply, entry = await _call(run, state["messages"], step, kind)
     entries = [entry]
     native, calls = bool(reply.tool_calls), reply.tool_calls or text_calls(reply.content)
-    if kind == "force" and not calls and reply.error is None and run.settings.protocol == "auto":
-        reply, entry = await _call(run, state["messages"], step, "force_text")  # tools were ignored
-        entries.append(entry)
-        native, calls = False, text_calls(reply.content)
+    if native:
+        run.hints["tools_ignored"] = False
+    if kind == "force" and not native and reply.error is None and auto:
+        run.hints["tools_ignored"] = True
+        if not calls:  # the server ignored tools: ask again with the call's schema
+            reply, entry = await _call(run, state["messages"], step, "force_text")
+            entries.append(entry)
+            calls = text_calls(reply.content)
     out: dict[str, Any] = {"steps": step, "calls": entries, "pending": []}
     if reply.error is not None:
         return {**out, "error": reply.error, "final": ""}

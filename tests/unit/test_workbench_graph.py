@@ -47,13 +47,21 @@ def text_call(name: str, **args: Any) -> Reply:
     return Reply(content=f"<tool_call>{json.dumps({'name': name, 'arguments': args})}</tool_call>")
 
 
-def turn(model: Script, history: list[dict[str, Any]], user: str, **settings: Any) -> Any:
+def turn(
+    model: Script,
+    history: list[dict[str, Any]],
+    user: str,
+    hints: dict[str, bool] | None = None,
+    **settings: Any,
+) -> Any:
     events: list[dict[str, Any]] = []
 
     async def emit(event: dict[str, Any]) -> None:
         events.append(event)
 
-    run = RunContext(FIN, AgentSettings(**settings), model, ToolContext(), emit)
+    run = RunContext(
+        FIN, AgentSettings(**settings), model, ToolContext(), emit, {} if hints is None else hints
+    )
     result = asyncio.run(run_turn(GRAPH, run, history, user))
     return result, events
 
@@ -88,8 +96,8 @@ def test_native_tool_calls_are_answered_by_id() -> None:
 
 def test_a_forced_first_step_falls_back_to_a_schema_when_tools_are_ignored() -> None:
     bare = Reply(content='{"name": "list_companies", "arguments": {}}')
-    model = Script(Reply(content="I cannot help."), bare, Reply(content="Done."))
-    result, _ = turn(model, [], "Start.")
+    model, hints = Script(Reply(content="I cannot help."), bare, Reply(content="Done.")), {}
+    result, _ = turn(model, [], "Start.", hints)
     first, retry = model.requests[0], model.requests[1]
     assert first["tool_choice"] == "required" and "response_format" not in first
     assert retry["response_format"]["type"] == "json_schema" and "tools" not in retry
