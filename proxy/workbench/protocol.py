@@ -22,6 +22,7 @@ StepKind = Literal["force", "force_text", "auto", "final"]
 FINAL_NUDGE = (
     "Tool budget used up: answer the question now in plain text from the evidence above, without tool calls."
 )
+FORCED_CALL_TOKENS = 128  # room for a whole call object, whatever max_tokens is
 _TAG = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -62,6 +63,8 @@ def build_request(
     }
     if settings.model:
         body["model"] = settings.model
+    if kind in ("force", "force_text"):
+        body["max_tokens"] = max(settings.max_tokens, FORCED_CALL_TOKENS)
     native = settings.protocol in ("auto", "openai")
     if kind in ("force", "auto") and native:
         body["tools"] = [t.openai_schema() for t in scenario.tools]

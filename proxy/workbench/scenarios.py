@@ -339,7 +339,7 @@ def edge_incident() -> Scenario:
             {
                 "action": enum(ACTIONS, "action"),
                 "target": service,
-                "reason": text("evidence"),
+                "reason": text("evidence", 120),
             },
             propose_action,
         ),

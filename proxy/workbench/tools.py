@@ -60,8 +60,9 @@ def enum(values: Any, description: str, kind: str = "string") -> dict[str, Any]:
     return {"type": kind, "enum": list(values), "description": description}
 
 
-def text(description: str) -> dict[str, Any]:
-    return {"type": "string", "description": description}
+def text(description: str, max_length: int = 200) -> dict[str, Any]:
+    # The bound keeps a forced call (a grammar from this schema) from running past max_tokens.
+    return {"type": "string", "description": description, "maxLength": max_length}
 
 
 def integer(description: str, minimum: int, maximum: int) -> dict[str, Any]:
