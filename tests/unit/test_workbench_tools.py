@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.bench.agents import agents
@@ -169,3 +171,28 @@ async def test_incident_tools_read_the_service_over_http() -> None:
                 "error"
             ]
         )
+
+
+def test_without_the_extra_the_commands_say_which_to_install(monkeypatch: Any) -> None:
+    from click.testing import CliRunner
+
+    from proxy.cli.main import main
+    from proxy.workbench.launch import missing_extra
+
+    monkeypatch.setitem(sys.modules, "langgraph.graph", None)  # makes the import fail
+    assert "pip install 'llama-radix-proxy[workbench]'" in (missing_extra() or "")
+    for args in (["serve"], ["verify", "--base-url", "http://127.0.0.1:9/v1"]):
+        result = CliRunner().invoke(main, ["workbench", *args])
+        assert result.exit_code == 2 and "install the workbench extra" in result.output
+
+
+def test_verify_wants_the_openai_base_url() -> None:
+    from click.testing import CliRunner
+
+    from proxy.cli.main import main
+    from proxy.workbench.launch import missing_extra
+
+    if missing_extra() is not None:
+        pytest.skip("needs the workbench extra")
+    result = CliRunner().invoke(main, ["workbench", "verify", "--base-url", "http://127.0.0.1:9"])
+    assert result.exit_code == 2 and "must be the proxy's OpenAI base ending in /v1" in result.output
