@@ -96,7 +96,8 @@ def test_native_tool_calls_are_answered_by_id() -> None:
 
 def test_a_forced_first_step_falls_back_to_a_schema_when_tools_are_ignored() -> None:
     bare = Reply(content='{"name": "list_companies", "arguments": {}}')
-    model, hints = Script(Reply(content="I cannot help."), bare, Reply(content="Done.")), {}
+    model = Script(Reply(content="I cannot help."), bare, Reply(content="Done."))
+    hints: dict[str, bool] = {}
     result, _ = turn(model, [], "Start.", hints)
     first, retry = model.requests[0], model.requests[1]
     assert first["tool_choice"] == "required" and "response_format" not in first
