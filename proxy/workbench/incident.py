@@ -12,7 +12,9 @@ Run it alone: ``python -m proxy.workbench.incident --port 8091``.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
+import os
 import time
 from typing import Any
 
@@ -187,12 +189,30 @@ def build_incident_app() -> web.Application:
     return app
 
 
+async def _exit_with(parent: int) -> None:
+    """Started by the workbench: go when it goes, even if it was killed before it could stop us."""
+    while os.getppid() == parent:
+        await asyncio.sleep(1)
+    os._exit(0)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="The workbench's simulated incident service.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8091)
+    parser.add_argument(
+        "--parent-pid", type=int, default=0, help="exit when this process is no longer the parent"
+    )
     args = parser.parse_args(argv)
-    web.run_app(build_incident_app(), host=args.host, port=args.port, print=None)
+    app = build_incident_app()
+    if args.parent_pid:
+        tasks: list[asyncio.Task[None]] = []
+
+        async def watch(_app: web.Application) -> None:
+            tasks.append(asyncio.create_task(_exit_with(args.parent_pid)))
+
+        app.on_startup.append(watch)
+    web.run_app(app, host=args.host, port=args.port, print=None)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -67,6 +68,8 @@ class IncidentProcess:
             self.host,
             "--port",
             str(self.port),
+            "--parent-pid",  # it exits when this process does, however this one ends
+            str(os.getpid()),
         ]
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         try:
