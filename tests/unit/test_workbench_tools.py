@@ -196,3 +196,27 @@ def test_verify_wants_the_openai_base_url() -> None:
         pytest.skip("needs the workbench extra")
     result = CliRunner().invoke(main, ["workbench", "verify", "--base-url", "http://127.0.0.1:9"])
     assert result.exit_code == 2 and "must be the proxy's OpenAI base ending in /v1" in result.output
+
+
+def test_the_incident_process_does_not_outlive_the_one_that_started_it() -> None:
+    import os
+    import subprocess
+    import time
+
+    code = (
+        "import os; from proxy.workbench.launch import IncidentProcess\n"
+        "p = IncidentProcess().start(); print(p.proc.pid, flush=True); os._exit(0)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    pid = int(out.stdout.strip())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(pid, 9)
+    raise AssertionError("the incident service outlived its parent")
