@@ -63,7 +63,7 @@ def build_request(
     }
     if settings.model:
         body["model"] = settings.model
-    if kind in ("force", "force_text"):
+    if kind == "force_text":  # the grammar ends the answer with the call object
         body["max_tokens"] = max(settings.max_tokens, FORCED_CALL_TOKENS)
     native = settings.protocol in ("auto", "openai")
     if kind in ("force", "auto") and native:

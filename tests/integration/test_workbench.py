@@ -78,7 +78,7 @@ def workbench(proxy: ProxyThread, tmp_path_factory: pytest.TempPathFactory) -> I
             proxy.url + "/v1",
             incident.url,
             str(tmp / "sessions.sqlite3"),
-            settings=AgentSettings(max_steps=3, max_tokens=32),
+            settings=AgentSettings(max_steps=2, max_tokens=32),
         )
         app = AppThread(build_workbench_app(config)).start()
         yield app
