@@ -85,6 +85,61 @@ def workbench(proxy: ProxyThread, tmp_path_factory: pytest.TempPathFactory) -> I
         app.stop()
 
 
+def _browser() -> Any:
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not chromium or not driver:
+        pytest.skip("Debian's chromium and chromium-driver are not installed (make browser installs them)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1600,1000"):
+        options.add_argument(arg)
+    return webdriver.Chrome(service=Service(driver), options=options)
+
+
+def test_the_page_streams_an_answer_and_shows_the_trace(workbench: AppThread, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    browser = _browser()
+    try:
+        browser.get(workbench.url + "/")
+        wait = WebDriverWait(browser, 600, poll_frequency=0.05)
+        wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#scenario option"))
+        Select(browser.find_element(By.ID, "scenario")).select_by_value("field_maintenance")
+        browser.find_element(By.ID, "new-session").click()
+        box = browser.find_element(By.ID, "message")
+        wait.until(lambda b: box.get_attribute("value") == SCENARIOS["field_maintenance"].task)
+        browser.find_element(By.ID, "send").click()
+        # Streamed: text shows up in a live bubble before the turn is done.
+        wait.until(
+            lambda b: any(e.text.strip() for e in b.find_elements(By.CSS_SELECTOR, ".msg.assistant.live"))
+        )
+        streamed_before_done = not browser.find_elements(By.CSS_SELECTOR, ".msg.assistant.answer")
+        wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, ".msg.assistant.answer"))
+        answer = browser.find_elements(By.CSS_SELECTOR, ".msg.assistant.answer")[-1].text
+        rows = browser.find_elements(By.CSS_SELECTOR, "#trace tr.trace-call")
+        timeline = browser.find_elements(By.CSS_SELECTOR, "#timeline .timeline-row")
+        tools = browser.find_elements(By.CSS_SELECTOR, "#chat details.tool")
+        tree = browser.find_elements(By.CSS_SELECTOR, "#tree .tree-node[data-turn]")
+        shot = tmp_path / "workbench.png"
+        browser.save_screenshot(str(shot))
+        if os.environ.get("WORKBENCH_SCREENSHOT"):
+            shutil.copy(shot, os.environ["WORKBENCH_SCREENSHOT"])
+        print(f"screenshot: {shot}")
+    finally:
+        browser.quit()
+    assert streamed_before_done
+    assert answer.strip() and answer != "(empty answer)"
+    assert len(rows) >= 2 and all(
+        r.find_elements(By.TAG_NAME, "td")[2].text in ("A", "H", "S", "prefill") for r in rows
+    )
+    assert tools and len(timeline) == 1 and len(tree) == 1
+    assert shot.stat().st_size > 10_000
+
+
 def test_each_assistant_answers_with_tools_and_the_follow_up_reuses_the_cache(
     proxy: ProxyThread, workbench: AppThread
 ) -> None:
@@ -139,58 +194,3 @@ def test_health_and_bad_input(workbench: AppThread) -> None:
     preview = post(workbench.url + f"/api/sessions/{sid}/preview", {"message": "Status?"}).body
     assert preview["body"]["messages"][-1] == {"role": "user", "content": "Status?"}
     assert preview["body"]["tool_choice"] == "required" and preview["url"].endswith("/v1/chat/completions")
-
-
-def _browser() -> Any:
-    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if not chromium or not driver:
-        pytest.skip("Debian's chromium and chromium-driver are not installed (make browser installs them)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1600,1000"):
-        options.add_argument(arg)
-    return webdriver.Chrome(service=Service(driver), options=options)
-
-
-def test_the_page_streams_an_answer_and_shows_the_trace(workbench: AppThread, tmp_path: Path) -> None:
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select, WebDriverWait
-
-    browser = _browser()
-    try:
-        browser.get(workbench.url + "/")
-        wait = WebDriverWait(browser, 600, poll_frequency=0.05)
-        wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#scenario option"))
-        Select(browser.find_element(By.ID, "scenario")).select_by_value("field_maintenance")
-        browser.find_element(By.ID, "new-session").click()
-        box = browser.find_element(By.ID, "message")
-        wait.until(lambda b: box.get_attribute("value") == SCENARIOS["field_maintenance"].task)
-        browser.find_element(By.ID, "send").click()
-        # Streamed: text shows up in a live bubble before the turn is done.
-        wait.until(
-            lambda b: any(e.text.strip() for e in b.find_elements(By.CSS_SELECTOR, ".msg.assistant.live"))
-        )
-        streamed_before_done = not browser.find_elements(By.CSS_SELECTOR, ".msg.assistant.answer")
-        wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, ".msg.assistant.answer"))
-        answer = browser.find_elements(By.CSS_SELECTOR, ".msg.assistant.answer")[-1].text
-        rows = browser.find_elements(By.CSS_SELECTOR, "#trace tr.trace-call")
-        timeline = browser.find_elements(By.CSS_SELECTOR, "#timeline .timeline-row")
-        tools = browser.find_elements(By.CSS_SELECTOR, "#chat details.tool")
-        tree = browser.find_elements(By.CSS_SELECTOR, "#tree .tree-node[data-turn]")
-        shot = tmp_path / "workbench.png"
-        browser.save_screenshot(str(shot))
-        if os.environ.get("WORKBENCH_SCREENSHOT"):
-            shutil.copy(shot, os.environ["WORKBENCH_SCREENSHOT"])
-        print(f"screenshot: {shot}")
-    finally:
-        browser.quit()
-    assert streamed_before_done
-    assert answer.strip() and answer != "(empty answer)"
-    assert len(rows) >= 2 and all(
-        r.find_elements(By.TAG_NAME, "td")[2].text in ("A", "H", "S", "prefill") for r in rows
-    )
-    assert tools and len(timeline) == 1 and len(tree) == 1
-    assert shot.stat().st_size > 10_000
