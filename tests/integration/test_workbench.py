@@ -111,7 +111,8 @@ def test_the_page_streams_an_answer_and_shows_the_trace(workbench: AppThread, tm
         Select(browser.find_element(By.ID, "scenario")).select_by_value("field_maintenance")
         browser.find_element(By.ID, "new-session").click()
         box = browser.find_element(By.ID, "message")
-        wait.until(lambda b: box.get_attribute("value") == SCENARIOS["field_maintenance"].task)
+        wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#sessions li.current"))
+        assert box.get_attribute("value") == SCENARIOS["field_maintenance"].task
         browser.find_element(By.ID, "send").click()
         # Streamed: text shows up in a live bubble before the turn is done.
         wait.until(
@@ -126,6 +127,7 @@ def test_the_page_streams_an_answer_and_shows_the_trace(workbench: AppThread, tm
         timeline = len(browser.find_elements(By.CSS_SELECTOR, "#timeline .timeline-row"))
         tools = len(browser.find_elements(By.CSS_SELECTOR, "#chat details.tool"))
         tree = len(browser.find_elements(By.CSS_SELECTOR, "#tree .tree-node[data-turn]"))
+        sessions = len(browser.find_elements(By.CSS_SELECTOR, "#sessions li"))
         shot = tmp_path / "workbench.png"
         browser.save_screenshot(str(shot))
         if os.environ.get("WORKBENCH_SCREENSHOT"):
@@ -136,7 +138,7 @@ def test_the_page_streams_an_answer_and_shows_the_trace(workbench: AppThread, tm
     assert streamed_before_done
     assert answer.strip() and answer != "(empty answer)"
     assert len(routes) >= 2 and set(routes) <= {"A", "H", "S", "prefill"}, routes
-    assert tools >= 1 and timeline == 1 and tree == 1
+    assert tools >= 1 and timeline == 1 and tree == 1 and sessions == 1
     assert shot.stat().st_size > 10_000
 
 

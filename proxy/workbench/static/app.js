@@ -2,7 +2,7 @@
 "use strict";
 
 const $ = (sel) => document.querySelector(sel);
-const state = { scenarios: [], session: null, turns: [], head: null, busy: false };
+const state = { scenarios: [], session: null, turns: [], head: null, busy: false, creating: null };
 
 function el(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
@@ -51,10 +51,14 @@ async function loadSessions() {
   }
 }
 
-async function newSession() {
-  const s = await api("/api/sessions", { method: "POST", body: JSON.stringify({ scenario: $("#scenario").value }) });
-  await openSession(s.id);
-  $("#message").value = currentScenario().task;
+function newSession() {
+  // Kept while it runs, so a Send clicked meanwhile waits for it instead of making another.
+  state.creating = (async () => {
+    const s = await api("/api/sessions", { method: "POST", body: JSON.stringify({ scenario: $("#scenario").value }) });
+    await openSession(s.id);
+    $("#message").value = currentScenario().task;
+  })().finally(() => { state.creating = null; });
+  return state.creating;
 }
 
 async function openSession(id, head) {
@@ -181,6 +185,7 @@ async function send() {
   if (state.busy) return;
   const message = $("#message").value.trim();
   if (!message) return;
+  if (state.creating) await state.creating;
   if (!state.session) await newSession();
   state.busy = true;
   $("#send").disabled = true;
