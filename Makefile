@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint unit integration native model venv clean-cache help
+.PHONY: run test lint unit integration native model venv clean-cache help browser
 
 help:
 	@echo "make run    build what is missing (patched llama-server, default model) and serve the proxy"
@@ -12,7 +12,7 @@ help:
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test,workbench]'
 	@touch $(STAMP)
 
 venv: $(STAMP)
@@ -27,6 +27,14 @@ native: $(STAMP)
 model: $(STAMP)
 	$(BIN)/radixctl model path
 
+# The workbench page test drives Debian's chromium with selenium: installed here when missing
+# (as root, with apt-get); elsewhere the test says it skipped and why.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; } || \
+	echo "skip: chromium not installed (the workbench page test will skip)"
+
 run: $(STAMP)
 	$(BIN)/radixctl up
 
@@ -38,10 +46,10 @@ lint: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest -m unit -q
 
-integration: native model
+integration: native model browser
 	$(BIN)/python -m pytest -m integration
 
-test: lint native model
+test: lint native model browser
 	$(BIN)/python -m pytest
 
 clean-cache:

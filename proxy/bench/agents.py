@@ -12,12 +12,24 @@ review; nothing is ever executed (there is nothing to execute: it is all text).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from proxy.bench.spec import BenchRequest, Workload
 from proxy.bench.text import fill_to, prose, seeded
+from proxy.workbench.data import (
+    COMPANIES,
+    DEVICE_MODELS,
+    ERROR_CODES,
+    RATIOS,
+    SERVICES,
+    device_log,
+    error_logs,
+    financials,
+    manual_section,
+    ratio,
+    service_status,
+)
 
 SCENARIOS = ("finance", "maintenance", "incident")
 
@@ -72,69 +84,14 @@ def _call(name: str, **arguments: Any) -> dict[str, Any]:
     return {"name": name, "arguments": arguments}
 
 
-# ---- financial research -------------------------------------------------------------------
+# ---- financial research (data: proxy.workbench.data) -------------------------------------
 
-_COMPANIES = ("Altamira Foods", "Borealis Grid", "Cobalt Harbor Logistics", "Dunmore Textiles")
+_COMPANIES = COMPANIES
 _YEARS = (2022, 2023)
 
 
-def _financials(seed: object) -> dict[str, dict[int, dict[str, float]]]:
-    out: dict[str, dict[int, dict[str, float]]] = {}
-    for name in _COMPANIES:
-        rng = seeded(seed, "fin", name)
-        revenue = rng.uniform(200, 2000)
-        years = {}
-        for year in _YEARS:
-            revenue *= rng.uniform(0.92, 1.15)
-            cogs = revenue * rng.uniform(0.45, 0.7)
-            opex = revenue * rng.uniform(0.12, 0.24)
-            equity = revenue * rng.uniform(0.3, 0.8)
-            years[year] = {
-                k: round(v, 1)
-                for k, v in {
-                    "revenue": revenue,
-                    "cost_of_goods_sold": cogs,
-                    "operating_expenses": opex,
-                    "net_income": (revenue - cogs - opex) * 0.75,
-                    "current_assets": revenue * rng.uniform(0.2, 0.5),
-                    "current_liabilities": revenue * rng.uniform(0.15, 0.4),
-                    "total_liabilities": equity * rng.uniform(0.4, 2.2),
-                    "equity": equity,
-                }.items()
-            }
-        out[name] = years
-    return out
-
-
-_RATIOS: dict[str, tuple[str, Callable[[dict[str, float]], float]]] = {
-    "current_ratio": (
-        "current assets / current liabilities",
-        lambda f: f["current_assets"] / f["current_liabilities"],
-    ),
-    "debt_to_equity": ("total liabilities / equity", lambda f: f["total_liabilities"] / f["equity"]),
-    "gross_margin": (
-        "(revenue - cost of goods sold) / revenue",
-        lambda f: (f["revenue"] - f["cost_of_goods_sold"]) / f["revenue"],
-    ),
-    "return_on_equity": ("net income / equity", lambda f: f["net_income"] / f["equity"]),
-}
-
-
-def _ratio(
-    data: dict[str, dict[int, dict[str, float]]], company: str, ratio: str, year: int
-) -> dict[str, Any]:
-    formula, fn = _RATIOS[ratio]
-    return {
-        "company": company,
-        "ratio": ratio,
-        "year": year,
-        "formula": formula,
-        "value": round(fn(data[company][year]), 3),
-    }
-
-
 def finance(n_sessions: int, tokens: int, seed: object) -> tuple[str, list[Task]]:
-    data = _financials(seed)
+    data = financials(seed, _YEARS)
     docs = []
     for name in _COMPANIES:
         for year in _YEARS:
@@ -154,7 +111,7 @@ def finance(n_sessions: int, tokens: int, seed: object) -> tuple[str, list[Task]
             "compute_ratio",
             "Compute a financial ratio from the reported figures",
             company="company name",
-            ratio="|".join(_RATIOS),
+            ratio="|".join(RATIOS),
             year="fiscal year",
         ),
         _tool("search_reports", "Full-text search in the annual reports", query="search terms"),
@@ -176,9 +133,9 @@ def finance(n_sessions: int, tokens: int, seed: object) -> tuple[str, list[Task]
         company, other = _COMPANIES[i % len(_COMPANIES)], _COMPANIES[(i + 1) % len(_COMPANIES)]
         year = _YEARS[-1]
         cur, prior, dte = (
-            _ratio(data, company, "current_ratio", year),
-            _ratio(data, company, "current_ratio", year - 1),
-            _ratio(data, company, "debt_to_equity", year),
+            ratio(data, company, "current_ratio", year),
+            ratio(data, company, "current_ratio", year - 1),
+            ratio(data, company, "debt_to_equity", year),
         )
         steps = (
             (_call("get_financials", company=company, year=year), json.dumps(data[company][year])),
@@ -203,41 +160,17 @@ def finance(n_sessions: int, tokens: int, seed: object) -> tuple[str, list[Task]
     return system, tasks
 
 
-# ---- field maintenance --------------------------------------------------------------------
+# ---- field maintenance ----------------------------------------------------------------------
 
-_MODELS = {"Hydra-300 pump": "PMP", "Vortex-22 compressor": "CMP", "Kestrel-9 fan": "FAN"}
-_CODES = {
-    "E101": "bearing temperature high",
-    "E214": "vibration above limit",
-    "E330": "outlet pressure low",
-    "E417": "motor current imbalance",
-    "E502": "seal leak detected",
-}
-
-
-def _device_log(device: str, code: str, n: int, seed: object) -> list[str]:
-    rng = seeded(seed, "log", device)
-    lines = []
-    for k in range(n):
-        temp, vib, bar = (
-            rng.uniform(55, 70) + 2 * k,
-            rng.uniform(1.5, 3.0) + 0.3 * k,
-            rng.uniform(3.5, 4.2) - 0.05 * k,
-        )
-        flag = code if k >= n - 3 else "OK"
-        lines.append(
-            f"2024-03-0{1 + k // 6} {k % 24:02d}:15 {device} temp={temp:.1f}C vib={vib:.2f}mm/s "
-            f"p={bar:.2f}bar status={flag}"
-        )
-    return lines
+_MODELS, _CODES = DEVICE_MODELS, ERROR_CODES
 
 
 def maintenance(n_sessions: int, tokens: int, seed: object) -> tuple[str, list[Task]]:
     docs = []
     for model in _MODELS:
         docs.append(f"### Service manual: {model}")
-        for code, meaning in _CODES.items():
-            docs.append(f"{code} ({meaning}): {prose(seeded(seed, 'manual', model, code), 20)}")
+        for code in _CODES:
+            docs.append(manual_section(model, code, seed))
     tools = [
         _tool(
             "read_device_log", "Last readings of a device", device_id="device id", last_n="number of lines"
@@ -268,8 +201,8 @@ def maintenance(n_sessions: int, tokens: int, seed: object) -> tuple[str, list[T
     for i in range(n_sessions):
         model = models[i % len(models)]
         device, code = f"{_MODELS[model]}-{400 + 7 * i:04d}", codes[i % len(codes)]
-        log = _device_log(device, code, 8, seed)
-        manual = f"{code} ({_CODES[code]}): {prose(seeded(seed, 'manual', model, code), 20)}"
+        log = device_log(device, code, 8, seed)
+        manual = manual_section(model, code, seed)
         order = {
             "work_order": f"WO-{7100 + i}",
             "device_id": device,
@@ -306,22 +239,7 @@ def maintenance(n_sessions: int, tokens: int, seed: object) -> tuple[str, list[T
 
 # ---- edge incident ------------------------------------------------------------------------
 
-_SERVICES = ("checkout-api", "inventory-db", "edge-cache", "auth-gateway", "payments-worker")
-
-
-def _status(service: str, seed: object) -> dict[str, Any]:
-    rng = seeded(seed, "svc", service)
-    minor = rng.randint(2, 9)
-    return {
-        "service": service,
-        "health": "degraded",
-        "version": f"1.{minor}.0",
-        "previous_version": f"1.{minor - 1}.3",
-        "replicas": rng.randint(2, 6),
-        "p99_ms": round(rng.uniform(400, 2500)),
-        "error_rate_pct": round(rng.uniform(2, 15), 1),
-        "slo_error_rate_pct": 1.0,
-    }
+_SERVICES = SERVICES
 
 
 def incident(n_sessions: int, tokens: int, seed: object) -> tuple[str, list[Task]]:
@@ -361,13 +279,8 @@ def incident(n_sessions: int, tokens: int, seed: object) -> tuple[str, list[Task
     tasks = []
     for i in range(n_sessions):
         service = _SERVICES[i % len(_SERVICES)]
-        status = _status(service, seed)
-        rng = seeded(seed, "errors", service)
-        logs = [
-            f"2024-05-1{k % 10}T10:{k:02d}:0{k % 10}Z ERROR {service} {rng.choice(['timeout', 'conn reset', '503'])} "
-            f"upstream={_SERVICES[(i + 1) % len(_SERVICES)]} v{status['version']}"
-            for k in range(10)
-        ]
+        status = service_status(service, seed)
+        logs = error_logs(service, _SERVICES[(i + 1) % len(_SERVICES)], status["version"], 10, seed)
         proposal = {
             "proposal_id": f"P-{300 + i}",
             "status": "pending_review",

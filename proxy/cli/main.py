@@ -14,6 +14,7 @@ from proxy.cli.doctor import doctor
 from proxy.cli.inspect import routes, slots, stats, tree
 from proxy.cli.serve import serve, up
 from proxy.sim.cli import sim
+from proxy.workbench.cli import workbench
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "RADIX"})
@@ -33,6 +34,7 @@ main.add_command(stats)
 main.add_command(doctor)
 main.add_command(bench)
 main.add_command(sim)
+main.add_command(workbench)
 
 if __name__ == "__main__":
     main()

@@ -8,6 +8,7 @@ The static check reads every ``import`` in every module, including those inside 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -45,9 +46,13 @@ ALLOWED: dict[str, set[str]] = {
         "proxy.server",
         "proxy.cli.common",
         "proxy.cli.options",
+        "proxy.workbench.data",
     },
     # The simulator drives the pure core only (docs/scale.md).
     "proxy.sim": {"proxy.errors", "proxy.config", "proxy.core"},
+    # An app on top of the proxy: it reaches the proxy only over HTTP, so it imports none of
+    # the server; it shares the bench's text generator and manifest format.
+    "proxy.workbench": {"proxy.bench.text", "proxy.bench.runner"},
     # The command line's root is the one place that puts the benchmarks in.
     "proxy.cli.main": {
         "proxy.errors",
@@ -56,9 +61,12 @@ ALLOWED: dict[str, set[str]] = {
         "proxy.cli",
         "proxy.bench",
         "proxy.sim",
+        "proxy.workbench.cli",
     },
     "proxy.cli.__main__": {"proxy.cli.main"},
 }
+# Modules that import LangGraph (the optional ``workbench`` extra).
+NEEDS_WORKBENCH_EXTRA = {"proxy.workbench.graph", "proxy.workbench.app"}
 # The pure core: no event loop, HTTP or metrics library.
 CORE_FORBIDDEN = ("asyncio", "aiohttp", "prometheus_client")
 
@@ -189,6 +197,8 @@ def test_every_module_imports_alone_in_a_fresh_interpreter() -> None:
     """Each module first, in its own interpreter, with warnings as errors: an import-order
     dependency or a deprecation shows up here, whatever order the suite imports things in."""
     skip = {"proxy.cli.__main__"}  # runs the CLI when imported
+    if importlib.util.find_spec("langgraph") is None:  # the optional workbench extra
+        skip |= NEEDS_WORKBENCH_EXTRA
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = list(pool.map(_import_alone, sorted(set(MODULES) - skip)))
     failed = [f"{name}:\n{err}" for name, code, err in results if code != 0]
