@@ -22,10 +22,33 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-WORDS = (
-    "cache prefix token slot server proxy tree memory restore save budget layer vector "
-    "answer question report window batch queue route metric shard model prompt reuse"
-).split()
+WORDS = [
+    "cache",
+    "prefix",
+    "token",
+    "slot",
+    "server",
+    "proxy",
+    "tree",
+    "memory",
+    "restore",
+    "save",
+    "budget",
+    "layer",
+    "vector",
+    "answer",
+    "question",
+    "report",
+    "window",
+    "batch",
+    "queue",
+    "route",
+    "metric",
+    "shard",
+    "model",
+    "prompt",
+    "reuse",
+]
 
 
 def say(msg: str) -> None:
@@ -37,7 +60,9 @@ def fail(msg: str) -> None:
     sys.exit(1)
 
 
-def http(url: str, body: dict[str, Any] | None = None, timeout: float = 300) -> tuple[int, dict[str, str], Any]:
+def http(
+    url: str, body: dict[str, Any] | None = None, timeout: float = 300
+) -> tuple[int, dict[str, str], Any]:
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
@@ -100,7 +125,9 @@ def check_traffic(proxy: str, n_slots_total: int) -> None:
         chat(proxy, document(seed), "List three words.", max_tokens=4)
     back = chat(proxy, doc, "Which sentence is the longest?")
     if back.get("X-Radix-Route") not in ("H", "A+H", "S+H"):
-        fail(f"a returning prompt should be restored from the host tree, got route {back.get('X-Radix-Route')}")
+        fail(
+            f"a returning prompt should be restored from the host tree, got route {back.get('X-Radix-Route')}"
+        )
     if int(back["X-Radix-Cached-Tokens"]) < 100:
         fail(f"too few tokens restored: {back['X-Radix-Cached-Tokens']}")
     # A bad request: a clear 4xx in llama-server's error shape.
@@ -192,7 +219,8 @@ def check_prometheus(prometheus: str, proxy: str, dashboard: Path, n_servers: in
         say(f"  {len(result):2d} series  {title}: {expr}")
     # The dashboard's template variable: the servers' label values.
     status, _, reply = http(
-        f"{prometheus}/api/v1/label/server/values?" + urllib.parse.urlencode({"match[]": "radix_requests_total"})
+        f"{prometheus}/api/v1/label/server/values?"
+        + urllib.parse.urlencode({"match[]": "radix_requests_total"})
     )
     servers = reply.get("data", []) if isinstance(reply, dict) else []
     if len(servers) != n_servers:
@@ -202,7 +230,9 @@ def check_prometheus(prometheus: str, proxy: str, dashboard: Path, n_servers: in
         fail(f"radix_backend_up == 1 for {len(up_servers)} servers, expected {n_servers}")
     tokenizer = prom_query(prometheus, "radix_tokenizer_server_fallback")
     if not tokenizer or float(tokenizer[0]["value"][1]) != 0:
-        fail("the proxy fell back to the server's /tokenize: it does not see the model file at the server's path")
+        fail(
+            "the proxy fell back to the server's /tokenize: it does not see the model file at the server's path"
+        )
     moved = prom_query(prometheus, 'sum(radix_kv_move_bytes_total{direction="import"})')
     if not moved or float(moved[0]["value"][1]) <= 0:
         fail("no KV was imported into a slot (host restore) according to Prometheus")

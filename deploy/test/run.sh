@@ -15,6 +15,7 @@
 #   COMPOSE="docker-compose" the compose command (default: `docker compose`, else docker-compose)
 #   CA_BUNDLE=/path          an extra CA bundle for the build (default: $PIP_CERT if set)
 #   KEEP=1                   leave the stack running on failure, for a look
+#   SKIP_BUILD=1             use the images an earlier run built
 #
 # Exits 0 with a "skip:" line where no container engine or compose is reachable.
 set -euo pipefail
@@ -68,10 +69,12 @@ build() {  # build TAG DOCKERFILE [ARGS...]
         -t "$tag" -f "$file" "$@" "$ROOT" >"$logfile" 2>&1 \
         || { log "build of $tag failed:"; tail -25 "$logfile" >&2; exit 1; }
 }
-build llama-radix-proxy/llama-server:cpu "$DEPLOY/Dockerfile" --target server \
-    --build-arg BASE="$BASE" --build-arg RUNTIME_BASE="$BASE" --build-arg BACKEND=cpu
-build llama-radix-proxy/proxy:latest "$DEPLOY/Dockerfile" --target proxy --build-arg PROXY_BASE="$BASE"
-build llama-radix-proxy/prometheus:latest "$DEPLOY/docker/prometheus.Dockerfile" --build-arg BASE="$BASE"
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
+    build llama-radix-proxy/llama-server:cpu "$DEPLOY/Dockerfile" --target server \
+        --build-arg BASE="$BASE" --build-arg RUNTIME_BASE="$BASE" --build-arg BACKEND=cpu
+    build llama-radix-proxy/proxy:latest "$DEPLOY/Dockerfile" --target proxy --build-arg PROXY_BASE="$BASE"
+    build llama-radix-proxy/prometheus:latest "$DEPLOY/docker/prometheus.Dockerfile" --build-arg BASE="$BASE"
+fi
 for image in llama-radix-proxy/llama-server:cpu llama-radix-proxy/proxy:latest; do
     user=$("$ENGINE" image inspect -f '{{.Config.User}}' "$image")
     [ -n "$user" ] && [ "${user%%:*}" != 0 ] && [ "${user%%:*}" != root ] \
