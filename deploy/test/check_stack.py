@@ -77,7 +77,7 @@ def http(
         return status, headers, raw.decode(errors="replace")
 
 
-def document(seed: int, n_words: int = 260) -> str:
+def document(seed: int, n_words: int = 160) -> str:
     rng = random.Random(seed)
     sentences: list[str] = []
     while sum(len(s.split()) for s in sentences) < n_words:
@@ -121,8 +121,8 @@ def check_traffic(proxy: str, n_slots_total: int) -> None:
         fail(f"too few cached tokens on reuse: {again['X-Radix-Cached-Tokens']}")
     # More long prompts than there are slots: the first document's slot is overwritten, so its
     # return is a host-tree restore, whose KV travels as a payload file on the shared volume.
-    for seed in range(10, 10 + n_slots_total + 2):
-        chat(proxy, document(seed), "List three words.", max_tokens=4)
+    for seed in range(10, 10 + n_slots_total + 1):
+        chat(proxy, document(seed), "List three words.", max_tokens=2)
     back = chat(proxy, doc, "Which sentence is the longest?")
     if back.get("X-Radix-Route") not in ("H", "A+H", "S+H"):
         fail(

@@ -80,8 +80,16 @@ for image in llama-radix-proxy/llama-server:cpu llama-radix-proxy/proxy:latest; 
     [ -n "$user" ] && [ "${user%%:*}" != 0 ] && [ "${user%%:*}" != root ] \
         || { log "FAIL: $image runs as root"; exit 1; }
 done
-"$ENGINE" history --no-trunc llama-radix-proxy/llama-server:cpu llama-radix-proxy/proxy:latest \
-    | grep -qi -- 'BEGIN CERTIFICATE\|ca_bundle,src' && { log "FAIL: the CA bundle shows in an image's history"; exit 1; }
+for image in llama-radix-proxy/llama-server:cpu llama-radix-proxy/proxy:latest llama-radix-proxy/prometheus:latest; do
+    if "$ENGINE" history --no-trunc "$image" | grep -qi -- 'BEGIN CERTIFICATE\|ca_bundle,src'; then
+        log "FAIL: the CA bundle shows in $image's history"
+        exit 1
+    fi
+    "$ENGINE" run --rm --network none --entrypoint /bin/sh "$image" -c \
+        'test ! -e /etc/apt/apt.conf.d/99radix-build-ca && test ! -e /run/secrets/ca_bundle && ! ls /tmp/radix-ca.* 2>/dev/null' \
+        || { log "FAIL: build-time CA material left in $image"; exit 1; }
+done
+log "images run as non-root; no build-time CA material in them"
 
 # ---- the stack's settings: .env.example with free loopback ports ----------------------------------
 work=$(mktemp -d /var/tmp/radix-deploy-test.XXXXXX)
@@ -110,13 +118,13 @@ volumes:
     driver_opts: {type: none, o: bind, device: $payloads}
 EOF
 declare -A settings=(
-    [COMPOSE_FILE]=docker-compose.yml
+    [COMPOSE_FILE]=docker-compose.yml:compose.hostnet.yml
     [RADIX_BASE_IMAGE]=$BASE [RADIX_RUNTIME_BASE_IMAGE]=$BASE [RADIX_PROXY_BASE_IMAGE]=$BASE
     [RADIX_LISTEN_ADDR]=127.0.0.1 [RADIX_BIND_ADDR]=127.0.0.1
     [PROXY_PORT]=$P_PROXY [LLAMA_PORT]=$P_LLAMA [LLAMA_PORT_2]=$P_LLAMA2 [PROMETHEUS_PORT]=$P_PROM
     [RADIX_BACKENDS]="http://127.0.0.1:$P_LLAMA http://127.0.0.1:$P_LLAMA2"
     [RADIX_PROXY_HOST]=127.0.0.1 [RADIX_PROMETHEUS_URL]=http://127.0.0.1:$P_PROM
-    [RADIX_PARALLEL]=4 [RADIX_CTX_SIZE]=8192 [RADIX_THREADS]=2 [RADIX_CACHE_RAM]=512
+    [RADIX_PARALLEL]=2 [RADIX_CTX_SIZE]=4096 [RADIX_THREADS]=1 [RADIX_CACHE_RAM]=512
     [RADIX_PAYLOAD_TMPFS_SIZE]=256m [RADIX_RESTART]=no
     [RADIX_KVCTL_KEY_FILE]=$work/secrets/kvctl_key
     [GRAFANA_ADMIN_PASSWORD_FILE]=$work/secrets/kvctl_key
@@ -130,7 +138,7 @@ from pathlib import Path
 deploy = Path(sys.argv[1])
 documented = set(re.findall(r"^#?([A-Z][A-Z0-9_]*)=", (deploy / ".env.example").read_text(), re.M))
 used = set()
-for name in ("docker-compose.yml", "compose.cuda.yml", "compose.cann.yml", "compose.hostnet.yml"):
+for name in ("docker-compose.yml", "compose.ports.yml", "compose.cuda.yml", "compose.cann.yml", "compose.hostnet.yml"):
     used |= set(re.findall(r"\$\{([A-Z][A-Z0-9_]*)(?::?-[^}]*)?\}", (deploy / name).read_text()))
 missing = sorted((used | set(sys.argv[2:])) - documented)
 if missing:
@@ -165,11 +173,14 @@ cleanup() {
     rm -rf "$work" "$payloads"
 }
 trap cleanup EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
 
 compose config -q
 log "compose config valid (CPU, CUDA and CANN files too)"
 for variant in compose.cuda.yml compose.cann.yml; do
-    $COMPOSE -p "$project" --env-file "$work/.env" -f "$DEPLOY/docker-compose.yml" -f "$DEPLOY/$variant" config -q
+    $COMPOSE -p "$project" --env-file "$work/.env" --profile multi --profile workbench \
+        -f "$DEPLOY/docker-compose.yml" -f "$DEPLOY/compose.ports.yml" -f "$DEPLOY/$variant" config -q
 done
 
 # ---- up, health ------------------------------------------------------------------------------------
@@ -199,7 +210,7 @@ log "the kvctl key is in no argv and no container config"
 # ---- traffic and Prometheus --------------------------------------------------------------------------
 "$PYTHON" "$ROOT/deploy/test/check_stack.py" --proxy "http://127.0.0.1:$P_PROXY" \
     --prometheus "http://127.0.0.1:$P_PROM" --dashboard "$DEPLOY/grafana/llama-radix-proxy.json" \
-    --servers 2 --slots 4
+    --servers 2 --slots 2
 compose logs --no-color proxy 2>&1 | grep -E 'payloads via /run/radix-kv' >&2 \
     || { log "FAIL: the proxy does not use the shared payload directory"; exit 1; }
 
@@ -217,6 +228,8 @@ left=$(find "$payloads" -mindepth 1 | head -5)
 compose down -v --remove-orphans >/dev/null 2>&1
 running=$("$ENGINE" ps -aq --filter "label=com.docker.compose.project=$project")
 volumes=$("$ENGINE" volume ls -q --filter "label=com.docker.compose.project=$project")
-[ -z "$running$volumes" ] || { log "FAIL: left after down: containers [$running] volumes [$volumes]"; exit 1; }
-log "down: no container, no volume and no payload file left"
+networks=$("$ENGINE" network ls -q --filter "label=com.docker.compose.project=$project")
+[ -z "$running$volumes$networks" ] \
+    || { log "FAIL: left after down: containers [$running] volumes [$volumes] networks [$networks]"; exit 1; }
+log "down: no container, volume, network or payload file left"
 log "deploy test passed"
