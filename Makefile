@@ -62,3 +62,12 @@ clean-cache:
 .PHONY: portability
 portability:
 	QUICK=$(QUICK) deploy/portability/check.sh $(SUITES)
+
+# Not part of `make test`: the docker compose stack (deploy/) built from a local Debian base
+# and run with host networking: health, chat through the proxy with cache reuse, Prometheus
+# and every dashboard query, a clean stop (docs/deploy.md). About 10 min on 2 cores when the
+# llama.cpp compile is not cached yet. Prints a "skip:" line and succeeds where no container
+# engine is reachable.
+.PHONY: deploy-test
+deploy-test:
+	deploy/test/run.sh

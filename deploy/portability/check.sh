@@ -32,23 +32,7 @@ if ! command -v "$ENGINE" >/dev/null 2>&1 || ! "$ENGINE" info >/dev/null 2>&1; t
     exit 0
 fi
 
-base_image() {  # debootstrap a minimal Debian and import it as an image, once
-    local suite=$1 image="radix-portability/debian:$1"
-    if "$ENGINE" image inspect "$image" >/dev/null 2>&1; then
-        echo "$image"
-        return
-    fi
-    command -v debootstrap >/dev/null || { log "debootstrap missing: apt-get install -y debootstrap"; exit 1; }
-    [ "$(id -u)" = 0 ] || { log "debootstrap needs root"; exit 1; }
-    local rootfs
-    rootfs=$(mktemp -d /var/tmp/radix-rootfs-"$suite".XXXXXX)
-    log "$suite: debootstrap --variant=minbase from $MIRROR (once; a few minutes) ..."
-    debootstrap --variant=minbase "$suite" "$rootfs" "$MIRROR" >"$rootfs.log" 2>&1 \
-        || { log "debootstrap failed, see $rootfs.log"; tail -5 "$rootfs.log" >&2; exit 1; }
-    tar -C "$rootfs" -c . | "$ENGINE" import - "$image" >/dev/null
-    rm -rf "$rootfs" "$rootfs.log"
-    echo "$image"
-}
+. "$HERE/base-image.sh"   # base_image SUITE: debootstrap + docker import, once
 
 # A CA bundle for pip behind a TLS-intercepting proxy: the host's, when pip on the host uses one.
 ca=${CA_BUNDLE:-${PIP_CERT:-}}

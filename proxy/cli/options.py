@@ -75,6 +75,35 @@ kvctl_key_option = click.option(
     envvar="RADIX_KVCTL_KEY",
     help="Key for the servers' /kvctl API.",
 )
+kvctl_key_file_option = click.option(
+    "--kvctl-key-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="RADIX_KVCTL_KEY_FILE",
+    help="Read the /kvctl key from the first line of this file (keeps it out of argv and the environment).",
+)
+
+
+def take_kvctl_key_file(kw: dict[str, Any]) -> None:
+    """Replace ``kw["kvctl_key_file"]`` by the key it holds, in ``kw["kvctl_key"]``.
+
+    Same reading as llama-server's --kvctl-key-file: the first line, trailing whitespace off."""
+    path: Path | None = kw.pop("kvctl_key_file", None)
+    if path is None:
+        return
+    if kw.get("kvctl_key"):
+        raise click.UsageError("give --kvctl-key or --kvctl-key-file, not both")
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise click.BadParameter(
+            f"cannot read {path}: {exc.strerror}", param_hint="--kvctl-key-file"
+        ) from exc
+    key = lines[0].rstrip() if lines else ""
+    if not key:
+        raise click.BadParameter(f"{path} holds an empty key", param_hint="--kvctl-key-file")
+    kw["kvctl_key"] = key
+
+
 kv_share_option = click.option(
     "--cache-kv-share",
     "kv_share",
@@ -276,6 +305,7 @@ PROXY_OPTIONS = [
     shm_dir_option,
     min_restore_tokens_option,
     kvctl_key_option,
+    kvctl_key_file_option,
     kv_share_option,
     kv_share_min_tokens_option,
     kv_share_max_entries_option,

@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from proxy.cli.common import fail_cleanly
-from proxy.cli.options import BUILD_BACKENDS, model_option, proxy_options
+from proxy.cli.options import BUILD_BACKENDS, model_option, proxy_options, take_kvctl_key_file
 from proxy.config import Config
 from proxy.errors import ConfigError, RadixError
 from proxy.native.build import BuildSpec, build_server
@@ -48,6 +48,7 @@ log = logging.getLogger("radix")
 @fail_cleanly
 def serve(backends: tuple[str, ...], **kw: Any) -> None:
     """Run the proxy in front of already running patched llama-servers."""
+    take_kvctl_key_file(kw)
     asyncio.run(serve_forever(_config(backends, **kw)))
 
 
@@ -91,6 +92,7 @@ def up(
     **kw: Any,
 ) -> None:
     """Build and fetch what is missing, start llama-server and the proxy, serve until Ctrl-C."""
+    take_kvctl_key_file(kw)
     up_forever(
         model_arg=model_arg,
         server_port=server_port,

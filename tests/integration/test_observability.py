@@ -507,4 +507,4 @@ def test_prometheus_scrape_config_points_at_metrics() -> None:
     config = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())
     (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "llama-radix-proxy"]
     assert job.get("metrics_path", "/metrics") == "/metrics"
-    assert job["static_configs"][0]["targets"] == ["localhost:8080"]  # radixctl up's default port
+    assert job["static_configs"][0]["targets"] == ["proxy:8080"]  # the compose stack's proxy service

@@ -113,13 +113,16 @@ def test_keys_come_from_a_secret() -> None:
     pod = statefulset()["spec"]["template"]["spec"]
     proxy = next(c for c in pod["containers"] if c["name"] == "proxy")
     env = {e["name"]: e for e in proxy["env"]}
-    for name in ("RADIX_KVCTL_KEY", "RADIX_ADMIN_KEY"):
-        assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "llama-radix-keys"
+    assert env["RADIX_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "llama-radix-keys"
     key_vol = next(v for v in pod["volumes"] if v["name"] == "kvctl-key")
     assert key_vol["secret"]["secretName"] == "llama-radix-keys"
+    # The /kvctl key reaches both containers as the same Secret file, never in argv or env.
     server = next(c for c in pod["containers"] if c["name"] == "llama-server")
     mount = next(m["mountPath"] for m in server["volumeMounts"] if m["name"] == "kvctl-key")
     assert server["args"][server["args"].index("--kvctl-key-file") + 1] == f"{mount}/kvctl-key"
+    proxy_mount = next(m["mountPath"] for m in proxy["volumeMounts"] if m["name"] == "kvctl-key")
+    assert env["RADIX_KVCTL_KEY_FILE"]["value"] == f"{proxy_mount}/kvctl-key"
+    assert "RADIX_KVCTL_KEY" not in env
     secret = by_kind("Secret", "llama-radix-keys")
     assert set(secret["stringData"]) == {"kvctl-key", "admin-key"}
 
