@@ -252,6 +252,7 @@ def test_two_models_side_by_side(
         missing = post(f"{proxy.url}/v1/chat/completions", chat_body(convo(doc, "Hi"), 2))
         assert missing.status == 400
         # Three at once for smol (two slots): the third waits for smol, never goes to smol-q8.
+        settled(proxy)  # smol-q8's last answer is saved and its slot released: nothing moves after
         before = proxy.call(lambda rt: [s.last_used for s in rt.coordinator.servers[1].slots])
         docs = [convo(document(310 + i, 80), "Say yes.") for i in range(3)]
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
