@@ -559,10 +559,13 @@ class FakeSharing:
         self.index = ResidentIndex(range(4, 8), 0)
         self.asked: list[int] = []
         self.fake, self.free = fake, free
+        self.headroom = 0
+        self.last_cells: dict[str, int] = {}
 
     async def ensure_free(self, need: int) -> bool:
         self.asked.append(need)
-        return need <= self.free + sum(self.fake.erased_cells)
+        self.last_cells = {"free": self.free + sum(self.fake.erased_cells)}
+        return need + self.headroom <= self.last_cells["free"]
 
 
 def sharing_server(
@@ -865,4 +868,19 @@ async def test_requests_arriving_together_are_sent_after_each_others_restores() 
     assert sorted(sent) == ["a", "b"]
     for lease in leases:
         coord.release(lease)
+    check(coord)
+
+
+async def test_a_short_headroom_alone_does_not_hold_a_request() -> None:
+    s0 = sharing_server(2, free=950)
+    sharing: FakeSharing = s0.sharing  # type: ignore[assignment]
+    sharing.headroom = 100
+    coord = coordinator(s0, queue_timeout_s=0.2)
+    a = await coord.acquire("a", toks(0, 400))
+    await coord.restore(a, 100)  # 500 + 100 headroom fit
+    b = await coord.acquire("b", toks(5000, 300))
+    await asyncio.wait_for(coord.restore(b, 100), 5)  # 900 fit in 950, not with the headroom
+    assert s0.reserved_cells == 900
+    coord.release(b)
+    coord.release(a)
     check(coord)

@@ -129,7 +129,9 @@ class KvMoves:
 
     async def _make_room(self, lease: Lease, cells: int) -> bool:
         """True when ``cells`` plus the headroom are free, after releasing owners and erasing
-        idle slots, least recently used first (under the move lock)."""
+        idle slots, least recently used first (under the move lock); also when only the
+        headroom is short: the headroom is kept for owners, and stock llama-server would
+        run these requests without it."""
         server = lease.server
         assert server.sharing is not None
         if await server.sharing.ensure_free(cells):
@@ -149,7 +151,7 @@ class KvMoves:
                 slot.busy = False
             if await server.sharing.ensure_free(cells):
                 return True
-        return False
+        return int(server.sharing.last_cells.get("free", 0)) >= cells
 
     async def _erase(self, lease: Lease) -> bool:
         """Clear a slot holding another namespace's KV, so the server cannot reuse it for
