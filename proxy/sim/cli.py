@@ -35,13 +35,17 @@ def _policies(text: str) -> list[str]:
     return names
 
 
+# Policies that need the proxy (its host tree and plans): never run over stock servers.
+PROXY_POLICIES = ("cache-aware", "proxy-cost")
+
+
 def _arms(names: list[str], stock: bool, proxies: list[int], servers: int) -> list[tuple[str, bool, int]]:
     """(policy, host tree, proxies) to run: each policy with the proxy at each proxy count up to
     the number of servers, and the baselines once over stock servers (no proxy, so no count)."""
     out = []
     for name in names:
         out += [(name, True, p) for p in proxies if p <= servers]
-        if stock and name != "cache-aware":
+        if stock and name not in PROXY_POLICIES:
             out.append((name, False, 1))
     return out
 

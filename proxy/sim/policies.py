@@ -11,6 +11,7 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from proxy.core.routing import CostModel, ServerLoad, choose_server
 from proxy.sim.model import Calibration
 from proxy.sim.state import Request, ServerView
 
@@ -74,8 +75,42 @@ class CacheAware:
         return (round(est, 3), sv.index != prev, sv.in_flight() + sv.queue_len(), sv.index)
 
 
+class ProxyCostModel:
+    """The proxy's own routing (``proxy.core.routing``, what the coordinator runs), on the
+    simulated servers: the real planner's plan per server turned into a ``ServerLoad``, with
+    the cost model's rates taken from the calibration. The proxy holds waiting requests in
+    its own queue; a simulated server queues them itself, so its queue counts as busy slots."""
+
+    def __init__(self, calib: Calibration) -> None:
+        self.model = CostModel(
+            prefill_s_per_token=1 / calib.prefill_tok_s, move_bytes_per_s=calib.move_mb_s * 1e6
+        )
+        self.bytes_per_token = calib.bytes_per_token
+        self.last: dict[int, int] = {}
+
+    def __call__(self, req: Request, servers: Sequence[ServerView], now: float) -> int:
+        prev = self.last.get(req.session_id, -1)
+        loads = [self._load(req, sv, prev) for sv in servers]
+        best = choose_server(loads, self.model)
+        chosen = best.index if best is not None else 0
+        self.last[req.session_id] = chosen
+        return chosen
+
+    def _load(self, req: Request, sv: ServerView, prev: int) -> ServerLoad:
+        plan = sv.estimate(req.tokens, req.host_len)
+        return ServerLoad(
+            index=sv.index,
+            n_prompt=len(req.tokens),
+            cached=plan.predicted_cached,
+            moved_bytes=max(0, plan.host_to - plan.host_from) * self.bytes_per_token,
+            busy_slots=sv.in_flight() + sv.queue_len(),
+            affinity=sv.index == prev,
+        )
+
+
 POLICIES: dict[str, Callable[[Calibration], Policy]] = {
     "cache-aware": lambda c: CacheAware(c),
+    "proxy-cost": lambda c: ProxyCostModel(c),
     "round-robin": lambda c: RoundRobin(),
     "least-loaded": lambda c: least_loaded,
     "session-sticky": lambda c: session_sticky,

@@ -98,6 +98,8 @@ def test_cache_aware_reuses_more_than_the_baselines() -> None:
         for name in POLICIES
     }
     assert hit["cache-aware"] > max(hit["round-robin"], hit["least-loaded"])
+    # The coordinator's own cost model (proxy.core.routing) driven through the simulator.
+    assert hit["proxy-cost"] > max(hit["round-robin"], hit["least-loaded"])
 
 
 def server_with(calib: Calibration, index: int, held: np.ndarray | None = None) -> SimServer:
@@ -180,7 +182,7 @@ def test_cli_runs_and_prints_every_row() -> None:
     out = CliRunner().invoke(sim, ["run", "--servers", "2", "--sessions-per-server", "4", "--load", "6"])
     assert out.exit_code == 0, out.output
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 2 |")]
-    assert len(rows) == 7  # cache-aware, and each baseline with and without the host tree
+    assert len(rows) == 8  # cache-aware, proxy-cost, and each baseline with and without the tree
     bad = CliRunner().invoke(sim, ["run", "--policies", "random"])
     assert bad.exit_code != 0 and "unknown policy" in bad.output
     assert table([]).count("\n") == 1
