@@ -152,6 +152,16 @@ class DiskTier:
                 self._writer.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until every queued demotion is written or failed; False past `timeout_s`."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self._queue or self._queued:
+                    await asyncio.sleep(0.01)
+        except TimeoutError:
+            return False
+        return True
+
     # ---- demotion ----------------------------------------------------------------------
 
     def demote(self, spill: Spill, flush: bool = False) -> None:

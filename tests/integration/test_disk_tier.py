@@ -50,9 +50,11 @@ def start(backend: ServerProcess, disk: Path, **over: Any) -> ProxyThread:
 
 
 def ask(proxy: ProxyThread, messages: list[dict[str, str]], n: int = 12) -> Reply:
+    """One request; then its save, and the demotions that made room for it, are done."""
     reply = post(f"{proxy.url}/v1/chat/completions", chat_body(messages, n))
     assert reply.status == 200, reply.body
     proxy.settle()
+    assert proxy.run(proxy.runtime.coordinator.disk.drain(120))  # type: ignore[union-attr]
     return reply
 
 
