@@ -115,6 +115,7 @@ class KvMover:
                     file = await asyncio.to_thread(self._write_file, file, segments, size)
                     body["segments"] = [{"file": file.name, "offset": 0, "size": size}]
                 except OSError as exc:
+                    file = None  # _write_file closed the idle file it was given: never pooled again
                     if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or size > INLINE_LIMIT:
                         raise
                     log.warning("payload dir full (%s): importing %d bytes inline instead", exc, size)

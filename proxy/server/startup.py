@@ -164,6 +164,12 @@ async def connect_pending(runtime: Runtime) -> None:
         if entry is not None and server.mover.compat != entry.compat:
             log.error("%s (%s) runs another model or KV layout than %r; kept out", name, url, server.model)
             continue
+        if entry is None and coordinator.disk is not None:
+            # The disk tier holds one model's KV layout (the one checked at startup).
+            log.error(
+                "%s (%s) serves another model %r; kept out: --cache-disk serves one", name, url, server.model
+            )
+            continue
         if entry is None:  # the first server of its model to answer: the model is served from now on
             try:
                 await _add_model(runtime, server)

@@ -884,3 +884,23 @@ async def test_a_short_headroom_alone_does_not_hold_a_request() -> None:
     coord.release(b)
     coord.release(a)
     check(coord)
+
+
+async def test_a_promotion_the_tree_refuses_is_skipped_not_failed() -> None:
+    """A disk promotion that raises (the tree cleared during the read, a refused segment)
+    leaves the request planned without it: a prefill, never an error."""
+
+    class RefusingDisk:
+        calls = 0
+
+        async def promote(self, tree: RadixTree, tokens: np.ndarray, ns: str, floor: int = 0) -> int:
+            RefusingDisk.calls += 1
+            raise ValueError("segment starts at 120, the tree's path ends at 0")
+
+    coord = coordinator(server("s0"))
+    coord.disk = RefusingDisk()  # type: ignore[assignment]
+    lease = await coord.acquire("r0", toks(0, 200))
+    assert RefusingDisk.calls == 1
+    assert lease.plan.route == Route.PREFILL and lease.host is None
+    coord.release(lease)
+    check(coord)

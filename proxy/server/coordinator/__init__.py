@@ -20,7 +20,7 @@ import numpy as np
 
 from proxy.config import Config
 from proxy.core.radix import RadixTree
-from proxy.errors import FallbackCause
+from proxy.errors import FallbackCause, RadixError
 from proxy.server.coordinator.decisions import Decision, DecisionLog, Divergence
 from proxy.server.coordinator.leases import Leases
 from proxy.server.coordinator.moves import KvMoves
@@ -60,7 +60,12 @@ class Coordinator:
         tree first, so the plan sees it as a host hit."""
         if self.disk is not None:
             floor = scan_prefixes(tokens, self.servers, self.tree, ns).best_available()
-            await self.disk.promote(self.tree, tokens, ns, floor)
+            try:
+                await self.disk.promote(self.tree, tokens, ns, floor)
+            except (RadixError, ValueError) as exc:
+                # The tree changed under the read (an admin clear) or refused the segment:
+                # the request is planned without the disk's KV (a prefill), never failed.
+                log.warning("disk tier: promotion for %s skipped: %s", request_id, exc)
         return await self.leases.acquire(
             request_id, tokens, ns, model=model, session=session, n_predict=n_predict
         )
