@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from proxy.config import Config
+from proxy.core.admission import check_reservations
 from proxy.core.planner import Plan, PlanInput, Route, SlotView
 from proxy.core.planner import plan as choose_plan
 from proxy.core.radix import RadixTree
@@ -292,8 +293,7 @@ class Leases:
             self._forget(lease)
 
     def _forget(self, lease: Lease) -> None:
-        lease.server.reservation_ended(lease.reserved_cells)
-        lease.reserved_cells = 0
+        lease.server.admission_ended(lease)
         if lease.epoch != lease.server.epoch:  # the server restarted under this lease: contents unknown
             lease.slot.tokens, lease.slot.ns = EMPTY, None
         self.inflight.pop(lease.request_id, None)
@@ -322,6 +322,14 @@ class Leases:
                 continue
             self._waiters.remove(waiter)
             waiter.future.set_result(granted)
+
+    def check_invariants(self) -> None:
+        """Each server's reserved cells are its unfinished leases' (see ``check_reservations``)."""
+        for server in self.servers:
+            parts = [
+                (x.reserved_cells, x.admitted_cells) for x in self.inflight.values() if x.server is server
+            ]
+            check_reservations(server.n_cells, server.reserved_cells, server.admitted_cells, parts)
 
     def close(self) -> None:
         """Shutting down: no new leases, and every queued request gets a 503 now."""

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 from proxy.config import Config
+from proxy.core.admission import cells_needed, free_estimate
 from proxy.core.planner import Route
 from proxy.core.radix import RadixTree
 from proxy.core.resident import common_prefix
@@ -66,12 +67,11 @@ class KvMoves:
         attach = (
             plan.route in (Route.S, Route.SH) and server.sharing is not None and plan.owner_id is not None
         )
-        if not (attach or lease.host is not None or server.sharing is not None):
-            lease.unpin(self.tree)
-            return  # nothing moves: the server's own reuse does it; the lock is for moves only
         try:
-            if server.sharing is not None:
+            if server.sharing is not None or server.n_cells > 0:
                 await self._reserve(lease, n_predict)
+            if not (attach or lease.host is not None):
+                return  # nothing moves: the server's own reuse does it; the lock is for moves only
             async with self._locked(lease):
                 if attach and server.sharing is not None and plan.owner_id is not None:
                     await server.sharing.attach(plan.owner_id, slot.slot_id, plan.reuse_len)
@@ -89,34 +89,40 @@ class KvMoves:
             lease.unpin(self.tree)
 
     async def _reserve(self, lease: Lease, n_predict: int) -> None:
-        """Reserve the KV cells this request will fill (its uncached prompt and its answer, no
-        more than the slot holds) on top of those reserved by requests admitted before it and
-        not finished, and make room for all of them: release owners, then erase idle slots
-        (their KV is a cache), then wait for a request in flight to finish. With nothing in
-        flight to wait for the request goes ahead (the server then decides); past
+        """Reserve the KV cells this request will fill (``cells_needed``: its prompt past what
+        the slot keeps or attaches, imports included, and its answer) on top of those reserved
+        by requests admitted before it and not finished, in the same step as the check that
+        they fit. When the proxy's own books show room (no owners, every slot's content known)
+        that is all; else it measures the pool and makes room: release owners, then erase idle
+        slots (their KV is a cache), then wait for a request in flight to finish. With nothing
+        in flight to wait for the request goes ahead (the server then decides); past
         ``queue_timeout_s`` it is refused (503), not sent to run every active slot out of cells."""
-        server, plan = lease.server, lease.plan
-        answer = max(0, min(n_predict, server.n_ctx_slot - len(lease.tokens)))
-        need = len(lease.tokens) - plan.predicted_cached + answer
+        server = lease.server
+        need = cells_needed(lease.plan, len(lease.tokens), n_predict, server.n_ctx_slot)
+        if self._fits_unmeasured(lease, need.total):
+            server.admit(lease, need)
+            return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.queue_timeout_s
         while True:
             async with self._locked(lease):
-                if await self._make_room(lease, need + server.reserved_cells):
-                    break
+                if await self._make_room(lease, need.total + server.reserved_cells):
+                    server.admit(lease, need)  # no await since the check: nobody counted these cells
+                    return
                 freed = server.room_freed  # taken under the lock: no release is missed
             if server.reserved_cells == 0:
                 log.warning(
                     "%s: no room for %d KV cells of request %s and nothing in flight; sending it",
                     server.name,
-                    need,
+                    need.total,
                     lease.request_id,
                 )
-                break
+                server.admit(lease, need)
+                return
             if loop.time() >= deadline:
                 self.metrics.rejected.labels("no_room").inc()
                 raise Unavailable(
-                    f"no room for {need} KV cells within {self.config.queue_timeout_s:g} s "
+                    f"no room for {need.total} KV cells within {self.config.queue_timeout_s:g} s "
                     "(the requests in flight hold the pool)"
                 )
             try:
@@ -124,8 +130,26 @@ class KvMoves:
                     await freed.wait()
             except TimeoutError:
                 pass
-        server.reserved_cells += need
-        lease.reserved_cells, lease.answer_cells = need, answer
+
+    @staticmethod
+    def _fits_unmeasured(lease: Lease, need: int) -> bool:
+        """Room without asking the server: no owner sequences, no slot of unknown content, and
+        ``need`` within the pool less every slot's tokens and every whole reservation."""
+        server = lease.server
+        if server.sharing is not None or any(s.ns is None for s in server.slots):
+            return False
+        free = free_estimate(server.n_cells, (len(s.tokens) for s in server.slots), server.admitted_cells)
+        return free is not None and need <= free
+
+    async def _free_cells(self, lease: Lease, cells: int) -> tuple[bool, int]:
+        """Whether ``cells`` are free (with sharing: plus the headroom, releasing owners for
+        it), and the free count measured."""
+        server = lease.server
+        if server.sharing is not None:
+            ok = await server.sharing.ensure_free(cells)
+            return ok, int(server.sharing.last_cells.get("free", 0))
+        free = int((await server.backend.cells())["free"])
+        return free >= cells, free
 
     async def _make_room(self, lease: Lease, cells: int) -> bool:
         """True when ``cells`` plus the headroom are free, after releasing owners and erasing
@@ -133,8 +157,8 @@ class KvMoves:
         headroom is short: the headroom is kept for owners, and stock llama-server would
         run these requests without it."""
         server = lease.server
-        assert server.sharing is not None
-        if await server.sharing.ensure_free(cells):
+        ok, free = await self._free_cells(lease, cells)
+        if ok:
             return True
         idle = [s for s in server.slots if not s.busy and s is not lease.slot and len(s.tokens)]
         for slot in sorted(idle, key=lambda s: s.last_used):
@@ -142,16 +166,18 @@ class KvMoves:
             try:
                 await server.backend.kv_post("erase", {"slot": slot.slot_id}, cause=FallbackCause.ERASE)
                 slot.tokens, slot.ns = EMPTY, ""
-                server.sharing.index.slot_changed(slot.slot_id, EMPTY)
+                if server.sharing is not None:
+                    server.sharing.index.slot_changed(slot.slot_id, EMPTY)
                 self.metrics.room_erases.inc()
             except KvMoveError as exc:
                 log.warning("erasing idle %s slot %d for room failed: %s", server.name, slot.slot_id, exc)
                 slot.tokens, slot.ns = EMPTY, None  # unknown: erased before anyone reuses it
             finally:
                 slot.busy = False
-            if await server.sharing.ensure_free(cells):
+            ok, free = await self._free_cells(lease, cells)
+            if ok:
                 return True
-        return int(server.sharing.last_cells.get("free", 0)) >= cells
+        return free >= cells
 
     async def _erase(self, lease: Lease) -> bool:
         """Clear a slot holding another namespace's KV, so the server cannot reuse it for

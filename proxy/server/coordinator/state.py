@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from proxy.core.admission import CellNeed
 from proxy.core.planner import Plan, Route
 from proxy.core.radix import HostMatch, RadixTree
 from proxy.errors import FallbackCause
@@ -119,6 +120,7 @@ class ServerState:
     instance: str | None = None  # the server process's id (/kvctl "instance"); a new one: it restarted
     epoch: int = 0  # bumped when the server restarted: what leases from before knew is gone
     reserved_cells: int = 0  # KV cells that admitted, unfinished requests will still fill
+    admitted_cells: int = 0  # their whole reservations, computed prompts included (no-I/O check)
     model: str = ""  # the name clients ask for ("" in tests: any request)
     named: bool = False  # the operator named the model (--backend-url NAME=URL)
     model_ns: str = ""  # the model's tree namespace (its compatibility key): see routes.py
@@ -131,6 +133,19 @@ class ServerState:
         if cells:
             self.room_freed.set()
             self.room_freed = asyncio.Event()
+
+    def admit(self, lease: Lease, need: CellNeed) -> None:
+        """Reserve the cells an admitted request will fill (one step with its room check)."""
+        self.reserved_cells += need.total
+        self.admitted_cells += need.total
+        lease.reserved_cells, lease.answer_cells, lease.admitted_cells = need.total, need.answer, need.total
+
+    def admission_ended(self, lease: Lease) -> None:
+        """The request is finished: its cells are in its slot's tokens (or gone)."""
+        self.admitted_cells -= lease.admitted_cells
+        lease.admitted_cells = 0
+        self.reservation_ended(lease.reserved_cells)
+        lease.reserved_cells = 0
 
     def busy_count(self) -> int:
         return sum(s.busy for s in self.slots)
@@ -161,6 +176,7 @@ class Lease:
     epoch: int = 0  # the server's epoch when leased
     reserved_cells: int = 0  # its part of server.reserved_cells, returned on release
     answer_cells: int = 0  # of which for the answer (the rest is the prompt's)
+    admitted_cells: int = 0  # its whole reservation, until released (server.admitted_cells)
     erase_first: bool = False  # the slot holds another namespace's KV: clear it before use
     no_cache: bool = False  # the slot's KV could not be cleared: the server must not reuse it
     queued_s: float = 0.0

@@ -1,0 +1,70 @@
+"""KV-cell admission on pure data: the cells a planned request will fill, whether the pool
+has room for them on top of what requests admitted before it still have to fill, and the
+invariant that ties one server's reservations to its leases.
+
+Every request admitted to a slot reserves the cells it will add to the pool: its prompt
+past what the slot keeps or attaches (an import of host KV writes new cells, an attach of a
+resident prefix does not), plus its answer. The reservation is taken in the same synchronous
+step as the room check, so requests admitted together never each count the same free cells
+as theirs; the coordinator measures the pool (``/kvctl/cells``) only when this arithmetic
+cannot show room without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from proxy.core.planner import Plan, Route
+
+# Routes whose first ``reuse_len`` cells the slot holds already (A) or shares with an owner (S).
+HELD_ROUTES = (Route.A, Route.AH, Route.S, Route.SH)
+
+
+@dataclass(frozen=True)
+class CellNeed:
+    """New KV cells a request fills: its prompt's (``prompt``) and its answer's (``answer``)."""
+
+    prompt: int
+    answer: int
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.answer
+
+
+def cells_needed(plan: Plan, n_prompt: int, n_predict: int, n_ctx_slot: int) -> CellNeed:
+    """The cells a request with this plan adds to the pool. Imported host KV occupies new
+    cells as much as computed KV does: only what the slot keeps (A) or attaches (S) is not
+    new. The answer is clamped to what the slot can still hold."""
+    held = plan.reuse_len if plan.route in HELD_ROUTES else 0
+    answer = max(0, min(n_predict, n_ctx_slot - n_prompt))
+    return CellNeed(max(0, n_prompt - held), answer)
+
+
+def free_estimate(n_cells: int, held_by_slots: Iterable[int], admitted: int) -> int | None:
+    """Free cells as far as the proxy can tell without asking the server, never more than
+    there are: the pool less every slot's known tokens and the whole reservation of every
+    request admitted and not finished (a computed prompt shows in neither yet, so it counts
+    in full here). None when the pool's size is unknown."""
+    if n_cells <= 0:
+        return None
+    return n_cells - sum(held_by_slots) - admitted
+
+
+def has_room(free: int, reserved: int, need: int) -> bool:
+    """``need`` cells fit in ``free`` measured cells on top of the ``reserved`` cells that
+    admitted requests will still fill (the measured count does not show them yet)."""
+    return need + reserved <= free
+
+
+def check_reservations(n_cells: int, reserved: int, admitted: int, leases: Iterable[tuple[int, int]]) -> None:
+    """One server's books: ``reserved`` (cells admitted requests will still fill) and
+    ``admitted`` (their whole reservations) are the sums over its unfinished leases'
+    ``(reserved, admitted)``; a lease never has more still to fill than it reserved; and no
+    more cells are outstanding than the pool has (admission never oversubscribes it)."""
+    parts = list(leases)
+    assert reserved == sum(r for r, _ in parts), f"reserved {reserved} != leases {parts}"
+    assert admitted == sum(a for _, a in parts), f"admitted {admitted} != leases {parts}"
+    assert all(0 <= r <= a for r, a in parts), f"a lease's reservation is out of range: {parts}"
+    assert n_cells <= 0 or reserved <= n_cells, f"{reserved} cells reserved in a pool of {n_cells}"
