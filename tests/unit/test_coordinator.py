@@ -102,6 +102,7 @@ async def settle() -> None:
 def check(coord: Coordinator) -> None:
     """Invariants after every step: no slot leased twice, busy flags match the leases, tree sane."""
     coord.tree.check_invariants()
+    coord.leases.check_invariants()
     leased = [(lease.server.name, lease.slot.slot_id) for lease in coord.leases.inflight.values()]
     assert len(leased) == len(set(leased))
     busy = [(s.name, slot.slot_id) for s in coord.servers for slot in s.slots if slot.busy]

@@ -1,0 +1,204 @@
+"""KV-cell admission: the cells a plan fills, the room check, the books' invariant (pure), and
+the coordinator reserving cells across requests admitted together (on fake servers)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+from proxy.core.admission import CellNeed, cells_needed, check_reservations, free_estimate, has_room
+from proxy.core.payload import KvSegment
+from proxy.core.planner import Plan, Route
+from proxy.server.coordinator import Coordinator, Lease, ServerState
+from tests.unit.test_coordinator import (
+    LAYOUT,
+    FakeSharing,
+    coordinator,
+    rows,
+    server,
+    settle,
+    sharing_server,
+    toks,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def plan(route: Route, reuse: int = 0, host_from: int = 0, host_to: int = 0) -> Plan:
+    return Plan(
+        route, 0, reuse, 4 if route in (Route.S, Route.SH) else None, host_from, host_to, max(reuse, host_to)
+    )
+
+
+@pytest.mark.parametrize(
+    ("case", "the_plan", "n_prompt", "n_predict", "n_ctx_slot", "need"),
+    [
+        ("prefill: the whole prompt", plan(Route.PREFILL), 400, 16, 4096, CellNeed(400, 16)),
+        ("A: the slot keeps its prefix", plan(Route.A, reuse=300), 400, 16, 4096, CellNeed(100, 16)),
+        ("S: an attach shares the owner's cells", plan(Route.S, reuse=203), 419, 16, 4096, CellNeed(216, 16)),
+        # An import writes new cells: the imported prefix counts like a computed one.
+        ("H: imported cells are new", plan(Route.H, host_to=300), 400, 16, 4096, CellNeed(400, 16)),
+        (
+            "A+H: only the kept base is not new",
+            plan(Route.AH, 100, 100, 300),
+            400,
+            16,
+            4096,
+            CellNeed(300, 16),
+        ),
+        (
+            "S+H: only the attached base is not new",
+            plan(Route.SH, 100, 100, 300),
+            400,
+            16,
+            4096,
+            CellNeed(300, 16),
+        ),
+        ("the answer is clamped to the slot", plan(Route.PREFILL), 4000, 1000, 4096, CellNeed(4000, 96)),
+        ("no answer fits", plan(Route.PREFILL), 4096, 16, 4096, CellNeed(4096, 0)),
+    ],
+)
+def test_cells_needed(
+    case: str, the_plan: Plan, n_prompt: int, n_predict: int, n_ctx_slot: int, need: CellNeed
+) -> None:
+    assert cells_needed(the_plan, n_prompt, n_predict, n_ctx_slot) == need, case
+
+
+@pytest.mark.parametrize(
+    ("n_cells", "held", "admitted", "expected"),
+    [
+        (1024, [], 0, 1024),
+        (1024, [435, 0, 0, 0], 432, 157),  # a slot's cache and a whole reservation both count
+        (1024, [435, 432], 864, -707),  # computed prompts counted twice: never more than there are
+        (0, [10], 0, None),  # pool size unknown: no estimate
+    ],
+)
+def test_free_estimate(n_cells: int, held: list[int], admitted: int, expected: int | None) -> None:
+    assert free_estimate(n_cells, held, admitted) == expected
+
+
+@pytest.mark.parametrize(
+    ("free", "reserved", "need", "fits"),
+    [
+        (1024, 0, 435, True),
+        (1024, 435, 432, True),
+        (1024, 867, 432, False),  # the third of a wave: the first two's cells are not free
+        (589, 229, 229, True),
+        (589, 458, 229, False),
+        (100, 0, 101, False),
+    ],
+)
+def test_has_room(free: int, reserved: int, need: int, fits: bool) -> None:
+    assert has_room(free, reserved, need) is fits
+
+
+@pytest.mark.parametrize(
+    ("n_cells", "reserved", "admitted", "leases", "ok"),
+    [
+        (1024, 0, 0, [], True),
+        (1024, 451, 867, [(435, 435), (16, 432)], True),
+        (1024, 450, 867, [(435, 435), (16, 432)], False),  # the server's sum drifted from its leases
+        (1024, 451, 866, [(435, 435), (16, 432)], False),
+        (1024, 20, 10, [(20, 10)], False),  # more to fill than reserved
+        (1024, 1299, 1299, [(435, 435), (432, 432), (432, 432)], False),  # oversubscribed
+        (0, 5000, 5000, [(5000, 5000)], True),  # pool size unknown
+    ],
+)
+def test_check_reservations(
+    n_cells: int, reserved: int, admitted: int, leases: list[tuple[int, int]], ok: bool
+) -> None:
+    if ok:
+        check_reservations(n_cells, reserved, admitted, leases)
+    else:
+        with pytest.raises(AssertionError):
+            check_reservations(n_cells, reserved, admitted, leases)
+
+
+# ---- the coordinator -------------------------------------------------------------------------
+
+
+def pool_server(n_slots: int, n_cells: int) -> ServerState:
+    """A server without sharing whose pool has ``n_cells``: its free count is the pool less what
+    its slots hold (as the fake records them)."""
+    s0 = server("s0", n_slots=n_slots)
+    s0.n_cells = n_cells
+    fake: Any = s0.backend
+    fake.cells_asked = 0
+
+    async def cells() -> dict[str, Any]:
+        fake.cells_asked += 1
+        return {"free": n_cells - sum(len(t) for t in fake.held.values())}
+
+    fake.cells = cells
+    return s0
+
+
+def check(coord: Coordinator) -> None:
+    coord.leases.check_invariants()
+    for s in coord.servers:
+        assert s.n_cells <= 0 or s.reserved_cells <= s.n_cells
+
+
+async def test_a_wave_without_sharing_is_admitted_only_as_far_as_the_pool_holds_it() -> None:
+    """The capacity wave on a 1024-cell pool: two fit together, the third waits for room
+    (it was sent at once before, and every active slot ran out of cells)."""
+    s0 = pool_server(4, 1024)
+    fake: Any = s0.backend
+    coord = coordinator(s0)
+    prompts = [np.concatenate([toks(0, 203), toks(1000 * (i + 1), 216)]) for i in range(4)]
+    leases = [await coord.acquire(f"p{i}", p) for i, p in enumerate(prompts)]
+    await coord.restore(leases[0], 16)
+    await coord.restore(leases[1], 16)
+    assert s0.reserved_cells == 2 * 435 and fake.cells_asked == 0  # room on the books: no I/O
+    check(coord)
+    third = asyncio.ensure_future(coord.restore(leases[2], 16))
+    await settle()
+    assert not third.done() and s0.reserved_cells == 870  # 1024 - 870 < 435: not admitted
+    # p0's prompt is computed: its cells show in the server's count, only its answer stays reserved.
+    fake.held[0] = prompts[0].tolist()
+    leases[0].prompt_computed()
+    await settle()
+    assert not third.done()  # 1024 - 419 measured free, 451 still to fill: no room for 435
+    fake.held[0] = [*prompts[0].tolist(), *range(16)]
+    leases[0].slot.tokens = np.asarray(fake.held[0], np.int32)
+    coord.release(leases[0])  # p0 done; its idle slot is erased to make room for p2
+    await asyncio.wait_for(third, 5)
+    assert fake.erased == [0] and s0.reserved_cells == 435 + 435
+    check(coord)
+    for lease in leases[1:3]:
+        coord.release(lease)
+    coord.release(leases[3])
+    assert s0.reserved_cells == 0 and s0.admitted_cells == 0
+    check(coord)
+
+
+async def test_a_host_import_reserves_the_cells_it_writes() -> None:
+    s0 = sharing_server(1)
+    sharing: FakeSharing = s0.sharing  # type: ignore[assignment]
+    coord = coordinator(s0)
+    held = toks(0, 300)
+    coord.tree.insert(held, KvSegment(0, LAYOUT, rows(held.tolist())))
+    lease = await coord.acquire("h", toks(0, 400))
+    assert lease.plan.route is Route.H and lease.plan.host_to == 300
+    await coord.restore(lease, 16)
+    assert sharing.asked == [400 + 16] and s0.reserved_cells == 416  # not 116: the import fills 300
+    check(coord)
+    coord.release(lease)
+    check(coord)
+
+
+async def test_the_books_are_checked_against_the_leases() -> None:
+    s0 = pool_server(2, 1024)
+    coord = coordinator(s0)
+    lease: Lease = await coord.acquire("a", toks(0, 100))
+    await coord.restore(lease, 16)
+    check(coord)
+    s0.reserved_cells += 1  # a reservation taken outside admission
+    with pytest.raises(AssertionError):
+        coord.leases.check_invariants()
+    s0.reserved_cells -= 1
+    coord.release(lease)
+    check(coord)
