@@ -15,7 +15,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from proxy.core.planner import Plan, Route
+from proxy.core.resident import common_prefix
 
 # Routes whose first ``reuse_len`` cells the slot holds already (A) or shares with an owner (S).
 HELD_ROUTES = (Route.A, Route.AH, Route.S, Route.SH)
@@ -40,6 +43,12 @@ def cells_needed(plan: Plan, n_prompt: int, n_predict: int, n_ctx_slot: int) -> 
     held = plan.reuse_len if plan.route in HELD_ROUTES else 0
     answer = max(0, min(n_predict, n_ctx_slot - n_prompt))
     return CellNeed(max(0, n_prompt - held), answer)
+
+
+def own_tail(slot_tokens: np.ndarray, tokens: np.ndarray) -> int:
+    """Cells the leased slot gives back when the request starts: the server keeps at most
+    the common prefix of what it holds and the prompt, and drops the rest first."""
+    return len(slot_tokens) - common_prefix(slot_tokens, tokens)
 
 
 def free_estimate(n_cells: int, held_by_slots: Iterable[int], admitted: int) -> int | None:

@@ -9,7 +9,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from proxy.core.admission import CellNeed, cells_needed, check_reservations, free_estimate, has_room
+from proxy.core.admission import (
+    CellNeed,
+    cells_needed,
+    check_reservations,
+    free_estimate,
+    has_room,
+    own_tail,
+)
 from proxy.core.payload import KvSegment
 from proxy.core.planner import Plan, Route
 from proxy.server.coordinator import Coordinator, Lease, ServerState
@@ -78,6 +85,19 @@ def test_cells_needed(
 )
 def test_free_estimate(n_cells: int, held: list[int], admitted: int, expected: int | None) -> None:
     assert free_estimate(n_cells, held, admitted) == expected
+
+
+@pytest.mark.parametrize(
+    ("held", "prompt", "tail"),
+    [
+        (toks(0, 435), toks(0, 419), 16),  # the same prompt again: only the old answer goes
+        (toks(0, 435), np.concatenate([toks(0, 203), toks(9000, 216)]), 232),
+        (toks(0, 435), toks(5000, 400), 435),  # nothing in common: the whole cache goes
+        (toks(0, 0), toks(0, 400), 0),
+    ],
+)
+def test_own_tail(held: np.ndarray, prompt: np.ndarray, tail: int) -> None:
+    assert own_tail(held, prompt) == tail
 
 
 @pytest.mark.parametrize(
@@ -201,4 +221,31 @@ async def test_the_books_are_checked_against_the_leases() -> None:
         coord.leases.check_invariants()
     s0.reserved_cells -= 1
     coord.release(lease)
+    check(coord)
+
+
+async def test_the_leased_slots_own_cache_is_room_for_its_request() -> None:
+    """A second wave on a pool full of the first one's caches: each request's slot drops its
+    old KV when it starts, so that counts as room (else every request waited for the others)."""
+    held = {0: list(range(5000, 5500)), 1: list(range(6000, 6500))}
+    s0 = pool_server(2, 1024)
+    fake: Any = s0.backend
+    for slot_id, tokens in held.items():
+        fake.held[slot_id] = tokens
+        s0.slots[slot_id].tokens = np.asarray(tokens, np.int32)
+    coord = coordinator(s0)
+    a = await coord.acquire("a", toks(0, 400))
+    b = await coord.acquire("b", toks(1000, 400))
+    await asyncio.wait_for(coord.restore(a, 16), 5)  # 24 free + its slot's 500 >= 416
+    assert s0.reserved_cells == 416 and fake.erased == []
+    second = asyncio.ensure_future(coord.restore(b, 16))
+    await settle()
+    assert not second.done()  # 24 + 500 < 416 + 416: waits for a's prompt
+    fake.held[a.slot.slot_id] = toks(0, 400).tolist()  # a's prompt replaced its slot's cache
+    a.prompt_computed()
+    await asyncio.wait_for(second, 5)  # 124 free + b's slot's 500 >= 416 + 16
+    assert s0.reserved_cells == 16 + 416
+    check(coord)
+    coord.release(a)
+    coord.release(b)
     check(coord)

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 from proxy.config import Config
-from proxy.core.admission import cells_needed, free_estimate
+from proxy.core.admission import cells_needed, free_estimate, own_tail
 from proxy.core.planner import Route
 from proxy.core.radix import RadixTree
 from proxy.core.resident import common_prefix
@@ -99,14 +99,16 @@ class KvMoves:
         ``queue_timeout_s`` it is refused (503), not sent to run every active slot out of cells."""
         server = lease.server
         need = cells_needed(lease.plan, len(lease.tokens), n_predict, server.n_ctx_slot)
-        if self._fits_unmeasured(lease, need.total):
+        # Without owners nobody else holds the slot's cells: what it drops on start is room.
+        tail = own_tail(lease.slot.tokens, lease.tokens) if server.sharing is None else 0
+        if self._fits_unmeasured(lease, need.total - tail):
             server.admit(lease, need)
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.queue_timeout_s
         while True:
             async with self._locked(lease):
-                if await self._make_room(lease, need.total + server.reserved_cells):
+                if await self._make_room(lease, need.total - tail + server.reserved_cells):
                     server.admit(lease, need)  # no await since the check: nobody counted these cells
                     return
                 freed = server.room_freed  # taken under the lock: no release is missed
