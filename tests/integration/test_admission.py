@@ -50,6 +50,10 @@ def test_a_wave_larger_than_the_pool_is_served_without_running_out_of_cells(
         min_restore_tokens=32,
         cache_ram_mib=64,
         kv_share=kv_share,
+        # Requests wait for room one after another: on a loaded test machine that takes longer
+        # than the default deadline (a 503 past it is covered by the unit tests).
+        queue_timeout_s=900,
+        fanout_wait_s=900,
     )
     proxy = ProxyThread(config).start()
     try:
