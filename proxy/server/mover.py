@@ -91,8 +91,8 @@ class KvMover:
             elif reply.get("in_place") is True:
                 # Answered: the server wrote the file and is done with it.
                 segment = await asyncio.to_thread(self._read_mapped, file, size)
-                file, done = None, file
-                self._put_idle_out(done)
+                self._put_idle_out(file)
+                file = None
             else:
                 # A server without in-place exports wrote a new file under the name: our mapping
                 # is stale, read the new file and drop both.
