@@ -79,9 +79,11 @@ class KvMover:
                     file = await asyncio.to_thread(self._out_file, file, size)
                 except OSError as exc:
                     file = None  # _out_file closed the idle file it was given: never pooled again
-                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or size > INLINE_LIMIT:
-                        raise
-                    log.warning("payload dir full (%s): exporting %d bytes inline instead", exc, size)
+                    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                        raise KvMoveError(
+                            FallbackCause.NO_SPACE, f"no room for the export file: {exc}"
+                        ) from exc
+                    raise
             name = file.name if file is not None else None
             reply = await self.backend.export(seq, p0, tokens, name, move_timeout_s(size), in_place=True)
             if reply.get("compat") not in (None, self.compat):
