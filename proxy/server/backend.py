@@ -236,11 +236,15 @@ class Backend:
         tokens: Sequence[int] | np.ndarray,
         file: str | None,
         timeout_s: float = MOVE_BASE_S,
+        in_place: bool = False,
     ) -> dict[str, Any]:
-        """Export ``[p0, len(tokens))`` of a sequence that must hold ``tokens`` (else 409: CONFLICT)."""
+        """Export ``[p0, len(tokens))`` of a sequence that must hold ``tokens`` (else 409: CONFLICT).
+        ``in_place``: into the existing ``file`` (its first bytes), not a new one."""
         body: dict[str, Any] = {**seq, "p0": p0, "p1": len(tokens), "expect_sha256": tokens_sha256(tokens)}
         if file:
             body["file"] = file
+            if in_place:
+                body["in_place"] = True
         reply = dict(await self.kv_post("export", body, cause=FallbackCause.EXPORT, timeout_s=timeout_s))
         if isinstance(reply.get("data"), str):
             reply["data"] = base64.b64decode(reply["data"])

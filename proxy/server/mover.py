@@ -6,11 +6,14 @@ its KV cache, the proxy between the file and its per-token rows, one copy each. 
 hosts: inline msgpack bytes. Parsing and building payloads run in a worker thread so the
 event loop keeps serving while megabytes are copied.
 
-Import files are reused: a fresh tmpfs file costs a page allocation and a fault per page,
-about as much as the copy itself. One idle file (pages allocated, kept mapped) waits for the
-next import. A file goes back to the pool only after the server answered the import: the
-server reads it in place, so a file whose import failed, timed out or was cancelled may
-still be read and is removed, never rewritten.
+Payload files are reused: a fresh tmpfs file costs a page allocation and a fault per page,
+about as much as the copy itself. One idle file per direction (pages allocated, kept mapped)
+waits for the next move. An import file goes back to its pool only after the server answered
+the import: the server reads it in place, so a file whose import failed, timed out or was
+cancelled may still be read and is removed, never rewritten. An export file is given to the
+server to write in place (``in_place``); the proxy reads it only after the server answered
+that it wrote it there, and pools it again only after that read: a file whose export
+failed, timed out or was cancelled may still be written and is removed, never read or reused.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class KvMover:
         self.shm_dir = shm_dir
         self.metrics = metrics
         self._idle: _PayloadFile | None = None  # the import file waiting for the next import
+        self._idle_out: _PayloadFile | None = None  # the export file waiting for the next export
 
     def _new_name(self) -> str:
         return f"radix-{os.getpid()}-{next(_names)}.kv"
@@ -65,23 +69,43 @@ class KvMover:
         these tokens at ``[0, len(tokens))`` when it exports, else KvMoveError(CONFLICT)."""
         started = time.perf_counter()
         p1 = len(tokens)
-        name = self._new_name() if self.shm_dir else None
+        size = blob_size(self.layout, p1 - p0)
+        file: _PayloadFile | None = None
         try:
-            timeout_s = move_timeout_s(blob_size(self.layout, p1 - p0))
-            reply = await self.backend.export(seq, p0, tokens, name, timeout_s)
+            if self.shm_dir is not None:
+                # Taken on the event loop, so concurrent exports never share a file.
+                file, self._idle_out = self._idle_out, None
+                try:
+                    file = await asyncio.to_thread(self._out_file, file, size)
+                except OSError as exc:
+                    file = None  # _out_file closed the idle file it was given: never pooled again
+                    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                        raise KvMoveError(
+                            FallbackCause.NO_SPACE, f"no room for the export file: {exc}"
+                        ) from exc
+                    raise
+            name = file.name if file is not None else None
+            reply = await self.backend.export(seq, p0, tokens, name, move_timeout_s(size), in_place=True)
             if reply.get("compat") not in (None, self.compat):
                 raise KvMoveError(FallbackCause.COMPAT, "exported payload has another compatibility key")
-            if name is not None:
-                segment = await asyncio.to_thread(self._read_file, self._path(name))
-            else:
+            if file is None:
                 segment = await asyncio.to_thread(parse_blob, reply["data"], self.layout)
+            elif reply.get("in_place") is True:
+                # Answered: the server wrote the file and is done with it.
+                segment = await asyncio.to_thread(self._read_mapped, file, size)
+                self._put_idle_out(file)
+                file = None
+            else:
+                # A server without in-place exports wrote a new file under the name: our mapping
+                # is stale, read the new file and drop both.
+                segment = await asyncio.to_thread(self._read_file, file.path)
         except PayloadError as exc:
             raise KvMoveError(FallbackCause.PAYLOAD, str(exc)) from exc
         except (OSError, KeyError) as exc:
             raise KvMoveError(FallbackCause.TRANSPORT, f"export payload unreadable: {exc}") from exc
         finally:
-            if name is not None:
-                _unlink(self._path(name))
+            if file is not None:
+                file.close()  # not answered (or not in place): never read or written again
         if (segment.p0, segment.p1) != (p0, p1):
             raise KvMoveError(FallbackCause.VERIFY, f"asked for [{p0},{p1}), got [{segment.p0},{segment.p1})")
         self.metrics.kv_move_bytes.labels("export").inc(segment.nbytes)
@@ -147,6 +171,24 @@ class KvMover:
         assert self.shm_dir is not None
         return self.shm_dir / name
 
+    def _out_file(self, file: _PayloadFile | None, size: int) -> _PayloadFile:
+        """The export file: ``file`` (the idle one) when it is big enough, else a new one."""
+        if file is not None and file.capacity >= size:
+            return file
+        if file is not None:
+            file.close()
+        return _PayloadFile.create(self._path(self._new_name()), size)  # removes itself if it fails
+
+    def _read_mapped(self, file: _PayloadFile, size: int) -> KvSegment:
+        with memoryview(file.mm) as view, view[:size] as blob:
+            return parse_blob(blob, self.layout)
+
+    def _put_idle_out(self, file: _PayloadFile) -> None:
+        if self._idle_out is None:
+            self._idle_out = file
+        else:
+            file.close()
+
     def _read_file(self, path: Path) -> KvSegment:
         with open(path, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
@@ -178,10 +220,11 @@ class KvMover:
             file.close()
 
     def close(self) -> None:
-        """Remove the idle import file (the server's shutdown or the proxy's)."""
-        file, self._idle = self._idle, None
-        if file is not None:
-            file.close()
+        """Remove the idle payload files (the server's shutdown or the proxy's)."""
+        for file in (self._idle, self._idle_out):
+            if file is not None:
+                file.close()
+        self._idle = self._idle_out = None
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)

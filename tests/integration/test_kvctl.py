@@ -1516,12 +1516,15 @@ def test_no_browser_access(moved: Moved) -> None:
 # --- 11. bad input refused before it costs anything ---------------------------------------------
 
 
-def _nan_blob(m: Moved) -> bytes:
-    """The moved payload with one f16 K value of layer 0 set to NaN."""
-    assert m.compat["k_types"][0] == 1  # f16
-    off = 16 + m.n * m.compat["cell_meta_bytes"] + 8 + 12
+def _nan_blob(m: Moved, at: int = 0, value: int = 0x7E00) -> bytes:
+    """The moved payload with one f16 value set to ``value`` (NaN by default): the ``at``-th
+    element of K of layer 0, or with a negative ``at`` the element that far from the end of
+    the payload (V of the last layer). The check reads several elements per word: each lane
+    of a word counts."""
+    assert m.compat["k_types"][0] == 1 and m.compat["v_types"][-1] == 1  # f16
+    off = 16 + m.n * m.compat["cell_meta_bytes"] + 8 + 12 + 2 * at if at >= 0 else len(m.blob) + 2 * at
     blob = bytearray(m.blob)
-    blob[off : off + 2] = struct.pack("<H", 0x7E00)
+    blob[off : off + 2] = struct.pack("<H", value)
     return bytes(blob)
 
 
@@ -1574,6 +1577,16 @@ HARD_CASES: dict[str, Callable[[BadCtx], tuple[bytes, dict[str, str], str]]] = {
         json.dumps(b.imp(slot=2, segments=[{"data": b64(_nan_blob(b.m))}])).encode(),
         {"Content-Type": "application/json"},
         "NaN",
+    ),
+    "inf-in-third-lane-of-k": lambda b: (
+        json.dumps(b.imp(slot=2, segments=[{"data": b64(_nan_blob(b.m, 2, 0x7C00))}])).encode(),
+        {"Content-Type": "application/json"},
+        "K of layer 0 holds NaN or Inf",
+    ),
+    "neg-inf-in-last-v-element": lambda b: (
+        json.dumps(b.imp(slot=2, segments=[{"data": b64(_nan_blob(b.m, -1, 0xFC00))}])).encode(),
+        {"Content-Type": "application/json"},
+        f"V of layer {b.m.compat['n_layer'] - 1} holds NaN or Inf",
     ),
 }
 

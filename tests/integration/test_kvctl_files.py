@@ -1,8 +1,9 @@
 """Payload files of KV moves (issue 14), on a real patched server.
 
 The server maps export files (created, and their pages allocated, before its main loop
-writes the KV into them) and reads import files in place; the proxy's mover keeps one
-import file for the next import and removes any file whose import was not answered.
+writes the KV into them, or the caller's own file written in place) and reads import files
+in place; the proxy's mover keeps one file per direction for the next move and removes any
+file whose move was not answered.
 These tests prove that no file is left behind or reused too early, and that moves through
 the files stay byte-exact.
 """
@@ -117,22 +118,37 @@ async def _mover_moves(server: ServerProcess, tokens: list[int]) -> None:
         before = set(_files(directory))
         n = len(tokens)
         segment = await mover.export({"slot": 0}, 0, tokens)
-        assert set(_files(directory)) == before  # the export file was read and removed
 
         def new_files() -> list[str]:
             return sorted(set(_files(directory)) - before)
 
+        # The export file is kept for the next export (the server writes it in place).
+        out = new_files()
+        assert len(out) == 1 and out[0].startswith("radix-")
+        # A shorter export goes through the same file: what it returns is what the server wrote
+        # this time (a stale or misread file would hold the previous [0, n) payload).
+        head = await mover.export({"slot": 0}, 0, tokens[: n // 3])
+        assert head == segment.slice(0, n // 3)
+        assert new_files() == out
+
         # Two imports (one of two segments) go through one file, kept for the next import.
         await mover.import_(1, 0, tokens, [segment])
-        kept = new_files()
+        kept = sorted(set(new_files()) - set(out))
         assert len(kept) == 1 and kept[0].startswith("radix-")
         half = n // 2
         await mover.import_(2, 0, tokens, [segment.slice(0, half), segment.slice(half, n)])
-        assert new_files() == kept
+        assert new_files() == sorted([*out, *kept])
         # Byte-exact: what the slots hold now re-exports to the very rows that went in.
         for slot in (1, 2):
             again = await mover.export({"slot": slot}, 0, tokens)
             assert isinstance(again, KvSegment) and again == segment
+        assert new_files() == sorted([*out, *kept])
+        # An export the server refuses (the tokens named are not the ones slot 1 holds): its
+        # file is removed, never read or reused.
+        with pytest.raises(KvMoveError) as err:
+            await mover.export({"slot": 1}, 0, tokens[::-1])
+        assert err.value.cause == FallbackCause.CONFLICT
+        assert new_files() == kept
         # An import the server refuses (slot 3 does not hold the [0, p0) it builds on): the
         # file it used is removed, never written again.
         with pytest.raises(KvMoveError) as err:
@@ -140,9 +156,53 @@ async def _mover_moves(server: ServerProcess, tokens: list[int]) -> None:
         assert err.value.cause == FallbackCause.CONFLICT
         assert new_files() == []
         await mover.import_(3, 0, tokens, [segment])
-        assert len(new_files()) == 1 and new_files() != kept
+        assert await mover.export({"slot": 3}, 0, tokens) == segment
+        files = new_files()
+        assert len(files) == 2 and not set(files) & {*out, *kept}
         mover.close()
         assert new_files() == []
+
+
+def test_export_in_place(server: ServerProcess) -> None:
+    """``in_place`` writes the payload into the first bytes of the caller's existing file, in
+    place (no new file, the rest untouched), and says so; a file that is missing, too small
+    or a symlink is a 400 and nothing is written."""
+    directory = server.spec.kvctl_dir
+    assert directory is not None
+    tokens = _prefill(server, 0)
+    n = len(tokens)
+    body = {"slot": 0, "p0": 0, "p1": n, "expect_sha256": tokens_sha256(tokens)}
+    status, inline = _kv(server, "POST", "/kvctl/export", body)
+    assert status == 200 and isinstance(inline, dict)
+    payload = base64.b64decode(inline["data"])
+    before = _files(directory)
+
+    target = directory / "mine.kv"
+    target.write_bytes(b"\xaa" * (len(payload) + 100))
+    inode = target.stat().st_ino
+    status, res = _kv(server, "POST", "/kvctl/export", {**body, "file": "mine.kv", "in_place": True})
+    assert status == 200 and isinstance(res, dict), res
+    assert res["in_place"] is True and res["size"] == len(payload) and res["file"] == "mine.kv"
+    assert target.stat().st_ino == inode
+    assert target.read_bytes() == payload + b"\xaa" * 100
+
+    small = directory / "small.kv"
+    small.write_bytes(b"\0" * (len(payload) - 1))
+    (directory / "link.kv").symlink_to(target)
+    for name in ("missing.kv", "small.kv", "link.kv"):
+        status, err = _kv(server, "POST", "/kvctl/export", {**body, "file": name, "in_place": True})
+        assert status == 400, (name, err)
+    assert small.read_bytes() == b"\0" * (len(payload) - 1)
+    assert target.read_bytes() == payload + b"\xaa" * 100
+    status, _ = _kv(server, "POST", "/kvctl/export", {**body, "file": "mine.kv", "in_place": 1})
+    assert status == 400
+    # without in_place the file is replaced by a new one, as before
+    status, res = _kv(server, "POST", "/kvctl/export", {**body, "file": "mine.kv"})
+    assert status == 200 and isinstance(res, dict) and res["in_place"] is False
+    assert target.read_bytes() == payload and target.stat().st_ino != inode
+    for name in ("mine.kv", "small.kv", "link.kv"):
+        (directory / name).unlink()
+    assert _files(directory) == before
 
 
 def test_mover_reuses_one_import_file_and_drops_unanswered_ones(server: ServerProcess) -> None:

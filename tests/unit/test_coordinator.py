@@ -269,6 +269,8 @@ async def test_a_host_restore_imports_and_unpins() -> None:
     await coord.restore(lease, 16)
     fake: FakeServer = s0.backend  # type: ignore[assignment]
     assert fake.imports == [(0, 0, 100)]
+    assert 0 < lease.import_s <= lease.restore_s
+    assert coord.record(lease, {"cache_n": 100, "prompt_n": 10}, 0.1, 200).import_s == lease.import_s
     assert lease.host is None and coord.tree.stats().pinned_nodes == 0
     assert len(s0.slots[0].tokens) == 100
     coord.release(lease)

@@ -58,6 +58,7 @@ class Decision:
     why: Divergence
     restore_s: float = 0.0  # KV moves before the answer (making room, attach, import)
     lock_wait_s: float = 0.0  # of which waiting for the server's move lock
+    import_s: float = 0.0  # of which the host import
 
     def summary(self) -> dict[str, Any]:
         """The flat fields of the admin API (the token windows are rendered separately)."""
@@ -143,12 +144,13 @@ class DecisionLog:
             why=lease.why,
             restore_s=lease.restore_s,
             lock_wait_s=lease.lock_wait_s,
+            import_s=lease.import_s,
         )
         self.decisions.append(decision)
         self._count(decision, time.monotonic() - lease.started)
         log.info(
             "request %s route=%s server=%s slot=%d prompt=%d predicted=%d cached=%s prefilled=%s "
-            "ttft_ms=%s queued_ms=%.0f restore_ms=%.0f lock_wait_ms=%.0f diverge_at=%s status=%d%s",
+            "ttft_ms=%s queued_ms=%.0f restore_ms=%.0f lock_wait_ms=%.0f import_ms=%.0f diverge_at=%s status=%d%s",
             decision.request_id,
             decision.route,
             decision.server,
@@ -161,6 +163,7 @@ class DecisionLog:
             decision.queued_s * 1000,
             decision.restore_s * 1000,
             decision.lock_wait_s * 1000,
+            decision.import_s * 1000,
             decision.why.at,
             status,
             f" fallback={decision.fallback}" if decision.fallback else "",

@@ -207,10 +207,12 @@ class KvMoves:
         mover = lease.server.mover
         # An inline import copies the rows into a request body: bytes held outside the tree.
         inline = 0 if mover.shm_dir else self.tree.reserve(mover.layout.bytes_per_token * (p1 - p0))
+        started = time.monotonic()
         try:
             await mover.import_(lease.slot.slot_id, p0, lease.tokens[:p1].tolist(), segments)
         finally:
             self.tree.release(inline)
+            lease.import_s += time.monotonic() - started
         lease.slot.tokens = lease.tokens[:p1].copy()
         self.tree.record_load(p1 - p0)
         self.metrics.tree_loads.inc()

@@ -182,6 +182,7 @@ class Lease:
     queued_s: float = 0.0
     restore_s: float = 0.0  # in restore: making room, erasing, attaching, importing
     lock_wait_s: float = 0.0  # of which waiting for the server's move lock (saves, other restores)
+    import_s: float = 0.0  # of which the host import (payload written, server's /kvctl/import)
     route: Route = Route.PREFILL
     fallback: FallbackCause | None = None
     owner_pinned: bool = False
