@@ -62,11 +62,21 @@ class KvMover:
     def _new_name(self) -> str:
         return f"radix-{os.getpid()}-{next(_names)}.kv"
 
-    async def export(self, seq: dict[str, int], p0: int, tokens: Sequence[int] | np.ndarray) -> KvSegment:
+    async def export(
+        self,
+        seq: dict[str, int],
+        p0: int,
+        tokens: Sequence[int] | np.ndarray,
+        hold: contextlib.AbstractAsyncContextManager[Any] | None = None,
+    ) -> KvSegment:
         """The KV of positions ``[p0, len(tokens))`` of a slot's or owner's sequence, verified.
 
         Bound to ``tokens`` (invariant 6): the server checks that the sequence holds exactly
-        these tokens at ``[0, len(tokens))`` when it exports, else KvMoveError(CONFLICT)."""
+        these tokens at ``[0, len(tokens))`` when it exports, else KvMoveError(CONFLICT).
+
+        ``hold`` (the server's move lock) is held only around the server's part: reading the
+        payload back into rows needs the server no more, and a restore waiting for the lock
+        should not wait for it."""
         started = time.perf_counter()
         p1 = len(tokens)
         size = blob_size(self.layout, p1 - p0)
@@ -85,7 +95,8 @@ class KvMover:
                         ) from exc
                     raise
             name = file.name if file is not None else None
-            reply = await self.backend.export(seq, p0, tokens, name, move_timeout_s(size), in_place=True)
+            async with hold or contextlib.nullcontext():
+                reply = await self.backend.export(seq, p0, tokens, name, move_timeout_s(size), in_place=True)
             if reply.get("compat") not in (None, self.compat):
                 raise KvMoveError(FallbackCause.COMPAT, "exported payload has another compatibility key")
             if file is None:
@@ -112,8 +123,18 @@ class KvMover:
         self.metrics.kv_move_seconds.labels("export").inc(time.perf_counter() - started)
         return segment
 
-    async def import_(self, slot: int, p0: int, tokens: Sequence[int], segments: Sequence[KvSegment]) -> None:
-        """Write ``segments`` (covering ``[p0, len(tokens))``) into an idle slot; the server verifies."""
+    async def import_(
+        self,
+        slot: int,
+        p0: int,
+        tokens: Sequence[int],
+        segments: Sequence[KvSegment],
+        hold: contextlib.AbstractAsyncContextManager[Any] | None = None,
+    ) -> None:
+        """Write ``segments`` (covering ``[p0, len(tokens))``) into an idle slot; the server verifies.
+
+        ``hold`` (the server's move lock) is held only around the server's part: the payload
+        is written before it is taken."""
         started = time.perf_counter()
         p1 = len(tokens)
         n = sum(s.n for s in segments)
@@ -147,9 +168,10 @@ class KvMover:
                 buf = bytearray(size)
                 await asyncio.to_thread(write_blob, segments, buf)
                 body["segments"] = [{"data": bytes(buf)}]
-            await self.backend.kv_post(
-                "import", body, cause=FallbackCause.IMPORT, timeout_s=move_timeout_s(size)
-            )
+            async with hold or contextlib.nullcontext():
+                await self.backend.kv_post(
+                    "import", body, cause=FallbackCause.IMPORT, timeout_s=move_timeout_s(size)
+                )
             # Answered: the server is done reading the file, so it may be written again.
             file, done = None, file
             if done is not None:

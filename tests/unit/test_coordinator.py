@@ -8,6 +8,7 @@ real KV moves are covered by the integration suites against the patched server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,17 +64,32 @@ class FakeServer:
             ]
         }
 
-    async def export(self, seq: dict[str, int], p0: int, tokens: Sequence[int] | np.ndarray) -> KvSegment:
-        if self.fail_export:
-            raise KvMoveError(FallbackCause.EXPORT, "refused")
-        held = self.held[seq["slot"]]
-        if list(held[: len(tokens)]) != [int(t) for t in tokens]:  # the server's expect_sha256 check
-            raise KvMoveError(FallbackCause.CONFLICT, "the slot holds other tokens")
+    async def export(
+        self,
+        seq: dict[str, int],
+        p0: int,
+        tokens: Sequence[int] | np.ndarray,
+        hold: contextlib.AbstractAsyncContextManager[Any] | None = None,
+    ) -> KvSegment:
+        async with hold or contextlib.nullcontext():  # the mover holds the lock for the server's part
+            if self.fail_export:
+                raise KvMoveError(FallbackCause.EXPORT, "refused")
+            held = self.held[seq["slot"]]
+            if list(held[: len(tokens)]) != [int(t) for t in tokens]:  # the server's expect_sha256 check
+                raise KvMoveError(FallbackCause.CONFLICT, "the slot holds other tokens")
         return KvSegment(p0, LAYOUT, rows(held[p0 : len(tokens)]))
 
-    async def import_(self, slot: int, p0: int, tokens: Sequence[int], segments: Sequence[KvSegment]) -> None:
-        self.imports.append((slot, p0, len(tokens)))
-        self.held[slot] = list(tokens)
+    async def import_(
+        self,
+        slot: int,
+        p0: int,
+        tokens: Sequence[int],
+        segments: Sequence[KvSegment],
+        hold: contextlib.AbstractAsyncContextManager[Any] | None = None,
+    ) -> None:
+        async with hold or contextlib.nullcontext():
+            self.imports.append((slot, p0, len(tokens)))
+            self.held[slot] = list(tokens)
 
 
 def server(name: str, n_slots: int = 2, held: dict[int, list[int]] | None = None) -> ServerState:

@@ -72,8 +72,13 @@ class KvMoves:
                 await self._reserve(lease, n_predict)
             if not (attach or lease.host is not None):
                 return  # nothing moves: the server's own reuse does it; the lock is for moves only
+            if not attach:
+                # Only the server's part under the lock: the payload is written before it.
+                async with lease.server.move_lock.restoring():
+                    await self._import_host(lease, hold=self._locked(lease))
+                return
             async with self._locked(lease):
-                if attach and server.sharing is not None and plan.owner_id is not None:
+                if server.sharing is not None and plan.owner_id is not None:
                     await server.sharing.attach(plan.owner_id, slot.slot_id, plan.reuse_len)
                     slot.tokens = lease.tokens[: plan.reuse_len].copy()
                 if lease.host is not None:
@@ -199,7 +204,9 @@ class KvMoves:
         slot.tokens, slot.ns = EMPTY, lease.ns
         return True
 
-    async def _import_host(self, lease: Lease) -> None:
+    async def _import_host(
+        self, lease: Lease, hold: contextlib.AbstractAsyncContextManager[None] | None = None
+    ) -> None:
         assert lease.host is not None
         # On top of the slot's verified [0,p0) (the server drops whatever it holds past p0).
         p0, p1 = lease.plan.host_from, lease.plan.host_to
@@ -209,7 +216,7 @@ class KvMoves:
         inline = 0 if mover.shm_dir else self.tree.reserve(mover.layout.bytes_per_token * (p1 - p0))
         started = time.monotonic()
         try:
-            await mover.import_(lease.slot.slot_id, p0, lease.tokens[:p1].tolist(), segments)
+            await mover.import_(lease.slot.slot_id, p0, lease.tokens[:p1].tolist(), segments, hold=hold)
         finally:
             self.tree.release(inline)
             lease.import_s += time.monotonic() - started
@@ -267,10 +274,9 @@ class KvMoves:
         self.tree.pin(match)
         held = self.tree.reserve(lease.server.mover.layout.bytes_per_token * (len(tokens) - match.length))
         try:
-            async with lease.server.move_lock:
-                segment = await lease.server.mover.export(
-                    {"slot": lease.slot.slot_id}, match.length, lease.slot.tokens
-                )
+            segment = await lease.server.mover.export(
+                {"slot": lease.slot.slot_id}, match.length, lease.slot.tokens, hold=lease.server.move_lock
+            )
             self.tree.release(held)  # the same step as the insert that counts them: no await between
             held = 0
             stored = self.tree.insert(tokens, segment, ns=lease.ns)

@@ -71,14 +71,21 @@ class MoveLock:
 
     @contextlib.asynccontextmanager
     async def first(self) -> AsyncIterator[None]:
-        self._restores += 1
-        self._no_restores.clear()
-        try:
+        async with self.restoring():
             await self.acquire(first=True)
             try:
                 yield
             finally:
                 self.release()
+
+    @contextlib.asynccontextmanager
+    async def restoring(self) -> AsyncIterator[None]:
+        """A restore step under way, holding the lock or not yet (its payload being written):
+        ``restores_done`` waits for it."""
+        self._restores += 1
+        self._no_restores.clear()
+        try:
+            yield
         finally:
             self._restores -= 1
             if not self._restores:
