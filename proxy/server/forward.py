@@ -168,6 +168,9 @@ async def _relay(
                         request.transport.abort()  # the writer's pending write fails
                     return
                 queue.put_nowait(chunk)
+            # A short answer arrives in one read: let the writer send it before the slot's
+            # release and the decision record run (they are not on the client's first token).
+            await asyncio.sleep(0)
             on_upstream_done()
         except (aiohttp.ClientError, TimeoutError) as exc:
             outcome.broken = f"llama-server stopped answering mid-stream ({type(exc).__name__})"

@@ -23,8 +23,9 @@ from proxy.tokenizer.template import ChatTemplate
 
 T = TypeVar("T")
 
-# Prompts up to this many characters are tokenized on the event loop: for them the hop to a
-# worker thread and back (two wake-ups) costs more than the tokenizing (piece cache, ~50 us).
+# Prompts up to this many characters are tokenized on the event loop, piece by piece on the loop's
+# own thread: for them the hop to a worker thread and back (two wake-ups), or to the tokenizer's
+# own thread pool, costs more than the tokenizing (piece cache, ~50 us).
 INLINE_TOKENIZE_CHARS = 4096
 
 
@@ -75,7 +76,7 @@ class Runtime:
         local = model.local_tokenizer if model is not None else self.local_tokenizer
         if local is not None:
             if len(prompt) <= INLINE_TOKENIZE_CHARS:
-                ids = local.encode(prompt)
+                ids = local.encode(prompt, batch=False)
             else:
                 ids = await asyncio.to_thread(local.encode, prompt)
         else:

@@ -213,8 +213,12 @@ class PromptTokenizer:
         """Text pieces and special token ids of ``text`` (no BOS/EOS)."""
         return split_special(text, self.specials)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` exactly as the server's chat path produces them."""
+    def encode(self, text: str, *, batch: bool = True) -> list[int]:
+        """Token ids of ``text`` exactly as the server's chat path produces them.
+
+        ``batch=False`` (short prompts tokenized on the event loop) encodes the missing pieces one
+        by one on the calling thread: the batch call hands them to the tokenizer's worker pool,
+        and waking those threads costs more than encoding a few short pieces."""
         parts = self.split(text)
         cache = self._cache
         found: dict[str, array.array[int]] = {}
@@ -230,7 +234,10 @@ class PromptTokenizer:
             missing = list(todo)
             # encode_batch_fast releases the GIL (Tokenizer.encode does not), so the event loop keeps
             # running while an executor thread tokenizes; it also spreads pieces over cores.
-            encs = self.tokenizer.encode_batch_fast(missing, add_special_tokens=False)
+            if batch:
+                encs = self.tokenizer.encode_batch_fast(missing, add_special_tokens=False)
+            else:
+                encs = [self.tokenizer.encode(p, add_special_tokens=False) for p in missing]
             for p, enc in zip(missing, encs, strict=True):
                 ids = self._piece_ids(enc.ids)
                 found[p] = ids

@@ -201,6 +201,21 @@ async def test_chat_rendering_parity(llama_server: dict[str, Any], local_tok: Pr
         assert after.hit_tokens - before.hit_tokens > 0.8 * len(ids)
 
 
+async def test_inline_path_parity(llama_server: dict[str, Any], local_tok: PromptTokenizer) -> None:
+    """``encode(batch=False)``, what the proxy runs on the event loop for short prompts (pieces
+    encoded one by one, no worker pool), gives the server's ids too, from a cold piece cache."""
+    base = llama_server["url"]
+    inline = PromptTokenizer(local_tok.tokenizer)
+    async with aiohttp.ClientSession() as session:
+        remote = _remote(session, base)
+        prompts = [
+            (await _post(session, base + "/apply-template", {"messages": c}))["prompt"] for c in CONVERSATIONS
+        ]
+        for text in [*prompts, *CORPUS]:
+            assert inline.encode(text, batch=False) == await remote(text), repr(text[:80])
+    assert inline.cache_stats().misses > 0
+
+
 async def test_chat_completion_prompt_count(llama_server: dict[str, Any], local_tok: PromptTokenizer) -> None:
     """The chat path itself (not just /tokenize) sees as many prompt tokens as we produce."""
     base = llama_server["url"]
