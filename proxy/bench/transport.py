@@ -49,7 +49,11 @@ async def warm_slot0(server_url: str, n_tokens: int) -> None:
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
         backend = Backend(server_url, session)
-        tokens = await _tokens(backend, n_tokens)
+        async with session.get(f"{server_url}/props") as resp:
+            resp.raise_for_status()
+            n_ctx_slot = int((await resp.json())["default_generation_settings"]["n_ctx"])
+        # The bench moves at most what one slot holds (clamp_sizes): warm no more than that.
+        tokens = await _tokens(backend, min(n_tokens, n_ctx_slot - 1))
         body = {"prompt": tokens, "n_predict": 1, "id_slot": 0, "cache_prompt": True, "temperature": 0}
         async with session.post(f"{server_url}/completion", json=body) as resp:
             resp.raise_for_status()
