@@ -198,6 +198,12 @@ class Metrics:
             "Idle slots erased to make room for the KV cells of admitted requests (resident sharing)",
             registry=registry,
         )
+        self.room_overdue = Counter(
+            f"{ns}_room_overdue",
+            "Requests sent to a server without sharing after waiting the queue deadline for room "
+            "on the proxy's books (the server decides)",
+            registry=registry,
+        )
         self.tree_loaded_tokens = SyncedCounter(
             Counter(
                 f"{ns}_host_loaded_tokens", "Tokens restored from the host tree into slots", registry=registry

@@ -159,7 +159,8 @@ def pool_server(n_slots: int, n_cells: int) -> ServerState:
 def check(coord: Coordinator) -> None:
     coord.leases.check_invariants()
     for s in coord.servers:
-        assert s.n_cells <= 0 or s.reserved_cells <= s.n_cells
+        overdue = any(x.overdue for x in coord.leases.inflight.values() if x.server is s)
+        assert s.n_cells <= 0 or overdue or s.reserved_cells <= s.n_cells
 
 
 async def test_a_wave_without_sharing_is_admitted_only_as_far_as_the_pool_holds_it() -> None:
@@ -248,4 +249,23 @@ async def test_the_leased_slots_own_cache_is_room_for_its_request() -> None:
     check(coord)
     coord.release(a)
     coord.release(b)
+    check(coord)
+
+
+async def test_without_sharing_a_request_past_the_queue_deadline_is_sent_not_refused() -> None:
+    """The books count a prompt being computed twice (measured and reserved): a long prefill
+    in flight must not turn into a 503 for a request the server can serve; the server decides."""
+    s0 = pool_server(2, 1024)
+    coord = coordinator(s0, queue_timeout_s=0.1)
+    a = await coord.acquire("a", toks(0, 600))
+    await coord.restore(a, 16)
+    b = await coord.acquire("b", toks(5000, 500))
+    await asyncio.wait_for(coord.restore(b, 16), 5)  # waited the deadline, then admitted
+    assert s0.reserved_cells == 616 + 516 and b.overdue and not a.overdue
+    check(coord)  # the books may exceed the pool only by an overdue request
+    assert coord.metrics.room_overdue._value.get() == 1
+    assert coord.metrics.rejected.labels("no_room")._value.get() == 0
+    coord.release(b)
+    coord.release(a)
+    assert s0.reserved_cells == 0
     check(coord)

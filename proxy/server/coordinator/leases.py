@@ -329,7 +329,10 @@ class Leases:
             parts = [
                 (x.reserved_cells, x.admitted_cells) for x in self.inflight.values() if x.server is server
             ]
-            check_reservations(server.n_cells, server.reserved_cells, server.admitted_cells, parts)
+            # A request sent past the queue deadline may oversubscribe the books on purpose.
+            overdue = any(x.overdue for x in self.inflight.values() if x.server is server)
+            n_cells = 0 if overdue else server.n_cells
+            check_reservations(n_cells, server.reserved_cells, server.admitted_cells, parts)
 
     def close(self) -> None:
         """Shutting down: no new leases, and every queued request gets a 503 now."""

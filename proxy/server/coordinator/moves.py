@@ -126,6 +126,23 @@ class KvMoves:
                 )
                 server.admit(lease, need)
                 return
+            if loop.time() >= deadline and server.sharing is None:
+                # Without owners the books are conservative: a prompt being computed counts
+                # both in the measured pool and in its reservation, and a slot leased by a
+                # request not started yet still holds the cache it will drop. Long prefills
+                # (minutes on a small CPU) would turn that into refusals of requests the
+                # server can serve: past the deadline the server decides, as stock does.
+                log.warning(
+                    "%s: no room on the books for %d KV cells of request %s within %g s; sending it",
+                    server.name,
+                    need.total,
+                    lease.request_id,
+                    self.config.queue_timeout_s,
+                )
+                self.metrics.room_overdue.inc()
+                lease.overdue = True
+                server.admit(lease, need)
+                return
             if loop.time() >= deadline:
                 self.metrics.rejected.labels("no_room").inc()
                 raise Unavailable(

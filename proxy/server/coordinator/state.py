@@ -184,6 +184,7 @@ class Lease:
     reserved_cells: int = 0  # its part of server.reserved_cells, returned on release
     answer_cells: int = 0  # of which for the answer (the rest is the prompt's)
     admitted_cells: int = 0  # its whole reservation, until released (server.admitted_cells)
+    overdue: bool = False  # sent past the queue deadline without room on the books (no sharing)
     erase_first: bool = False  # the slot holds another namespace's KV: clear it before use
     no_cache: bool = False  # the slot's KV could not be cleared: the server must not reuse it
     queued_s: float = 0.0
