@@ -102,6 +102,22 @@ ARMS: dict[str, ArmDef] = {
         proxy=True,
         proxy_args=("--cache-kv-share", "on"),
     ),
+    "proxy-rel": ArmDef(
+        "proxy-rel",
+        "patched",
+        (),
+        "patched llama-server + proxy, idle slots' KV released once the host tree holds it (A/H)",
+        proxy=True,
+        proxy_args=("--cache-idle-release", "on"),
+    ),
+    "proxy-hs-rel": ArmDef(
+        "proxy-hs-rel",
+        "patched",
+        (),
+        "patched llama-server + proxy with resident sharing, idle slots' KV released (A/S/H)",
+        proxy=True,
+        proxy_args=("--cache-kv-share", "on", "--cache-idle-release", "on"),
+    ),
 }
 
 

@@ -114,6 +114,17 @@ kv_share_option = click.option(
     callback=_on_off,
     help="Resident KV sharing (route S): prefixes held once in the server's pool.",
 )
+idle_release_option = click.option(
+    "--cache-idle-release",
+    "idle_release",
+    type=click.Choice(["on", "off"]),
+    default="off",
+    show_default=True,
+    envvar="RADIX_CACHE_IDLE_RELEASE",
+    callback=_on_off,
+    help="Erase a slot's KV from the server once the host tree holds it (each next turn is a "
+    "host restore): a smaller KV pool makes every other request's compute cheaper.",
+)
 kv_share_min_tokens_option = click.option(
     "--cache-kv-share-min-tokens",
     "kv_share_min_tokens",
@@ -307,6 +318,7 @@ PROXY_OPTIONS = [
     kvctl_key_option,
     kvctl_key_file_option,
     kv_share_option,
+    idle_release_option,
     kv_share_min_tokens_option,
     kv_share_max_entries_option,
     kv_share_cells_option,

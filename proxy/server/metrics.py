@@ -198,6 +198,11 @@ class Metrics:
             "Idle slots erased to make room for the KV cells of admitted requests (resident sharing)",
             registry=registry,
         )
+        self.idle_releases = Counter(
+            f"{ns}_idle_releases",
+            "Slots whose KV was erased from the server once the host tree held it (--cache-idle-release)",
+            registry=registry,
+        )
         self.room_overdue = Counter(
             f"{ns}_room_overdue",
             "Requests sent to a server without sharing after waiting the queue deadline for room "

@@ -252,6 +252,7 @@ class KvMoves:
             await self._refresh_slot(lease)
             await self._save(lease)
             await self._share(lease)
+            await self._release_idle(lease)
         except Exception as exc:
             cause = exc.cause if isinstance(exc, KvMoveError) else FallbackCause.TRANSPORT
             self.metrics.fallbacks.labels(cause).inc()
@@ -284,7 +285,7 @@ class KvMoves:
     async def _save(self, lease: Lease) -> None:
         tokens = lease.slot.tokens
         match = self.tree.match(tokens, ns=lease.ns)
-        if len(tokens) - match.length < max(1, self.config.min_restore_tokens // 4):
+        if len(tokens) - match.length < self._min_save():
             return
         # Pinned so the prefix the export continues cannot be evicted while we wait; the
         # exported rows count against the budget from now on, not only once inserted.
@@ -302,6 +303,32 @@ class KvMoves:
             self.tree.unpin(match)
         self.metrics.tree_saves.inc()
         self.metrics.tree_saved_tokens.inc(stored)
+
+    async def _release_idle(self, lease: Lease) -> None:
+        """--cache-idle-release: erase the slot's KV from the server's pool once the host tree
+        holds it (all but a tail too short to save), as stock's idle-slot cache does. Owner
+        sequences keep what they share. The slot's next request restores from the host."""
+        slot, server = lease.slot, lease.server
+        tokens = slot.tokens
+        if not self.config.idle_release or len(tokens) == 0 or slot.ns != lease.ns or lease.fallback:
+            return
+        if len(tokens) - self.tree.match(tokens, ns=lease.ns).length >= self._min_save():
+            return  # the tree lacks part of it: keep it resident
+        try:
+            async with server.move_lock:
+                await server.backend.kv_post("erase", {"slot": slot.slot_id}, cause=FallbackCause.ERASE)
+        except KvMoveError as exc:
+            slot.tokens, slot.ns = EMPTY, None  # unknown: erased before anyone reuses it
+            log.warning("releasing idle %s slot %d failed: %s", server.name, slot.slot_id, exc)
+            return
+        slot.tokens = EMPTY
+        if server.sharing is not None:
+            server.sharing.index.slot_changed(slot.slot_id, EMPTY)
+        self.metrics.idle_releases.inc()
+
+    def _min_save(self) -> int:
+        """A slot tail shorter than this is not worth an export."""
+        return max(1, self.config.min_restore_tokens // 4)
 
     async def _share(self, lease: Lease) -> None:
         """Record the completed prompt, and a restored host prefix, as resident prefixes."""
