@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -56,6 +57,14 @@ BASE_CMAKE_ARGS = [
     # The sdist has no git history; without this `--version` says "commit unknown".
     f"-DLLAMA_BUILD_COMMIT={LLAMA_CPP.commit}",
 ]
+
+# x86-64: ggml's AMX kernels off. A native build on a CPU with AMX (Sapphire Rapids and later)
+# compiles them in and repacks the model's weights for them, and at the pinned commit the
+# first decode then dies with SIGSEGV in ggml_backend_amx_mul_mat (seen on this project's
+# machines with SmolLM2 Q4_1; `--no-repack` avoids it too, at the cost of every other repack).
+# Explicit -mno-* flags win over the -march=native that GGML_NATIVE adds, in GCC and clang.
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+X86_CMAKE_ARGS = [f"-DCMAKE_C_FLAGS={NO_AMX_FLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_FLAGS}"]
 
 FAULT_OPTION = "LLAMA_KVCTL_FAULT_INJECT"
 
@@ -148,7 +157,8 @@ def build_server(spec: BuildSpec) -> Path:
 
 
 def _cmake_args(spec: BuildSpec) -> list[str]:
-    args = BASE_CMAKE_ARGS + BACKENDS[spec.backend] + list(spec.cmake_args)
+    host = X86_CMAKE_ARGS if platform.machine().lower() in ("x86_64", "amd64") else []
+    args = BASE_CMAKE_ARGS + host + BACKENDS[spec.backend] + list(spec.cmake_args)
     if spec.variant == "patched":
         # Always explicit: the build directory is shared, so a value left in CMakeCache.txt
         # by an earlier fault-injection build must be switched off again.
