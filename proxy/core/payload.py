@@ -2,10 +2,9 @@
 
 A blob is llama.cpp's single-sequence state: a header, per-cell metadata in POOL order,
 then per layer all K rows, then per layer all V rows (or, with `v_trans`, V element-major).
-The proxy keeps KV as `KvSegment`s: one uint8 row per token in POSITION order, each row =
-all layers' K rows of that token followed by all layers' V rows (for `v_trans`, the
-token's V elements of that layer, gathered). Position order plus per-token rows is what
-lets the radix tree split and slice segments as plain numpy views.
+The proxy keeps KV as `KvSegment`s (proxy/core/segment.py) in that same per-layer layout,
+tokens in POSITION order: a blob whose cells are in position order (the server sorts them)
+parses with one block copy per layer part, and a blob is written the same way.
 
 Pure: numpy, struct and hashlib only.
 """
@@ -15,12 +14,24 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
+from proxy.core.segment import KvLayout, KvSegment, check_run, el_dtype
 from proxy.errors import PayloadError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAGIC",
+    "KvLayout",
+    "KvSegment",
+    "blob_size",
+    "build_blob",
+    "parse_blob",
+    "tokens_sha256",
+    "write_blob",
+]
 
 if TYPE_CHECKING:
     import mmap
@@ -39,167 +50,8 @@ _TRANS_HEAD = struct.Struct("<iII")  # i32 v_type, u32 v_el_bytes, u32 n_embd_v_
 # Generous sanity bounds: a header outside them is garbage, not a real model.
 _MAX_LAYERS = 4096
 _MAX_TYPE = 256
-# Element size of ggml types that llama.cpp allows for transposed V (non-quantized only).
-_V_TRANS_EL_BYTES = {0: 4, 1: 2, 30: 2}  # F32, F16, BF16
 
 Buffer: TypeAlias = "bytes | bytearray | memoryview | np.ndarray | mmap.mmap"
-
-
-@dataclass(frozen=True)
-class KvLayout:
-    """Per-layer K/V types and row sizes: what a payload must match to be importable.
-
-    `v_row_bytes[l]` is the per-token V size of layer l; with `v_trans` it equals
-    `n_embd_v_gqa[l] * v_el_bytes[l]`. `v_el_bytes` / `n_embd_v_gqa` are 0 when not `v_trans`.
-    """
-
-    n_layer: int
-    k_types: tuple[int, ...]
-    k_row_bytes: tuple[int, ...]
-    v_types: tuple[int, ...]
-    v_trans: bool
-    v_row_bytes: tuple[int, ...]
-    v_el_bytes: tuple[int, ...]
-    n_embd_v_gqa: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.n_layer <= _MAX_LAYERS:
-            raise PayloadError(f"layout: n_layer {self.n_layer} out of range")
-        for name in ("k_types", "k_row_bytes", "v_types", "v_row_bytes", "v_el_bytes", "n_embd_v_gqa"):
-            if len(getattr(self, name)) != self.n_layer:
-                raise PayloadError(
-                    f"layout: {name} has {len(getattr(self, name))} entries, not {self.n_layer}"
-                )
-        if min(self.k_row_bytes) <= 0 or min(self.v_row_bytes) <= 0:
-            raise PayloadError("layout: row sizes must be positive")
-        for il in range(self.n_layer):
-            el, emb = self.v_el_bytes[il], self.n_embd_v_gqa[il]
-            if self.v_trans and (el <= 0 or emb <= 0 or el * emb != self.v_row_bytes[il]):
-                raise PayloadError(f"layout: layer {il}: v_row_bytes != n_embd_v_gqa * v_el_bytes")
-            if not self.v_trans and (el or emb):
-                raise PayloadError(f"layout: layer {il}: v_el_bytes/n_embd_v_gqa set without v_trans")
-
-    @property
-    def bytes_per_token(self) -> int:
-        return sum(self.k_row_bytes) + sum(self.v_row_bytes)
-
-    def k_offset(self, il: int) -> int:
-        """Byte offset of layer il's K row inside a token row."""
-        return sum(self.k_row_bytes[:il])
-
-    def v_offset(self, il: int) -> int:
-        """Byte offset of layer il's V row inside a token row (after all K rows)."""
-        return sum(self.k_row_bytes) + sum(self.v_row_bytes[:il])
-
-    def compat_dict(self) -> dict[str, Any]:
-        """The layout part of `/kvctl/caps` `compat` (no fingerprint / rope: not in the blob)."""
-        return {
-            "n_layer": self.n_layer,
-            "k_types": list(self.k_types),
-            "v_types": list(self.v_types),
-            "k_row_bytes": list(self.k_row_bytes),
-            "v_row_bytes": list(self.v_row_bytes),
-            "v_trans": self.v_trans,
-        }
-
-    @classmethod
-    def from_caps(cls, compat: dict[str, Any]) -> KvLayout:
-        """Build from `/kvctl/caps` `compat`. With `v_trans`, element sizes come from the V
-        types (only F32/F16/BF16 can be transposed) unless `v_el_bytes` is given."""
-        try:
-            n_layer = int(compat["n_layer"])
-            v_trans = bool(compat["v_trans"])
-            k_types = _ints(compat["k_types"])
-            v_types = _ints(compat["v_types"])
-            k_rows = _ints(compat["k_row_bytes"])
-            v_rows = _ints(compat["v_row_bytes"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise PayloadError(f"compat: missing or bad field: {e}") from e
-        if not v_trans:
-            zeros = (0,) * n_layer
-            return cls(n_layer, k_types, k_rows, v_types, False, v_rows, zeros, zeros)
-        if "v_el_bytes" in compat:
-            els = _ints(compat["v_el_bytes"])
-        else:
-            unknown = [t for t in v_types if t not in _V_TRANS_EL_BYTES]
-            if unknown:
-                raise PayloadError(f"compat: v_trans with V types {unknown} that cannot be transposed")
-            els = tuple(_V_TRANS_EL_BYTES[t] for t in v_types)
-        if len(els) != len(v_rows) or any(r % e for r, e in zip(v_rows, els, strict=True) if e > 0):
-            raise PayloadError("compat: v_row_bytes not a multiple of the V element size")
-        embd = tuple(r // e if e > 0 else 0 for r, e in zip(v_rows, els, strict=True))
-        return cls(n_layer, k_types, k_rows, v_types, True, v_rows, els, embd)
-
-
-def _ints(values: Any) -> tuple[int, ...]:
-    return tuple(int(v) for v in values)
-
-
-@dataclass(frozen=True, eq=False)
-class KvSegment:
-    """KV of positions [p0, p0+n): `data` is uint8 (n, bytes_per_token), position order."""
-
-    p0: int
-    layout: KvLayout
-    data: np.ndarray
-
-    def __post_init__(self) -> None:
-        d = self.data
-        if d.dtype != np.uint8 or d.ndim != 2 or d.shape[1] != self.layout.bytes_per_token:
-            raise PayloadError(
-                f"segment data must be uint8 (n, {self.layout.bytes_per_token}), got {d.dtype} {d.shape}"
-            )
-        if self.p0 < 0:
-            raise PayloadError(f"segment p0 {self.p0} < 0")
-        if d.shape[0] and d.strides[1] != 1:
-            # Row-wise copies and strided views below assume each token row is contiguous.
-            object.__setattr__(self, "data", np.ascontiguousarray(d))
-
-    @property
-    def n(self) -> int:
-        return int(self.data.shape[0])
-
-    @property
-    def p1(self) -> int:
-        return self.p0 + self.n
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.data.nbytes)
-
-    def slice(self, a: int, b: int) -> KvSegment:
-        """Positions [a, b) (absolute) as a VIEW of this segment's data."""
-        if not self.p0 <= a <= b <= self.p1:
-            raise ValueError(f"slice [{a},{b}) outside segment [{self.p0},{self.p1})")
-        return KvSegment(a, self.layout, self.data[a - self.p0 : b - self.p0])
-
-    @staticmethod
-    def concat(segments: Sequence[KvSegment]) -> KvSegment:
-        """One segment (a copy) from adjacent segments of the same layout."""
-        _check_run(segments)
-        return KvSegment(segments[0].p0, segments[0].layout, np.concatenate([s.data for s in segments]))
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, KvSegment):
-            return NotImplemented
-        return self.p0 == other.p0 and self.layout == other.layout and np.array_equal(self.data, other.data)
-
-    __hash__ = None  # type: ignore[assignment]  # mutable array inside: not hashable
-
-    def __repr__(self) -> str:
-        return f"KvSegment([{self.p0},{self.p1}), {self.layout.bytes_per_token} B/token)"
-
-
-def _check_run(segments: Sequence[KvSegment]) -> None:
-    """A non-empty run of segments with one layout, each starting where the previous ends."""
-    if not segments:
-        raise PayloadError("no segments")
-    first = segments[0]
-    for prev, seg in zip(segments, segments[1:], strict=False):
-        if seg.layout != first.layout:
-            raise PayloadError("segments have different layouts")
-        if seg.p0 != prev.p1:
-            raise PayloadError(f"segments not adjacent: [{prev.p0},{prev.p1}) then [{seg.p0},{seg.p1})")
 
 
 # ---------------------------------------------------------------- parse
@@ -275,7 +127,7 @@ def _parse(buf: Buffer, expect: KvLayout | None) -> KvSegment:
     layout = _layout_of(n_layer, bool(v_trans), k_parts, v_parts)
     if expect is not None and layout != expect:
         raise PayloadError(f"payload layout differs from the expected one: {_diff(layout, expect)}")
-    return KvSegment(p0, layout, _gather(layout, n, order, k_parts, v_parts))
+    return _gather(layout, p0, n, order, k_parts + v_parts)
 
 
 def _parse_cells(cells: np.ndarray) -> tuple[np.ndarray | None, int]:
@@ -342,36 +194,25 @@ def _diff(got: KvLayout, want: KvLayout) -> str:
     return ", ".join(names)
 
 
-def _el_dtype(el: int) -> np.dtype:
-    """One V element as a single numpy item: a transpose then moves items, not bytes
-    (about ten times faster than a byte-wise (n, embd, el) transpose)."""
-    return np.dtype(f"<u{el}") if el in (1, 2, 4, 8) else np.dtype((np.void, el))
-
-
 def _rows(arr: np.ndarray, row: int) -> np.ndarray:
     """An (n, row) uint8 array whose rows are contiguous as (n, 1) items of `row` bytes:
     numpy then copies one memmove per row instead of looping over bytes (about twice as fast)."""
     return arr.view(np.dtype((np.void, row)))
 
 
-def _gather(layout: KvLayout, n: int, order: np.ndarray | None, k: list[_Part], v: list[_Part]) -> np.ndarray:
-    """Per-token rows in position order from the blob's per-layer, pool-order blocks."""
-    out = np.empty((n, layout.bytes_per_token), dtype=np.uint8)
-    for il, (_, row, _, _, blk) in enumerate(k):
-        rows = _rows(blk.reshape(n, row), row)
-        off = layout.k_offset(il)
-        _rows(out[:, off : off + row], row)[...] = rows if order is None else rows[order]
-    for il, (_, row, el, embd, blk) in enumerate(v):
-        off = layout.v_offset(il)
-        if not layout.v_trans:
-            rows = _rows(blk.reshape(n, row), row)
-            _rows(out[:, off : off + row], row)[...] = rows if order is None else rows[order]
-            continue
-        # Element-major (embd, n) -> token-major (n, embd), one item per element.
-        dt = _el_dtype(el)
-        src = blk.view(dt).reshape(embd, n)
-        out[:, off : off + row].view(dt)[...] = (src if order is None else src[:, order]).T
-    return out
+def _gather(layout: KvLayout, p0: int, n: int, order: np.ndarray | None, blocks: list[_Part]) -> KvSegment:
+    """The segment in position order from the blob's per-layer, pool-order blocks: one block
+    copy per part when the cells are already in position order."""
+    seg = KvSegment.empty(p0, layout, n)
+    for dst, (_, row, el, embd, blk) in zip(seg.parts, blocks, strict=True):
+        if order is None:
+            dst[...] = blk.reshape(dst.shape)
+        elif el == 0:
+            _rows(dst, row)[...] = _rows(blk.reshape(n, row), row)[order]
+        else:  # element-major (embd, n): reorder the columns, one item per element
+            dt = el_dtype(el)
+            dst.view(dt)[...] = blk.view(dt).reshape(embd, n)[:, order]
+    return seg
 
 
 # ---------------------------------------------------------------- build
@@ -396,7 +237,7 @@ def write_blob(segments: Sequence[KvSegment], out: Buffer, seq_id: int = 0) -> i
 
 
 def _write(segments: Sequence[KvSegment], out: Buffer, seq_id: int) -> int:
-    _check_run(segments)
+    check_run(segments)
     layout = segments[0].layout
     p0, n = segments[0].p0, segments[-1].p1 - segments[0].p0
     if n == 0:
@@ -413,31 +254,45 @@ def _write(segments: Sequence[KvSegment], out: Buffer, seq_id: int) -> int:
     cells["n_seq"] = 1
     cells["seq"] = seq_id
     off = _put(buf, off + n * _CELL.itemsize, _DATA_HEAD.pack(int(layout.v_trans), layout.n_layer))
+    # The blob's data section is the segment's parts end to end, each behind its header.
+    heads = [_ROW_HEAD.pack(layout.k_types[il], layout.k_row_bytes[il]) for il in range(layout.n_layer)]
     for il in range(layout.n_layer):
-        off = _put(buf, off, _ROW_HEAD.pack(layout.k_types[il], layout.k_row_bytes[il]))
-        off = _put_rows(buf, off, segments, layout.k_offset(il), layout.k_row_bytes[il])
-    for il in range(layout.n_layer):
-        row = layout.v_row_bytes[il]
-        if not layout.v_trans:
-            off = _put(buf, off, _ROW_HEAD.pack(layout.v_types[il], row))
-            off = _put_rows(buf, off, segments, layout.v_offset(il), row)
-            continue
-        el, embd = layout.v_el_bytes[il], layout.n_embd_v_gqa[il]
-        off = _put(buf, off, _TRANS_HEAD.pack(layout.v_types[il], el, embd))
-        dt = _el_dtype(el)
-        dst = buf[off : off + n * row].view(dt).reshape(embd, n)
-        col = layout.v_offset(il)
-        for seg in segments:
-            i0 = seg.p0 - p0
-            dst[:, i0 : i0 + seg.n] = seg.data[:, col : col + row].view(dt).T
-        off += n * row
+        if layout.v_trans:
+            heads.append(_TRANS_HEAD.pack(layout.v_types[il], layout.v_el_bytes[il], layout.n_embd_v_gqa[il]))
+        else:
+            heads.append(_ROW_HEAD.pack(layout.v_types[il], layout.v_row_bytes[il]))
+    blocks = []
+    for i, head in enumerate(heads):
+        off = _put(buf, off, head)
+        blocks.append(off)
+        off += _block_bytes(layout, i, n)
     assert off == size, (off, size)
+    whole = KvSegment(p0, layout, _carve_at(buf, layout, n, blocks))
+    for seg in segments:
+        whole.slice(seg.p0, seg.p1).assign(seg)
     return size
+
+
+def _block_bytes(layout: KvLayout, i: int, n: int) -> int:
+    return n * (layout.k_row_bytes[i] if i < layout.n_layer else layout.v_row_bytes[i - layout.n_layer])
+
+
+def _carve_at(buf: np.ndarray, layout: KvLayout, n: int, offsets: list[int]) -> tuple[np.ndarray, ...]:
+    """The parts of a segment of n positions as views of `buf`'s blocks at `offsets`."""
+    parts = []
+    for i, off in enumerate(offsets):
+        blk = buf[off : off + _block_bytes(layout, i, n)]
+        if layout.v_trans and i >= layout.n_layer:
+            il = i - layout.n_layer
+            parts.append(blk.reshape(layout.n_embd_v_gqa[il], n * layout.v_el_bytes[il]))
+        else:
+            parts.append(blk.reshape(n, _block_bytes(layout, i, 1)))
+    return tuple(parts)
 
 
 def build_blob(segments: Sequence[KvSegment], seq_id: int = 0) -> bytes:
     """The blob for a contiguous run of segments, cells in position order."""
-    _check_run(segments)
+    check_run(segments)
     n = segments[-1].p1 - segments[0].p0
     out = np.empty(blob_size(segments[0].layout, n), dtype=np.uint8)
     write_blob(segments, out, seq_id)
@@ -447,16 +302,6 @@ def build_blob(segments: Sequence[KvSegment], seq_id: int = 0) -> bytes:
 def _put(buf: np.ndarray, off: int, raw: bytes) -> int:
     buf[off : off + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
     return off + len(raw)
-
-
-def _put_rows(buf: np.ndarray, off: int, segments: Sequence[KvSegment], col: int, row: int) -> int:
-    """One layer's rows, all segments in order, as one (n, row) block."""
-    p0 = segments[0].p0
-    n = segments[-1].p1 - p0
-    dst = _rows(buf[off : off + n * row].reshape(n, row), row)
-    for seg in segments:
-        dst[seg.p0 - p0 : seg.p1 - p0] = _rows(seg.data[:, col : col + row], row)
-    return off + n * row
 
 
 def tokens_sha256(tokens: Sequence[int] | np.ndarray) -> str:

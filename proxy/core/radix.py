@@ -156,28 +156,6 @@ def as_tokens(tokens: Tokens) -> np.ndarray:
     return arr
 
 
-def _buffer_owner(arr: np.ndarray) -> object:
-    """The object that owns arr's memory (an ndarray, bytes, mmap, ...)."""
-    owner: object = arr
-    while isinstance(owner, np.ndarray) and owner.base is not None:
-        owner = owner.base
-    return owner
-
-
-def _keeps_extra(arr: np.ndarray) -> bool:
-    """True when arr is a view that keeps a larger buffer alive than its own bytes."""
-    owner = _buffer_owner(arr)
-    if owner is arr:
-        return False
-    if isinstance(owner, np.ndarray):
-        return owner.nbytes > arr.nbytes
-    try:
-        with memoryview(owner) as mv:  # type: ignore[arg-type]
-            return mv.nbytes > arr.nbytes
-    except TypeError:
-        return True
-
-
 class RadixTree:
     """Token radix tree of KV segments under a byte budget. See the module docstring."""
 
@@ -307,8 +285,8 @@ class RadixTree:
             return 0
         parent = self._split(deepest, length) if split else deepest
         seg = segment.slice(length, length + k)
-        if _keeps_extra(seg.data):
-            seg = KvSegment(seg.p0, seg.layout, seg.data.copy())
+        if seg.keeps_extra():
+            seg = seg.copy()
         self._add_leaf(parent, q[length : length + k].copy(), seg)
         return k
 
@@ -565,10 +543,10 @@ class RadixTree:
         """Ancestors that view the evicted leaf's buffer (one split edge) get their own
         copy, so that buffer is really freed and `bytes` stays true."""
         assert leaf.segment is not None
-        owner = _buffer_owner(leaf.segment.data)
+        owner = leaf.segment.owner
         cur = leaf.parent
-        while cur is not None and cur.segment is not None and _buffer_owner(cur.segment.data) is owner:
-            cur.segment = KvSegment(cur.segment.p0, cur.segment.layout, cur.segment.data.copy())
+        while cur is not None and cur.segment is not None and cur.segment.owner is owner:
+            cur.segment = cur.segment.copy()
             cur = cur.parent
 
     def _iter_nodes(self) -> list[_Node]:

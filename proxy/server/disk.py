@@ -262,7 +262,7 @@ class DiskTier:
             rows = await self._read(found, tokens)
             if rows is None:
                 return 0
-            segment = KvSegment(ram.length, self.layout, rows)
+            segment = KvSegment.from_rows(ram.length, self.layout, rows)
             tree.release(held)  # the same step as the insert that counts them
             held = 0
             stored = tree.insert(tokens[: found.reach], segment, ns=ns)
@@ -375,7 +375,7 @@ def _drop(path: Path, cause: DropCause, drops: dict[str, int]) -> None:
 
 def _write_entry(directory: Path, key: bytes, spill: Spill) -> EntryHeader:
     """Write one entry atomically: temporary file, fsync, rename, fsync of the directory."""
-    data = np.ascontiguousarray(spill.segment.data)
+    data = spill.segment.rows()  # the entry format keeps per-token rows (docs/disk-tier.md)
     header, tokens = make_header(key, spill.ns, spill.path, spill.start, data)
     final = directory / header.name
     tmp = directory / f".{header.name}.{secrets.token_hex(4)}{TMP_SUFFIX}"

@@ -2,7 +2,7 @@
 
 Same host: payloads go through files in the shared-memory directory that both the proxy
 and the server were given, mapped on both sides: the server copies between the file and
-its KV cache, the proxy between the file and its per-token rows, one copy each. Other
+its KV cache, the proxy between the file and its segments (block copies), one copy each. Other
 hosts: inline msgpack bytes. Parsing and building payloads run in a worker thread so the
 event loop keeps serving while megabytes are copied.
 

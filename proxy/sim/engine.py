@@ -209,7 +209,7 @@ class Simulator:
         if missing < max(1, self.cfg.min_restore_tokens // 4):
             return now
         end = server.run(now, self.calib.move_s(missing))
-        tree.insert(tokens, KvSegment(match.length, SIM_LAYOUT, np.zeros((missing, 1024), np.uint8)))
+        tree.insert(tokens, KvSegment.zeros(match.length, SIM_LAYOUT, missing))
         return end
 
     def share(self, now: float, server: SimServer, slot: SimSlot, req: Request, p: Plan) -> None:

@@ -147,10 +147,10 @@ def kv_matches_tree(proxy: ProxyThread, reply: Reply) -> bool:
         tokens = server.slots[slot].tokens[:restored]
         match = rt.coordinator.tree.match(tokens, ns=server.model_ns)
         assert match.length == restored
-        saved = np.concatenate([s.data for s in rt.coordinator.tree.segments(match, 0, restored)])
+        saved = np.concatenate([s.rows() for s in rt.coordinator.tree.segments(match, 0, restored)])
         async with server.move_lock:
             live = await server.mover.export({"slot": slot}, 0, tokens)
-        return bool(np.array_equal(saved, live.data))
+        return bool(np.array_equal(saved, live.rows()))
 
     assert proxy.runtime is not None
     return bool(proxy.run(compare(proxy.runtime)))

@@ -183,7 +183,7 @@ _SLOW_WRITER = textwrap.dedent(
     os.fsync = stalled_fsync
     layout = KvLayout(1, (1,), (64,), (1,), False, (64,), (0,), (0,))
     path = np.arange(1000, dtype=np.int32)
-    segment = KvSegment(0, layout, np.full((1000, 128), 7, dtype=np.uint8))
+    segment = KvSegment.from_rows(0, layout, np.full((1000, 128), 7, dtype=np.uint8))
     disk._write_entry(Path(sys.argv[1]), bytes.fromhex(sys.argv[2]), Spill("", path, segment))
     """
 )

@@ -151,10 +151,10 @@ def test_restored_kv_is_byte_identical_to_saved(proxy: ProxyThread) -> None:
         tokens = server.slots[slot].tokens
         match = rt.coordinator.tree.match(tokens[:cached], ns=server.model_ns)
         assert match.length == cached
-        saved = np.concatenate([s.data for s in rt.coordinator.tree.segments(match, 0, cached)])
+        saved = np.concatenate([s.rows() for s in rt.coordinator.tree.segments(match, 0, cached)])
         async with server.move_lock:
             live = await server.mover.export({"slot": slot}, 0, tokens[:cached])
-        return bool(np.array_equal(saved, live.data))
+        return bool(np.array_equal(saved, live.rows()))
 
     assert proxy.run(compare(proxy.runtime))
 

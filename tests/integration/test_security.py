@@ -75,7 +75,7 @@ def snapshot(proxy: ProxyThread, backend: ServerProcess) -> dict[str, Any]:
             if len(slot.tokens):
                 async with server.move_lock:
                     seg = await server.mover.export({"slot": slot.slot_id}, 0, slot.tokens)
-                kv = seg.data.tobytes()
+                kv = seg.rows().tobytes()
             slots[slot.slot_id] = (slot.tokens.tolist(), hashlib.sha256(kv).hexdigest())
         stats = rt.coordinator.tree.stats()
         return {"slots": slots, "tree": (stats.nodes, stats.unique_tokens, stats.bytes)}

@@ -201,7 +201,7 @@ async def test_a_host_import_reserves_the_cells_it_writes() -> None:
     sharing: FakeSharing = s0.sharing  # type: ignore[assignment]
     coord = coordinator(s0)
     held = toks(0, 300)
-    coord.tree.insert(held, KvSegment(0, LAYOUT, rows(held.tolist())))
+    coord.tree.insert(held, KvSegment.from_rows(0, LAYOUT, rows(held.tolist())))
     lease = await coord.acquire("h", toks(0, 400))
     assert lease.plan.route is Route.H and lease.plan.host_to == 300
     await coord.restore(lease, 16)

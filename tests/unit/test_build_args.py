@@ -3,6 +3,8 @@ commit on CPUs with AMX), nothing extra elsewhere, and the cache key follows the
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 
 from proxy.native import build
@@ -14,7 +16,7 @@ pytestmark = pytest.mark.unit
     ("machine", "amx_off"), [("x86_64", True), ("AMD64", True), ("aarch64", False), ("arm64", False)]
 )
 def test_amx_is_off_on_x86_only(monkeypatch: pytest.MonkeyPatch, machine: str, amx_off: bool) -> None:
-    monkeypatch.setattr(build.platform, "machine", lambda: machine)
+    monkeypatch.setattr(platform, "machine", lambda: machine)
     for backend in build.BACKENDS:
         args = build._cmake_args(build.BuildSpec(backend=backend))
         flags = [a for a in args if a.startswith(("-DCMAKE_C_FLAGS=", "-DCMAKE_CXX_FLAGS="))]
@@ -25,7 +27,7 @@ def test_amx_is_off_on_x86_only(monkeypatch: pytest.MonkeyPatch, machine: str, a
 
 
 def test_operator_flags_come_after_and_change_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     mine = build.BuildSpec(cmake_args=("-DCMAKE_CXX_FLAGS=-O2",))
     args = build._cmake_args(mine)
     assert args.index("-DCMAKE_CXX_FLAGS=-O2") > args.index(f"-DCMAKE_CXX_FLAGS={build.NO_AMX_FLAGS}")

@@ -263,10 +263,12 @@ def fake_runtime(tree: RadixTree) -> Any:
 
 def test_cache_summary_and_tree_mirror() -> None:
     tree = RadixTree(1 << 20)
-    tree.insert(np.arange(1, 11), KvSegment(0, LAYOUT, np.zeros((10, LAYOUT.bytes_per_token), np.uint8)))
+    tree.insert(
+        np.arange(1, 11), KvSegment.from_rows(0, LAYOUT, np.zeros((10, LAYOUT.bytes_per_token), np.uint8))
+    )
     tree.insert(
         np.r_[np.arange(1, 6), [20, 21]],
-        KvSegment(5, LAYOUT, np.zeros((2, LAYOUT.bytes_per_token), np.uint8)),
+        KvSegment.from_rows(5, LAYOUT, np.zeros((2, LAYOUT.bytes_per_token), np.uint8)),
     )
     runtime = fake_runtime(tree)
     line = cache_summary(runtime)

@@ -77,7 +77,7 @@ class FakeServer:
             held = self.held[seq["slot"]]
             if list(held[: len(tokens)]) != [int(t) for t in tokens]:  # the server's expect_sha256 check
                 raise KvMoveError(FallbackCause.CONFLICT, "the slot holds other tokens")
-        return KvSegment(p0, LAYOUT, rows(held[p0 : len(tokens)]))
+        return KvSegment.from_rows(p0, LAYOUT, rows(held[p0 : len(tokens)]))
 
     async def import_(
         self,
@@ -279,7 +279,7 @@ async def test_a_host_restore_imports_and_unpins() -> None:
     s0 = server("s0", n_slots=1)
     coord = coordinator(s0)
     prompt = toks(0, 100)
-    coord.tree.insert(prompt, KvSegment(0, LAYOUT, rows(prompt.tolist())))
+    coord.tree.insert(prompt, KvSegment.from_rows(0, LAYOUT, rows(prompt.tolist())))
     lease = await coord.acquire("r", np.concatenate([prompt, toks(7000, 10)]))
     assert lease.route == Route.H and lease.host is not None
     await coord.restore(lease, 16)
@@ -382,7 +382,7 @@ def test_describe_decision_shows_the_divergence_as_text() -> None:
 async def test_another_namespace_sees_nothing_cached() -> None:
     s0 = server("s0", n_slots=1, held={0: toks(0, 100).tolist()})
     coord = coordinator(s0)
-    coord.tree.insert(toks(0, 100), KvSegment(0, LAYOUT, rows(toks(0, 100).tolist())))
+    coord.tree.insert(toks(0, 100), KvSegment.from_rows(0, LAYOUT, rows(toks(0, 100).tolist())))
     lease = await coord.acquire("r", toks(0, 120), ns="tenant-b")
     assert lease.route == Route.PREFILL and lease.plan.predicted_cached == 0
     assert lease.why.host_match == 0 and lease.why.best_slot_match == 0
@@ -505,7 +505,7 @@ async def test_a_restarted_server_forgets_its_slots_but_the_tree_stays() -> None
     s0 = server("s0", n_slots=2, held={0: toks(0, 100).tolist()})
     coord = coordinator(s0)
     coord.server_up(s0, "first")
-    coord.tree.insert(toks(0, 100), KvSegment(0, LAYOUT, rows(toks(0, 100).tolist())))
+    coord.tree.insert(toks(0, 100), KvSegment.from_rows(0, LAYOUT, rows(toks(0, 100).tolist())))
     busy = await coord.acquire("r", toks(5000, 50))
     assert busy.slot.slot_id == 1
     coord.server_down(s0, "killed")
@@ -672,7 +672,7 @@ async def test_moves_in_flight_count_against_the_tree_budget() -> None:
     coord.tree.set_budget(40_000)
     for i in range(20):  # fill the tree with small prompts
         t = toks(10_000 * (i + 1), 100)
-        coord.tree.insert(t, KvSegment(0, LAYOUT, rows(t.tolist())))
+        coord.tree.insert(t, KvSegment.from_rows(0, LAYOUT, rows(t.tolist())))
     before = coord.tree.stats().bytes
     held = coord.tree.reserve(30_000)
     coord.tree.check_invariants()  # evicted to make room for the 30 kB held outside the tree
@@ -829,7 +829,7 @@ async def test_a_request_is_sent_after_the_restores_pending_on_its_server() -> N
     s0 = server("s0", n_slots=2)
     coord = coordinator(s0)
     t = toks(0, 200)
-    coord.tree.insert(t, KvSegment(0, LAYOUT, rows(t.tolist())))
+    coord.tree.insert(t, KvSegment.from_rows(0, LAYOUT, rows(t.tolist())))
     first = await coord.acquire("a", toks(5000, 50))  # nothing to restore: sent at once...
     other = await coord.acquire("b", toks(0, 210))  # ...unless this one's host import is pending
     assert other.host is not None
@@ -865,7 +865,7 @@ async def test_requests_arriving_together_are_sent_after_each_others_restores() 
     s0 = server("s0", n_slots=2)
     coord = coordinator(s0)
     t = toks(0, 200)
-    coord.tree.insert(t, KvSegment(0, LAYOUT, rows(t.tolist())))
+    coord.tree.insert(t, KvSegment.from_rows(0, LAYOUT, rows(t.tolist())))
     sent: list[str] = []
 
     async def handle(name: str, tokens: np.ndarray) -> Lease:

@@ -21,7 +21,7 @@ KEY = b"q" * 32
 
 def seg(p0: int, n: int, seed: int) -> KvSegment:
     data = np.random.default_rng(seed).integers(0, 256, (n, 16), dtype=np.uint8)
-    return KvSegment(p0, LAYOUT, data)
+    return KvSegment.from_rows(p0, LAYOUT, data)
 
 
 def toks(first: int, n: int) -> np.ndarray:

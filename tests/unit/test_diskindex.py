@@ -210,7 +210,7 @@ LAYOUT = KvLayout(1, (1,), (4,), (1,), False, (4,), (0,), (0,))
 
 
 def seg(p0: int, n: int, fill: int) -> KvSegment:
-    return KvSegment(p0, LAYOUT, np.full((n, 8), fill, dtype=np.uint8))
+    return KvSegment.from_rows(p0, LAYOUT, np.full((n, 8), fill, dtype=np.uint8))
 
 
 def test_the_tree_hands_each_evicted_leaf_to_on_evict_with_its_whole_path() -> None:
@@ -228,7 +228,7 @@ def test_the_tree_hands_each_evicted_leaf_to_on_evict_with_its_whole_path() -> N
     assert len(spilled) == 1
     s = spilled[0]
     assert s.ns == "" and s.start == 10 and np.array_equal(s.path, a)
-    assert s.segment.n == 30 and int(s.segment.data[0, 0]) == 1
-    order = [(x.start, x.segment.p1, int(x.segment.data[0, 0])) for x in tree.spill_all()]
+    assert s.segment.n == 30 and int(s.segment.rows()[0, 0]) == 1
+    order = [(x.start, x.segment.p1, int(x.segment.rows()[0, 0])) for x in tree.spill_all()]
     assert order == [(10, 40, 2), (0, 10, 1), (0, 40, 3)]  # oldest first, a child before its parent
     tree.check_invariants()

@@ -37,7 +37,7 @@ def make_layout(v_trans: bool, n_layer: int = 3, el: int = 2) -> KvLayout:
 
 def random_segment(layout: KvLayout, p0: int, n: int, seed: int = 0) -> KvSegment:
     rng = np.random.default_rng(seed)
-    return KvSegment(p0, layout, rng.integers(0, 256, (n, layout.bytes_per_token), dtype=np.uint8))
+    return KvSegment.from_rows(p0, layout, rng.integers(0, 256, (n, layout.bytes_per_token), dtype=np.uint8))
 
 
 def reference_fields(
@@ -66,11 +66,11 @@ def reference_fields(
         f += [
             (f"k{il}.type", struct.pack("<i", lay.k_types[il])),
             (f"k{il}.row", struct.pack("<Q", row)),
-            (f"k{il}.data", seg.data[order, off : off + row].tobytes()),
+            (f"k{il}.data", seg.rows()[order, off : off + row].tobytes()),
         ]
     for il in range(lay.n_layer):
         off, row = lay.v_offset(il), lay.v_row_bytes[il]
-        rows = seg.data[order, off : off + row]
+        rows = seg.rows()[order, off : off + row]
         if not lay.v_trans:
             f += [
                 (f"v{il}.type", struct.pack("<i", lay.v_types[il])),
@@ -165,8 +165,8 @@ def test_build_rejects_bad_runs() -> None:
 def test_segment_slice_is_a_view_and_checks_bounds() -> None:
     seg = random_segment(make_layout(False), p0=10, n=10)
     part = seg.slice(12, 15)
-    assert part.p0 == 12 and part.n == 3 and np.shares_memory(part.data, seg.data)
-    assert np.array_equal(part.data, seg.data[2:5])
+    assert part.p0 == 12 and part.n == 3 and part.owner is seg.owner
+    assert np.array_equal(part.rows(), seg.rows()[2:5])
     with pytest.raises(ValueError):
         seg.slice(9, 12)
     with pytest.raises(ValueError):
@@ -176,14 +176,53 @@ def test_segment_slice_is_a_view_and_checks_bounds() -> None:
 def test_segment_validates_data() -> None:
     lay = make_layout(False)
     with pytest.raises(PayloadError):
-        KvSegment(0, lay, np.zeros((2, lay.bytes_per_token), np.int16))
+        KvSegment.from_rows(0, lay, np.zeros((2, lay.bytes_per_token), np.int16))
     with pytest.raises(PayloadError):
-        KvSegment(0, lay, np.zeros((2, lay.bytes_per_token + 1), np.uint8))
+        KvSegment.from_rows(0, lay, np.zeros((2, lay.bytes_per_token + 1), np.uint8))
     with pytest.raises(PayloadError):
-        KvSegment(-1, lay, np.zeros((2, lay.bytes_per_token), np.uint8))
+        KvSegment.from_rows(-1, lay, np.zeros((2, lay.bytes_per_token), np.uint8))
     fortran = np.asfortranarray(np.arange(3 * lay.bytes_per_token, dtype=np.uint8).reshape(3, -1))
-    seg = KvSegment(0, lay, fortran)  # normalised to contiguous rows
-    assert seg.data.strides[1] == 1 and np.array_equal(seg.data, fortran)
+    seg = KvSegment.from_rows(0, lay, fortran)
+    assert np.array_equal(seg.rows(), fortran)
+    with pytest.raises(PayloadError, match="parts"):
+        KvSegment(0, lay, seg.parts[:-1])
+    with pytest.raises(PayloadError, match="part 1"):
+        KvSegment(0, lay, (seg.parts[0], seg.parts[1][:2], *seg.parts[2:]))
+
+
+@pytest.mark.parametrize("v_trans", [False, True])
+def test_segment_parts_are_the_blob_data_section(v_trans: bool) -> None:
+    """A segment holds the blob's data section (per layer all K rows, then all V rows or V
+    element-major), tokens in position order: parsing and writing are block copies."""
+    lay = make_layout(v_trans)
+    seg = random_segment(lay, 5, 9, seed=3)
+    blob = build_blob([seg])
+    store = seg.store_bytes()
+    assert store.size == seg.nbytes
+    data = b"".join(v for k, v in reference_fields(seg) if k.endswith(".data"))
+    assert store.tobytes() == data
+    assert blob.endswith(data[-lay.v_row_bytes[-1] * 9 :])
+    again = KvSegment.from_store(5, lay, 9, np.frombuffer(data, np.uint8).copy())
+    assert again == seg and again.owner is not seg.owner
+    with pytest.raises(PayloadError, match="store"):
+        KvSegment.from_store(5, lay, 8, store)
+
+
+@pytest.mark.parametrize("v_trans", [False, True])
+def test_segment_slices_are_views_and_copies_compact(v_trans: bool) -> None:
+    lay = make_layout(v_trans)
+    seg = random_segment(lay, 10, 20, seed=4)
+    mid = seg.slice(13, 17)
+    assert mid.owner is seg.owner and mid.keeps_extra() and not seg.keeps_extra()
+    assert np.array_equal(mid.rows(), seg.rows()[3:7])
+    own = mid.copy()
+    assert own == mid and own.owner is not seg.owner and not own.keeps_extra()
+    assert own.store_bytes().size == own.nbytes
+    assert mid.slice(15, 15).n == 0 and mid.slice(15, 15).rows().shape == (0, lay.bytes_per_token)
+    joined = KvSegment.concat([seg.slice(10, 13), mid, seg.slice(17, 30)])
+    assert joined == seg and joined.owner is not seg.owner
+    with pytest.raises(PayloadError):
+        own.assign(seg.slice(10, 15))
 
 
 # ---------------------------------------------------------------- layouts from caps

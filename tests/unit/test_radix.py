@@ -29,7 +29,7 @@ def kv_rows(tokens: list[int]) -> np.ndarray:
 
 
 def seg_for(tokens: list[int], p0: int = 0) -> KvSegment:
-    return KvSegment(p0, LAYOUT, kv_rows(tokens)[p0:].copy())
+    return KvSegment.from_rows(p0, LAYOUT, kv_rows(tokens)[p0:].copy())
 
 
 def served(tree: RadixTree, match: HostMatch, start: int = 0, end: int | None = None) -> np.ndarray:
@@ -38,7 +38,7 @@ def served(tree: RadixTree, match: HostMatch, start: int = 0, end: int | None = 
         return np.empty((0, 8), np.uint8)
     for a, b in zip(segs, segs[1:], strict=False):
         assert a.p1 == b.p0
-    return np.concatenate([s.data for s in segs])
+    return np.concatenate([s.rows() for s in segs])
 
 
 def insert(tree: RadixTree, tokens: list[int]) -> int:
@@ -95,7 +95,7 @@ def test_split_keeps_views_of_one_buffer() -> None:
     tree.insert([1, 2, 9], seg_for([1, 2, 9], p0=2))
     tree.check_invariants()
     for s in tree.segments(tree.match(a)):
-        assert np.shares_memory(s.data, seg.data)  # stored and split without copies
+        assert s.owner is seg.owner  # stored and split without copies
 
 
 def test_overlapping_segment_stores_only_the_missing_part() -> None:
@@ -108,10 +108,10 @@ def test_overlapping_segment_stores_only_the_missing_part() -> None:
     assert tree.stats().unique_tokens == 10
     segs = tree.segments(tree.match(a))
     # The [4,10) view would keep all ten rows alive: the tree copies it instead.
-    assert not np.shares_memory(segs[-1].data, full.data)
+    assert segs[-1].owner is not full.owner
     exact = seg_for(a + [77], p0=10)
     tree.insert(a + [77], exact)
-    assert np.shares_memory(tree.segments(tree.match(a + [77]))[-1].data, exact.data)
+    assert tree.segments(tree.match(a + [77]))[-1].owner is exact.owner
 
 
 def test_insert_rejects_gaps_and_bad_segments() -> None:
@@ -124,7 +124,7 @@ def test_insert_rejects_gaps_and_bad_segments() -> None:
         tree.insert(a + [5], seg_for(a, p0=2))
     other = KvLayout(1, (1,), (8,), (1,), False, (8,), (0,), (0,))
     with pytest.raises(PayloadError):
-        tree.insert(a, KvSegment(0, other, np.zeros((4, 16), np.uint8)))
+        tree.insert(a, KvSegment.from_rows(0, other, np.zeros((4, 16), np.uint8)))
     tree.check_invariants()
 
 
@@ -182,8 +182,8 @@ def test_evicting_lower_half_of_split_edge_frees_its_buffer() -> None:
     m = tree.match(a)
     assert m.length == 10
     upper = tree.segments(m)[0]
-    assert not np.shares_memory(upper.data, seg.data)  # copied: the 20-row buffer can go
-    assert np.array_equal(upper.data, kv_rows(a)[:10])
+    assert upper.owner is not seg.owner  # copied: the 20-row buffer can go
+    assert np.array_equal(upper.rows(), kv_rows(a)[:10])
 
 
 def test_pins_block_eviction() -> None:
@@ -294,10 +294,10 @@ def test_match_8k_prompt_through_many_branches() -> None:
     base = rng.integers(0, 50_000, 8192).astype(np.int32)
     tree = RadixTree(BIG)
     zero = np.zeros((8192, 8), np.uint8)
-    tree.insert(base, KvSegment(0, LAYOUT, zero))
+    tree.insert(base, KvSegment.from_rows(0, LAYOUT, zero))
     for i in range(40):  # 40 branches along the prompt: 80 nodes on the way down
         q = np.concatenate([base[: 100 + i * 200], [60_000 + i]]).astype(np.int32)
-        tree.insert(q, KvSegment(len(q) - 1, LAYOUT, zero[:1]))
+        tree.insert(q, KvSegment.from_rows(len(q) - 1, LAYOUT, zero[:1]))
     tree.check_invariants()
     match = tree.match(base.tolist())
     assert match.length == 8192
@@ -438,13 +438,15 @@ def test_each_namespace_keeps_its_own_layout() -> None:
     a = list(range(10))
     tree.insert(a, seg_for(a), ns="m:a")
     rows16 = np.repeat(kv_rows(a), 2, axis=1)
-    tree.insert(a, KvSegment(0, other, rows16), ns="m:b")
+    tree.insert(a, KvSegment.from_rows(0, other, rows16), ns="m:b")
     assert tree.match(a, ns="m:a").length == 10 and tree.match(a, ns="m:b").length == 10
     (got,) = tree.segments(tree.match(a, ns="m:b"), 0, 10)
-    assert got.layout == other and np.array_equal(got.data, rows16)
+    assert got.layout == other and np.array_equal(got.rows(), rows16)
     with pytest.raises(PayloadError):
-        tree.insert(a + [99], KvSegment(0, other, np.repeat(kv_rows(a + [99]), 2, axis=1)), ns="m:a")
+        tree.insert(
+            a + [99], KvSegment.from_rows(0, other, np.repeat(kv_rows(a + [99]), 2, axis=1)), ns="m:a"
+        )
     tree.check_invariants()
     strict = RadixTree(1 << 20, LAYOUT)  # a layout given: every namespace must use it
     with pytest.raises(PayloadError):
-        strict.insert(a, KvSegment(0, other, rows16), ns="m:b")
+        strict.insert(a, KvSegment.from_rows(0, other, rows16), ns="m:b")
