@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint unit integration native model venv clean-cache help browser
+.PHONY: run test lint unit integration native model venv clean-cache help browser nginx
 
 help:
 	@echo "make run    build what is missing (patched llama-server, default model) and serve the proxy"
@@ -35,6 +35,14 @@ browser:
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; } || \
 	echo "skip: chromium not installed (the workbench page test will skip)"
 
+# The multi-proxy test runs nginx in front of two proxies (deploy/nginx): installed here when
+# missing (as root, with apt-get); elsewhere those tests say they skipped and why.
+nginx:
+	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || \
+	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light; } || \
+	echo "skip: nginx not installed (the multi-proxy tests will skip)"
+
 run: $(STAMP)
 	$(BIN)/radixctl up
 
@@ -46,10 +54,10 @@ lint: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest -m unit -q
 
-integration: native model browser
+integration: native model browser nginx
 	$(BIN)/python -m pytest -m integration
 
-test: lint native model browser
+test: lint native model browser nginx
 	$(BIN)/python -m pytest
 
 clean-cache:
@@ -69,5 +77,5 @@ portability:
 # llama.cpp compile is not cached yet. Prints a "skip:" line and succeeds where no container
 # engine is reachable.
 .PHONY: deploy-test
-deploy-test:
+deploy-test: $(STAMP)
 	deploy/test/run.sh
