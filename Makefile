@@ -73,7 +73,7 @@ portability:
 
 # Not part of `make test`: the docker compose stack (deploy/) built from a local Debian base
 # and run with host networking: health, chat through the proxy with cache reuse, Prometheus
-# and every dashboard query, a clean stop (docs/deploy.md). About 10 min on 2 cores when the
+# and every dashboard query, the workbench container's scenarios, a clean stop (docs/deploy.md). About 10 min on 2 cores when the
 # llama.cpp compile is not cached yet. Prints a "skip:" line and succeeds where no container
 # engine is reachable.
 .PHONY: deploy-test

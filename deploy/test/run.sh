@@ -4,11 +4,14 @@
 # Builds the CPU images (llama-server, proxy, Prometheus) from a local Debian 12 base made
 # with debootstrap (deploy/portability/base-image.sh), starts deploy/docker-compose.yml with
 # host networking (compose.hostnet.yml: all traffic on loopback, free ports) and the `multi`
-# profile (two llama-servers behind one proxy), waits for every health check, then
-# deploy/test/check_stack.py: chat through the proxy with cache reuse (X-Radix-Route), a host
-# restore through the shared payload volume, Prometheus scraping the proxy and every query of
-# the Grafana dashboard returning series. Then stops the stack and checks every container
-# exited cleanly, nothing is left (containers, volumes) and no payload file stayed behind.
+# profile (two llama-servers behind one proxy) and the `workbench` profile, waits for every
+# health check, then deploy/test/check_stack.py: chat through the proxy with cache reuse
+# (X-Radix-Route), a host restore through the shared payload volume, Prometheus scraping the
+# proxy and every query of the Grafana dashboard returning series; then `radixctl workbench
+# verify` against the workbench container (every scenario run once through its HTTP API, with
+# a tool call and a follow-up that reuses cached tokens). Then stops the stack and checks every
+# container exited cleanly, nothing is left (containers, volumes) and no payload file stayed
+# behind.
 # Grafana itself is not started: its image comes from Docker Hub only.
 #
 #   ENGINE=docker            the container engine CLI (a BuildKit-capable one is picked)
@@ -96,14 +99,17 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
     build llama-radix-proxy/llama-server:cpu "$DEPLOY/Dockerfile" --target server \
         --build-arg BASE="$BASE" --build-arg RUNTIME_BASE="$BASE" --build-arg BACKEND=cpu
     build llama-radix-proxy/proxy:latest "$DEPLOY/Dockerfile" --target proxy --build-arg PROXY_BASE="$BASE"
+    build llama-radix-proxy/workbench:latest "$DEPLOY/Dockerfile" --target proxy --build-arg PROXY_BASE="$BASE" \
+        --build-arg PIP_EXTRAS=workbench
     build llama-radix-proxy/prometheus:latest "$DEPLOY/docker/prometheus.Dockerfile" --build-arg BASE="$BASE"
 fi
-for image in llama-radix-proxy/llama-server:cpu llama-radix-proxy/proxy:latest; do
+for image in llama-radix-proxy/llama-server:cpu llama-radix-proxy/proxy:latest llama-radix-proxy/workbench:latest; do
     user=$("$ENGINE" image inspect -f '{{.Config.User}}' "$image")
     [ -n "$user" ] && [ "${user%%:*}" != 0 ] && [ "${user%%:*}" != root ] \
         || { log "FAIL: $image runs as root"; exit 1; }
 done
-for image in llama-radix-proxy/llama-server:cpu llama-radix-proxy/proxy:latest llama-radix-proxy/prometheus:latest; do
+for image in llama-radix-proxy/llama-server:cpu llama-radix-proxy/proxy:latest llama-radix-proxy/workbench:latest \
+        llama-radix-proxy/prometheus:latest; do
     if "$ENGINE" history --no-trunc "$image" | grep -qi -- 'BEGIN CERTIFICATE\|ca_bundle,src'; then
         log "FAIL: the CA bundle shows in $image's history"
         exit 1
@@ -118,9 +124,9 @@ log "images run as non-root; no build-time CA material in them"
 work=$(mktemp -d /var/tmp/radix-deploy-test.XXXXXX)
 payloads=$(mktemp -d /dev/shm/radix-deploy-test-kv.XXXXXX)
 project="radixdeploytest$$"
-read -r P_PROXY P_LLAMA P_LLAMA2 P_PROM < <("$PYTHON" - <<'EOF'
+read -r P_PROXY P_LLAMA P_LLAMA2 P_PROM P_WB < <("$PYTHON" - <<'EOF'
 import socket
-socks = [socket.socket() for _ in range(4)]
+socks = [socket.socket() for _ in range(5)]
 for s in socks:
     s.bind(("127.0.0.1", 0))
 print(*(s.getsockname()[1] for s in socks))
@@ -144,7 +150,7 @@ declare -A settings=(
     [COMPOSE_FILE]=docker-compose.yml:compose.hostnet.yml
     [RADIX_BASE_IMAGE]=$BASE [RADIX_RUNTIME_BASE_IMAGE]=$BASE [RADIX_PROXY_BASE_IMAGE]=$BASE
     [RADIX_LISTEN_ADDR]=127.0.0.1 [RADIX_BIND_ADDR]=127.0.0.1
-    [PROXY_PORT]=$P_PROXY [LLAMA_PORT]=$P_LLAMA [LLAMA_PORT_2]=$P_LLAMA2 [PROMETHEUS_PORT]=$P_PROM
+    [PROXY_PORT]=$P_PROXY [LLAMA_PORT]=$P_LLAMA [LLAMA_PORT_2]=$P_LLAMA2 [PROMETHEUS_PORT]=$P_PROM [WORKBENCH_PORT]=$P_WB
     [RADIX_BACKENDS]="http://127.0.0.1:$P_LLAMA http://127.0.0.1:$P_LLAMA2"
     [RADIX_PROXY_HOST]=127.0.0.1 [RADIX_PROMETHEUS_URL]=http://127.0.0.1:$P_PROM
     [RADIX_PARALLEL]=2 [RADIX_CTX_SIZE]=4096 [RADIX_THREADS]=1 [RADIX_CACHE_RAM]=512
@@ -176,10 +182,10 @@ stop=$(sed -n 's/^RADIX_STOP_GRACE_PERIOD=//p' "$DEPLOY/.env.example")
 } >"$work/.env"
 
 compose() {
-    $COMPOSE -p "$project" --env-file "$work/.env" --profile multi \
+    $COMPOSE -p "$project" --env-file "$work/.env" --profile multi --profile workbench \
         -f "$DEPLOY/docker-compose.yml" -f "$DEPLOY/compose.hostnet.yml" -f "$work/payload-bind.yml" "$@"
 }
-SERVICES=(llama-server llama-server-2 proxy prometheus)
+SERVICES=(llama-server llama-server-2 proxy prometheus workbench)
 cleanup() {
     local rc=$?
     if [ $rc -ne 0 ] && [ "${KEEP:-0}" = 1 ]; then
@@ -207,7 +213,7 @@ for variant in compose.cuda.yml compose.cann.yml; do
 done
 
 # ---- up, health ------------------------------------------------------------------------------------
-log "up: ${SERVICES[*]} (host network; proxy :$P_PROXY, servers :$P_LLAMA :$P_LLAMA2, Prometheus :$P_PROM)"
+log "up: ${SERVICES[*]} (host network; proxy :$P_PROXY, servers :$P_LLAMA :$P_LLAMA2, Prometheus :$P_PROM, workbench :$P_WB)"
 compose up -d --no-build "${SERVICES[@]}" >"$work/up.log" 2>&1 || { cat "$work/up.log" >&2; exit 1; }
 deadline=$(( $(date +%s) + 300 ))
 for service in "${SERVICES[@]}"; do
@@ -236,6 +242,11 @@ log "the kvctl key is in no argv and no container config"
     --servers 2 --slots 2
 compose logs --no-color proxy 2>&1 | grep -E 'payloads via /run/radix-kv' >&2 \
     || { log "FAIL: the proxy does not use the shared payload directory"; exit 1; }
+# The workbench container, driven through its HTTP API as its page does, against the proxy.
+"$ROOT/.venv/bin/radixctl" workbench verify --base-url "http://127.0.0.1:$P_PROXY/v1" \
+    --workbench-url "http://127.0.0.1:$P_WB" >&2 \
+    || { log "FAIL: radixctl workbench verify against the workbench container"; exit 1; }
+log "the workbench container ran every scenario through the proxy"
 
 # ---- stop: graceful, nothing left ---------------------------------------------------------------------
 ids=$(compose ps -q)
