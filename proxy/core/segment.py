@@ -139,6 +139,7 @@ class KvSegment:
         if len(self.parts) != 2 * lay.n_layer:
             raise PayloadError(f"segment has {len(self.parts)} parts, layout needs {2 * lay.n_layer}")
         n = self.parts[0].shape[0] if self.parts[0].ndim == 2 else -1
+        owner = _buffer_owner(self.parts[0])
         for i, part in enumerate(self.parts):
             want = _part_shape(lay, i, n)
             if part.dtype != np.uint8 or part.shape != want or (part.size and part.strides[1] != 1):
@@ -146,6 +147,9 @@ class KvSegment:
                     f"segment part {i} must be uint8 {want} with contiguous rows, "
                     f"got {part.dtype} {part.shape}"
                 )
+            # One buffer: the tree's memory accounting (owner, keeps_extra) reads parts[0] only.
+            if _buffer_owner(part) is not owner:
+                raise PayloadError(f"segment part {i} views another buffer than part 0")
 
     # ---- construction
 
@@ -175,6 +179,7 @@ class KvSegment:
                 f"rows must be uint8 (n, {layout.bytes_per_token}), got {rows.dtype} {rows.shape}"
             )
         seg = cls.empty(p0, layout, rows.shape[0])
+        rows = np.ascontiguousarray(rows)  # a V element view needs contiguous rows
         for i, part in enumerate(seg.parts):
             off, row = _row_span(layout, i)
             if _is_trans(layout, i):
@@ -232,6 +237,7 @@ class KvSegment:
         owner = self.owner
         if (
             isinstance(owner, np.ndarray)
+            and owner.dtype == np.uint8
             and owner.nbytes == self.nbytes
             and owner.ndim == 1
             and owner.flags.c_contiguous

@@ -259,10 +259,9 @@ class DiskTier:
         self.index.pin(entries)
         held = tree.reserve(self.layout.bytes_per_token * found.gain)
         try:
-            rows = await self._read(found, tokens)
-            if rows is None:
+            segment = await self._read(found, tokens, ram.length)
+            if segment is None:
                 return 0
-            segment = KvSegment.from_rows(ram.length, self.layout, rows)
             tree.release(held)  # the same step as the insert that counts them
             held = 0
             stored = tree.insert(tokens[: found.reach], segment, ns=ns)
@@ -276,9 +275,9 @@ class DiskTier:
         self._sync()
         return stored
 
-    async def _read(self, found: DiskMatch, tokens: np.ndarray) -> np.ndarray | None:
+    async def _read(self, found: DiskMatch, tokens: np.ndarray, p0: int) -> KvSegment | None:
         try:
-            return await self._io(_read_pieces, self.directory, self.key, found, tokens)
+            return await self._io(_read_segment, self.directory, self.key, found, tokens, self.layout, p0)
         except DiskEntryError as exc:
             self.metrics.dropped.labels(exc.cause).inc()
             log.warning("disk tier: entry dropped, the request is prefilled: %s", exc)
@@ -400,6 +399,13 @@ def _write_entry(directory: Path, key: bytes, spill: Spill) -> EntryHeader:
     return header
 
 
+def _read_segment(
+    directory: Path, key: bytes, found: DiskMatch, tokens: np.ndarray, layout: KvLayout, p0: int
+) -> KvSegment:
+    """The entries' KV in the tree's layout, in the I/O thread (the rows are copied into it)."""
+    return KvSegment.from_rows(p0, layout, _read_pieces(directory, key, found, tokens))
+
+
 def _read_pieces(directory: Path, key: bytes, found: DiskMatch, tokens: np.ndarray) -> np.ndarray:
     """The rows of positions [found.start, found.reach), every entry checked whole first:
     its header as indexed, its size, its key, its token ids (against the index and the
@@ -422,7 +428,7 @@ def _read_pieces(directory: Path, key: bytes, found: DiskMatch, tokens: np.ndarr
         except FileNotFoundError as exc:
             raise DiskEntryError(DropCause.TRUNCATED, f"{entry.name} is gone", entry.name) from exc
         parts.append(rows[piece.a - entry.start : piece.b - entry.start])
-    return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]  # the caller copies (from_rows)
 
 
 def _unlink_all(directory: Path, names: list[str]) -> None:

@@ -188,6 +188,11 @@ def test_segment_validates_data() -> None:
         KvSegment(0, lay, seg.parts[:-1])
     with pytest.raises(PayloadError, match="part 1"):
         KvSegment(0, lay, (seg.parts[0], seg.parts[1][:2], *seg.parts[2:]))
+    with pytest.raises(PayloadError, match="another buffer"):
+        KvSegment(0, lay, (seg.parts[0], seg.parts[1].copy(), *seg.parts[2:]))
+    trans = make_layout(True)
+    rows = np.asfortranarray(np.arange(3 * trans.bytes_per_token, dtype=np.uint8).reshape(3, -1))
+    assert np.array_equal(KvSegment.from_rows(0, trans, rows).rows(), rows)
 
 
 @pytest.mark.parametrize("v_trans", [False, True])
