@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
-from proxy.core.segment import KvLayout, KvSegment, check_run, el_dtype
+from proxy.core.segment import KvLayout, KvSegment, check_run, el_dtype, part_bytes, part_shape
 from proxy.errors import PayloadError
 
 __all__ = [
@@ -265,7 +265,7 @@ def _write(segments: Sequence[KvSegment], out: Buffer, seq_id: int) -> int:
     for i, head in enumerate(heads):
         off = _put(buf, off, head)
         blocks.append(off)
-        off += _block_bytes(layout, i, n)
+        off += n * part_bytes(layout, i)
     assert off == size, (off, size)
     whole = KvSegment(p0, layout, _carve_at(buf, layout, n, blocks))
     for seg in segments:
@@ -273,21 +273,12 @@ def _write(segments: Sequence[KvSegment], out: Buffer, seq_id: int) -> int:
     return size
 
 
-def _block_bytes(layout: KvLayout, i: int, n: int) -> int:
-    return n * (layout.k_row_bytes[i] if i < layout.n_layer else layout.v_row_bytes[i - layout.n_layer])
-
-
 def _carve_at(buf: np.ndarray, layout: KvLayout, n: int, offsets: list[int]) -> tuple[np.ndarray, ...]:
     """The parts of a segment of n positions as views of `buf`'s blocks at `offsets`."""
-    parts = []
-    for i, off in enumerate(offsets):
-        blk = buf[off : off + _block_bytes(layout, i, n)]
-        if layout.v_trans and i >= layout.n_layer:
-            il = i - layout.n_layer
-            parts.append(blk.reshape(layout.n_embd_v_gqa[il], n * layout.v_el_bytes[il]))
-        else:
-            parts.append(blk.reshape(n, _block_bytes(layout, i, 1)))
-    return tuple(parts)
+    return tuple(
+        buf[off : off + n * part_bytes(layout, i)].reshape(part_shape(layout, i, n))
+        for i, off in enumerate(offsets)
+    )
 
 
 def build_blob(segments: Sequence[KvSegment], seq_id: int = 0) -> bytes:

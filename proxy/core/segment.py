@@ -141,7 +141,7 @@ class KvSegment:
         n = self.parts[0].shape[0] if self.parts[0].ndim == 2 else -1
         owner = _buffer_owner(self.parts[0])
         for i, part in enumerate(self.parts):
-            want = _part_shape(lay, i, n)
+            want = part_shape(lay, i, n)
             if part.dtype != np.uint8 or part.shape != want or (part.size and part.strides[1] != 1):
                 raise PayloadError(
                     f"segment part {i} must be uint8 {want} with contiguous rows, "
@@ -183,7 +183,7 @@ class KvSegment:
         for i, part in enumerate(seg.parts):
             off, row = _row_span(layout, i)
             if _is_trans(layout, i):
-                dt = _el_dtype(layout.v_el_bytes[i - layout.n_layer])
+                dt = el_dtype(layout.v_el_bytes[i - layout.n_layer])
                 part.view(dt)[...] = rows[:, off : off + row].view(dt).T
             else:
                 part[...] = rows[:, off : off + row]
@@ -226,7 +226,7 @@ class KvSegment:
         for i, part in enumerate(self.parts):
             off, row = _row_span(lay, i)
             if _is_trans(lay, i):
-                dt = _el_dtype(lay.v_el_bytes[i - lay.n_layer])
+                dt = el_dtype(lay.v_el_bytes[i - lay.n_layer])
                 out[:, off : off + row].view(dt)[...] = part.view(dt).T
             else:
                 out[:, off : off + row] = part
@@ -317,9 +317,6 @@ def el_dtype(el: int) -> np.dtype:
     return np.dtype(f"<u{el}") if el in (1, 2, 4, 8) else np.dtype((np.void, el))
 
 
-_el_dtype = el_dtype
-
-
 def _is_trans(lay: KvLayout, i: int) -> bool:
     return lay.v_trans and i >= lay.n_layer
 
@@ -328,16 +325,17 @@ def _el(lay: KvLayout, i: int) -> int:
     return lay.v_el_bytes[i - lay.n_layer]
 
 
-def _part_bytes(lay: KvLayout, i: int) -> int:
-    """Bytes of part i per token."""
+def part_bytes(lay: KvLayout, i: int) -> int:
+    """Bytes of part i (K of layers 0.., then V of layers 0..) per token."""
     return lay.k_row_bytes[i] if i < lay.n_layer else lay.v_row_bytes[i - lay.n_layer]
 
 
-def _part_shape(lay: KvLayout, i: int, n: int) -> tuple[int, int]:
+def part_shape(lay: KvLayout, i: int, n: int) -> tuple[int, int]:
+    """Shape of part i of a segment of n positions (element-major for a transposed V)."""
     if _is_trans(lay, i):
         il = i - lay.n_layer
         return (lay.n_embd_v_gqa[il], n * lay.v_el_bytes[il])
-    return (n, _part_bytes(lay, i))
+    return (n, part_bytes(lay, i))
 
 
 def _row_span(lay: KvLayout, i: int) -> tuple[int, int]:
@@ -352,8 +350,8 @@ def _carve(lay: KvLayout, n: int, buf: np.ndarray) -> tuple[np.ndarray, ...]:
     """The parts of n positions as consecutive blocks of `buf` (n * bytes_per_token bytes)."""
     parts, off = [], 0
     for i in range(2 * lay.n_layer):
-        size = n * _part_bytes(lay, i)
-        parts.append(buf[off : off + size].reshape(_part_shape(lay, i, n)))
+        size = n * part_bytes(lay, i)
+        parts.append(buf[off : off + size].reshape(part_shape(lay, i, n)))
         off += size
     return tuple(parts)
 
