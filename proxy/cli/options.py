@@ -23,6 +23,20 @@ def _on_off(ctx: click.Context, param: click.Parameter, value: str) -> bool:
     return value == "on"
 
 
+def _on_off_option(flag: str, dest: str, default: str, envvar: str, help: str) -> Any:
+    """An ``on``/``off`` option (a bool in the config)."""
+    return click.option(
+        flag,
+        dest,
+        type=click.Choice(["on", "off"]),
+        default=default,
+        show_default=True,
+        envvar=envvar,
+        callback=_on_off,
+        help=help,
+    )
+
+
 # ---- the proxy (serve, up) -------------------------------------------------------------------
 
 host_option = click.option(
@@ -104,25 +118,19 @@ def take_kvctl_key_file(kw: dict[str, Any]) -> None:
     kw["kvctl_key"] = key
 
 
-kv_share_option = click.option(
+kv_share_option = _on_off_option(
     "--cache-kv-share",
     "kv_share",
-    type=click.Choice(["on", "off"]),
-    default="off",
-    show_default=True,
-    envvar="RADIX_CACHE_KV_SHARE",
-    callback=_on_off,
-    help="Resident KV sharing (route S): prefixes held once in the server's pool.",
+    "off",
+    "RADIX_CACHE_KV_SHARE",
+    "Resident KV sharing (route S): prefixes held once in the server's pool.",
 )
-idle_release_option = click.option(
+idle_release_option = _on_off_option(
     "--cache-idle-release",
     "idle_release",
-    type=click.Choice(["on", "off"]),
-    default="off",
-    show_default=True,
-    envvar="RADIX_CACHE_IDLE_RELEASE",
-    callback=_on_off,
-    help="Erase a slot's KV from the server once the host tree holds it (each next turn is a "
+    "off",
+    "RADIX_CACHE_IDLE_RELEASE",
+    "Erase a slot's KV from the server once the host tree holds it (each next turn is a "
     "host restore): a smaller KV pool makes every other request's compute cheaper.",
 )
 kv_share_min_tokens_option = click.option(
@@ -208,15 +216,12 @@ cache_isolation_option = click.option(
     "(X-Cache-Salt), api-key (Authorization: Bearer); none: one cache for all. Requests with different "
     "keys never reuse each other's KV.",
 )
-cache_info_option = click.option(
+cache_info_option = _on_off_option(
     "--cache-info",
     "cache_info",
-    type=click.Choice(["on", "off"]),
-    default="on",
-    show_default=True,
-    envvar="RADIX_CACHE_INFO",
-    callback=_on_off,
-    help="Tell clients how much of their prompt was cached (X-Radix-* headers, timings). Turn off when "
+    "on",
+    "RADIX_CACHE_INFO",
+    "Tell clients how much of their prompt was cached (X-Radix-* headers, timings). Turn off when "
     "clients do not trust each other: it is an exact oracle for other tenants' prompts.",
 )
 max_queue_option = click.option(
