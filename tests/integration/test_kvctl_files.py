@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 from pathlib import Path
 
 import aiohttp
@@ -65,6 +66,14 @@ def _prefill(server: ServerProcess, slot: int) -> list[int]:
 
 def _files(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
+
+
+def _inline_export(server: ServerProcess, slot: int, tokens: list[int]) -> tuple[dict[str, object], bytes]:
+    """The reply and payload of an inline export of ``[0, len(tokens))`` of ``slot``."""
+    body = {"slot": slot, "p0": 0, "p1": len(tokens), "expect_sha256": tokens_sha256(tokens)}
+    status, reply = _kv(server, "POST", "/kvctl/export", body)
+    assert status == 200 and isinstance(reply, dict), reply
+    return reply, base64.b64decode(reply["data"])
 
 
 def test_export_files_are_complete_or_absent(server: ServerProcess) -> None:
@@ -212,3 +221,88 @@ def test_export_in_place(server: ServerProcess) -> None:
 def test_mover_reuses_one_import_file_and_drops_unanswered_ones(server: ServerProcess) -> None:
     tokens = _prefill(server, 0)
     asyncio.run(_mover_moves(server, tokens))
+
+
+def _maps(server: ServerProcess, directory: Path) -> list[tuple[str, int]]:
+    """The server's mappings of files of ``directory``: (path, bytes) each (a path ending in
+    ``(deleted)`` is a removed file)."""
+    assert server.proc is not None
+    out = []
+    for line in Path(f"/proc/{server.proc.pid}/maps").read_text().splitlines():
+        if str(directory) in line:
+            fields = line.split(None, 5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            out.append((fields[5], end - start))
+    return out
+
+
+def _mapped(server: ServerProcess, directory: Path) -> list[str]:
+    return sorted({path for path, _ in _maps(server, directory)})
+
+
+def test_reused_files_stay_mapped_until_removed(server: ServerProcess) -> None:
+    """Patch 0008: the server keeps the mapping of a file it read or wrote in place between
+    calls (one mapping per inode, so a new file under an old name is read anew, and a file
+    rewritten in place is read as it is now), and lets it go at the next /kvctl request once
+    the file is removed, so a removed file's tmpfs pages are not held."""
+    directory = server.spec.kvctl_dir
+    assert directory is not None
+    tokens = _prefill(server, 0)
+    n, half = len(tokens), len(tokens) // 2
+    inline, payload = _inline_export(server, 0, tokens)
+    _, payload_half = _inline_export(server, 0, tokens[:half])
+
+    def import_from(name: str, p1: int, size: int) -> int:
+        status, res = _kv(
+            server,
+            "POST",
+            "/kvctl/import",
+            {
+                "slot": 1,
+                "p0": 0,
+                "p1": p1,
+                "tokens": tokens[:p1],
+                "compat": inline["compat"],
+                "segments": [{"file": name, "offset": 0, "size": size}],
+            },
+        )
+        assert status in (200, 400), res
+        return status
+
+    def held_by_slot1(p1: int) -> bytes:
+        return _inline_export(server, 1, tokens[:p1])[1]
+
+    target = directory / "in.kv"
+    target.write_bytes(payload)
+    assert import_from("in.kv", n, len(payload)) == 200
+    assert held_by_slot1(n) == payload
+    assert _mapped(server, directory) == [str(target)]  # kept after the call
+
+    # Rewritten in place (same inode): the kept mapping reads what the file holds now.
+    with open(target, "r+b") as f:
+        f.write(payload_half)
+    assert import_from("in.kv", half, len(payload_half)) == 200
+    assert held_by_slot1(half) == payload_half
+
+    # A new file under the same name: mapped anew, never the old inode's pages.
+    target.unlink()
+    target.write_bytes(payload)
+    assert import_from("in.kv", n, len(payload)) == 200
+    assert held_by_slot1(n) == payload
+    assert _mapped(server, directory) == [str(target)]  # the removed inode was dropped
+
+    # Shrunk in place: the range past the new end is refused, not read through the old mapping.
+    with open(target, "r+b") as f:
+        f.truncate(len(payload_half))
+        f.write(payload_half)
+    assert import_from("in.kv", n, len(payload)) == 400
+    assert import_from("in.kv", half, len(payload_half)) == 200
+    page = os.sysconf("SC_PAGE_SIZE")
+    # Mapped anew at the new size: the old, longer mapping (past the end of the file) is gone.
+    assert _maps(server, directory) == [(str(target), -(-len(payload_half) // page) * page)]
+
+    # Removed: the next /kvctl request lets the mapping go.
+    target.unlink()
+    status, _ = _kv(server, "GET", "/kvctl/caps")
+    assert status == 200
+    assert _mapped(server, directory) == []
