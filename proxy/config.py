@@ -74,8 +74,9 @@ class Config:
     # After a slot's answer is saved to the host tree, erase the slot's KV from the server's
     # pool (as stock llama-server's --cache-idle-slots does): a unified pool's used range is
     # what every ubatch attends over, so idle KV makes everyone else's compute dearer; the
-    # slot's next turn is then a host restore instead of its own prefix.
-    idle_release: bool = False
+    # slot's next turn is then a host restore instead of its own prefix. On by default: side
+    # by side it was faster on restore, agents and prefix-tiers (docs/results/2026-12-02-release).
+    idle_release: bool = True
     # Append every completion request, as received, to this manifest (radixctl bench replay).
     record_path: Path | None = None
     # The periodic cache summary log line (logged only when it changed).
@@ -108,6 +109,8 @@ class Config:
     backend_read_timeout_s: float = 600.0
     # On the first SIGTERM/SIGINT, in-flight requests get this long to finish.
     shutdown_grace_s: float = 30.0
+    # The event loop: "auto" (uvloop when installed), "uvloop" or "asyncio" (proxy/server/eventloop.py).
+    event_loop: str = "auto"
 
     @property
     def backend_specs(self) -> tuple[BackendSpec, ...]:

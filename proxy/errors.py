@@ -125,6 +125,7 @@ class FallbackCause(StrEnum):
     CONFLICT = "conflict"  # the server's slot no longer holds the tokens the move names (409)
     TIMEOUT = "timeout"  # a KV move or the save after an answer ran past its deadline
     NO_SPACE = "no_space"  # the payload did not fit in the shared-memory directory, nor inline
+    DOWN = "down"  # the server was taken out of routing (health checks) while a restore waited on it
 
 
 class KvMoveError(RadixError):

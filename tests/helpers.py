@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.config import Config
 from proxy.native.launch import ServerProcess, free_port
+from proxy.server import eventloop
 from proxy.server.app import RUNTIME, build_app, start_site
 from proxy.server.runtime import Runtime
 
@@ -117,7 +118,7 @@ class ProxyThread:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.loop = asyncio.new_event_loop()
+        self.loop = eventloop.new_event_loop(config.event_loop)
         self.runtime: Runtime | None = None
         self._runner: Any = None
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)

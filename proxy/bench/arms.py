@@ -92,7 +92,27 @@ ARMS: dict[str, ArmDef] = {
         "stock llama-server defaults: --cache-ram 8192, idle-slot saving, LCP slot selection",
     ),
     "proxy": ArmDef(
-        "proxy", "patched", (), "patched llama-server + proxy (host radix tree, routes A/H)", proxy=True
+        "proxy",
+        "patched",
+        (),
+        "patched llama-server + proxy at its defaults (host radix tree, idle slots released, routes A/H)",
+        proxy=True,
+    ),
+    "proxy-keep": ArmDef(
+        "proxy-keep",
+        "patched",
+        (),
+        "patched llama-server + proxy, idle slots keep their KV for their next turn (A/H)",
+        proxy=True,
+        proxy_args=("--cache-idle-release", "off"),
+    ),
+    "proxy-asyncio": ArmDef(
+        "proxy-asyncio",
+        "patched",
+        (),
+        "patched llama-server + proxy on asyncio's own event loop instead of uvloop (routes A/H)",
+        proxy=True,
+        proxy_args=("--event-loop", "asyncio"),
     ),
     "proxy-hs": ArmDef(
         "proxy-hs",
@@ -109,6 +129,14 @@ ARMS: dict[str, ArmDef] = {
         "patched llama-server + proxy, idle slots' KV released once the host tree holds it (A/H)",
         proxy=True,
         proxy_args=("--cache-idle-release", "on"),
+    ),
+    "proxy-hs-keep": ArmDef(
+        "proxy-hs-keep",
+        "patched",
+        (),
+        "patched llama-server + proxy with resident sharing, idle slots keep their KV (A/S/H)",
+        proxy=True,
+        proxy_args=("--cache-kv-share", "on", "--cache-idle-release", "off"),
     ),
     "proxy-hs-rel": ArmDef(
         "proxy-hs-rel",

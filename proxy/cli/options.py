@@ -128,10 +128,11 @@ kv_share_option = _on_off_option(
 idle_release_option = _on_off_option(
     "--cache-idle-release",
     "idle_release",
-    "off",
+    "on",
     "RADIX_CACHE_IDLE_RELEASE",
     "Erase a slot's KV from the server once the host tree holds it (each next turn is a "
-    "host restore): a smaller KV pool makes every other request's compute cheaper.",
+    "host restore): a smaller KV pool makes every other request's compute cheaper; off keeps "
+    "it for the slot's own next turn (route A).",
 )
 kv_share_min_tokens_option = click.option(
     "--cache-kv-share-min-tokens",
@@ -266,6 +267,14 @@ admin_show_text_option = click.option(
     envvar="RADIX_ADMIN_SHOW_TEXT",
     help="Show prompt text (previews, divergences) in the /radix admin API; token counts only otherwise.",
 )
+event_loop_option = click.option(
+    "--event-loop",
+    default="auto",
+    show_default=True,
+    envvar="RADIX_EVENT_LOOP",
+    type=click.Choice(["auto", "uvloop", "asyncio"]),
+    help="The proxy's event loop: auto is uvloop when installed (less time added per request), else asyncio's.",
+)
 log_level_option = click.option(
     "--log-level",
     default="info",
@@ -339,5 +348,6 @@ PROXY_OPTIONS = [
     backend_read_timeout_option,
     shutdown_grace_option,
     record_option,
+    event_loop_option,
     log_level_option,
 ]

@@ -23,6 +23,7 @@ from proxy.native.build import BuildSpec, build_server
 from proxy.native.fetch import cache_root, say
 from proxy.native.launch import ServerProcess, ServerSpec, check_port_free, free_port
 from proxy.native.model import resolve_model
+from proxy.server import eventloop
 from proxy.server.app import RUNTIME, build_app, start_site
 from proxy.server.runtime import Runtime
 
@@ -49,7 +50,8 @@ log = logging.getLogger("radix")
 def serve(backends: tuple[str, ...], **kw: Any) -> None:
     """Run the proxy in front of already running patched llama-servers."""
     take_kvctl_key_file(kw)
-    asyncio.run(serve_forever(_config(backends, **kw)))
+    config = _config(backends, **kw)
+    eventloop.run(serve_forever(config), config.event_loop)
 
 
 @click.command()
@@ -117,6 +119,7 @@ async def serve_forever(
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    log.info("event loop: %s", eventloop.loop_name(asyncio.get_running_loop()))
     app = build_app(config)
     runner = await start_site(app, config.host, config.port, shutdown_timeout=config.shutdown_grace_s)
     stop = asyncio.Event()
@@ -200,13 +203,14 @@ def up_forever(
         )
 
     try:
-        asyncio.run(
+        eventloop.run(
             serve_forever(
                 config,
                 on_ready=ready,
                 background=lambda: supervise(server),
                 on_force=lambda: server.stop(grace=0),
-            )
+            ),
+            config.event_loop,
         )
     except KeyboardInterrupt:
         pass

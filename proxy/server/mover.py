@@ -26,7 +26,7 @@ import logging
 import mmap
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +86,7 @@ class KvMover:
                 # Taken on the event loop, so concurrent exports never share a file.
                 file, self._idle_out = self._idle_out, None
                 try:
-                    file = await asyncio.to_thread(self._out_file, file, size)
+                    file = await _file_in_thread(self._out_file, file, size)
                 except OSError as exc:
                     file = None  # _out_file closed the idle file it was given: never pooled again
                     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -157,7 +157,7 @@ class KvMover:
                 # Taken on the event loop, so concurrent imports never share a file.
                 file, self._idle = self._idle, None
                 try:
-                    file = await asyncio.to_thread(self._write_file, file, segments, size)
+                    file = await _file_in_thread(self._write_file, file, segments, size)
                     body["segments"] = [{"file": file.name, "offset": 0, "size": size}]
                 except OSError as exc:
                     file = None  # _write_file closed the idle file it was given: never pooled again
@@ -194,11 +194,10 @@ class KvMover:
         return self.shm_dir / name
 
     def _out_file(self, file: _PayloadFile | None, size: int) -> _PayloadFile:
-        """The export file: ``file`` (the idle one) when it is big enough, else a new one."""
-        if file is not None and file.capacity >= size:
-            return file
+        """The export file: ``file`` (the idle one, grown if it is too small), else a new one."""
         if file is not None:
-            file.close()
+            file.grow(size)  # closes the file if it fails
+            return file
         return _PayloadFile.create(self._path(self._new_name()), size)  # removes itself if it fails
 
     def _read_mapped(self, file: _PayloadFile, size: int) -> KvSegment:
@@ -223,11 +222,11 @@ class KvMover:
     def _write_file(
         self, file: _PayloadFile | None, segments: Sequence[KvSegment], size: int
     ) -> _PayloadFile:
-        """The import payload written into ``file`` (the idle one) when it is big enough, else a new one."""
-        if file is None or file.capacity < size:
-            if file is not None:
-                file.close()
+        """The import payload written into ``file`` (the idle one, grown if it is too small), else a new one."""
+        if file is None:
             file = _PayloadFile.create(self._path(self._new_name()), size)
+        else:
+            file.grow(size)  # closes the file if it fails
         try:
             write_blob(segments, file.mm)
         except BaseException:
@@ -250,6 +249,23 @@ class KvMover:
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+async def _file_in_thread(fn: Callable[..., _PayloadFile], *args: Any) -> _PayloadFile:
+    """``fn(*args)`` in a worker thread. If this task is cancelled meanwhile (a client gone, a
+    server taken out of routing), the thread still finishes, and the file it made is removed
+    then instead of being left in the directory."""
+    future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        future.add_done_callback(_close_made_file)
+        raise
+
+
+def _close_made_file(future: asyncio.Future[_PayloadFile]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().close()
 
 
 class _PayloadFile:
@@ -280,6 +296,26 @@ class _PayloadFile:
         finally:
             os.close(fd)
         return cls(path, mm)
+
+    def grow(self, size: int) -> None:
+        """At least ``size`` bytes, the same file grown in place: the server keeps its mapping
+        of the file between moves (patch 0008), so a new file would hold the old one's pages on
+        the payload volume until the server's next /kvctl request. Closed if it fails."""
+        if self.capacity >= size:
+            return
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
+            try:
+                os.posix_fallocate(fd, 0, size)
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+            finally:
+                os.close(fd)
+        except BaseException:
+            self.close()
+            raise
+        old, self.mm = self.mm, mm
+        with contextlib.suppress(BufferError):
+            old.close()
 
     def close(self) -> None:
         _unlink(self.path)

@@ -17,7 +17,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from proxy.errors import BackendError, BadRequest, NotFound
 from proxy.server.backend import Backend
-from proxy.server.coordinator import Lease
+from proxy.server.coordinator import Lease, RestoreAbandoned
 from proxy.server.forward import HOP_HEADERS, NoRoom, NotStarted, Outcome, forward_completion, forward_headers
 from proxy.server.front import (
     cache_namespace,
@@ -144,7 +144,7 @@ async def _steered(
                 lease.server.name,
                 exc,
             )
-        except NotStarted as exc:
+        except (NotStarted, RestoreAbandoned) as exc:
             outcome.status = 502
             coord.server_down(lease.server, str(exc))
             if attempt == 2:

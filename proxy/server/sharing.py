@@ -119,5 +119,6 @@ class Sharing:
             await self.backend.kv_post("release", {"owner": owner_id}, cause=FallbackCause.RELEASE)
         except KvMoveError as exc:
             log.warning("resident: release of owner %d failed: %s", owner_id, exc)
-        self.index.remove(owner_id)
+        finally:  # cancelled too: the owner may be gone, so it is no longer offered
+            self.index.remove(owner_id)
         self.releases += 1

@@ -72,7 +72,8 @@ def trio(start_server: ServerFactory, patched_bin: Path, shared_dir: Path) -> li
 def proxy_over(
     *servers: ServerProcess, shm: Path, names: tuple[str, ...] = (), **over: Any
 ) -> Iterator[ProxyThread]:
-    config = proxy_config(*servers, **{**FAST, "shm_dir": shm, **over})
+    # Slots keep their KV after an answer: these tests compare what a slot holds with the tree.
+    config = proxy_config(*servers, **{**FAST, "shm_dir": shm, "idle_release": False, **over})
     if names:
         specs = tuple(f"{n}={s.url}" for n, s in zip(names, servers, strict=True))
         config = dataclasses.replace(config, backends=specs)

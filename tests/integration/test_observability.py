@@ -120,6 +120,9 @@ def live(backend: ServerProcess) -> Iterator[Live]:
         min_restore_tokens=32,
         cache_ram_mib=256,
         admin_key=ADMIN_KEY,
+        # The scripted sequence's routes are those of slots that keep their KV (route A);
+        # releasing them (the default) is observed in test_idle_release.py.
+        idle_release=False,
     )
     thread = ProxyThread(config).start()
     try:

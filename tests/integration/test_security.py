@@ -13,6 +13,7 @@ import hashlib
 import http.client
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +204,17 @@ def tenant_ask(proxy: ProxyThread, salt: str | None, question: str) -> Reply:
 
 
 def test_two_tenants_never_reuse_each_others_kv(proxy: ProxyThread) -> None:
+    # Slots keep their KV here (--cache-idle-release off): with the default an answered slot is
+    # emptied, and the erase of another tenant's slot before its reuse would never be reached.
+    config = proxy.call(lambda rt: rt.coordinator.moves.config)
+    proxy.call(lambda rt: setattr(rt.coordinator.moves, "config", replace(config, idle_release=False)))
+    try:
+        _two_tenants(proxy)
+    finally:
+        proxy.call(lambda rt: setattr(rt.coordinator.moves, "config", config))
+
+
+def _two_tenants(proxy: ProxyThread) -> None:
     first = tenant_ask(proxy, "tenant-a", "What is the code word?")
     n = int(first.headers["X-Radix-Prompt-Tokens"])
     again = tenant_ask(proxy, "tenant-a", "What is the budget?")

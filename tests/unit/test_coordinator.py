@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,7 @@ from proxy.core.planner import Route
 from proxy.core.radix import RadixTree
 from proxy.core.resident import common_prefix
 from proxy.errors import FallbackCause, KvMoveError, TooManyRequests, Unavailable
-from proxy.server.coordinator import Coordinator, Lease, ServerState, SlotState
+from proxy.server.coordinator import Coordinator, Lease, RestoreAbandoned, ServerState, SlotState
 from proxy.server.coordinator import scan as scan_module
 from proxy.server.metrics import Metrics
 
@@ -40,7 +41,8 @@ class FakeServer:
 
     def __init__(self, n_slots: int) -> None:
         self.url = "http://fake"
-        self.layout, self.shm_dir = LAYOUT, None  # as a mover: inline payloads
+        self.layout = LAYOUT
+        self.shm_dir: Path | None = None  # as a mover: inline payloads
         self.held: dict[int, list[int]] = {i: [] for i in range(n_slots)}
         self.fail_export = False
         self.fail_erase = False
@@ -101,7 +103,10 @@ def server(name: str, n_slots: int = 2, held: dict[int, list[int]] | None = None
 
 
 def coordinator(*servers: ServerState, **config: Any) -> Coordinator:
-    cfg = Config(backends=tuple(s.name for s in servers), **{"min_restore_tokens": 8, **config})
+    # Slots keep their KV after an answer here (what most tests plan around: route A); the
+    # default, idle release, has its own tests below.
+    base = {"min_restore_tokens": 8, "idle_release": False}
+    cfg = Config(backends=tuple(s.name for s in servers), **{**base, **config})
     metrics = Metrics(CollectorRegistry(), tuple(s.name for s in servers))
     return Coordinator(cfg, list(servers), RadixTree(1 << 24), metrics)
 
@@ -290,6 +295,68 @@ async def test_a_host_restore_imports_and_unpins() -> None:
     assert lease.host is None and coord.tree.stats().pinned_nodes == 0
     assert len(s0.slots[0].tokens) == 100
     coord.release(lease)
+    check(coord)
+
+
+async def test_by_default_an_answered_slot_is_saved_then_released() -> None:
+    s0 = server("s0", n_slots=1)
+    coord = coordinator(s0, idle_release=Config(backends=("x",)).idle_release)
+    lease = await coord.acquire("r", toks(0, 100))
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+    fake.shm_dir = Path("/dev/shm/payloads")  # payload files: a restore is cheap
+    fake.held[0] = toks(0, 110).tolist()
+    await coord.finish(lease)
+    assert coord.tree.match(toks(0, 110)).length == 110  # saved first
+    assert fake.erased == [0] and len(s0.slots[0].tokens) == 0 and s0.slots[0].ns == ""
+    assert coord.metrics.value("radix_idle_releases_total") == 1
+    again = await coord.acquire("r2", toks(0, 120))
+    assert again.route == Route.H and again.plan.host_to == 110  # its next turn: a host restore
+    coord.release(again)
+    check(coord)
+
+
+async def test_a_server_with_inline_payloads_keeps_its_idle_slots_kv() -> None:
+    s0 = server("s0", n_slots=1)  # the fake mover has no payload directory: inline
+    coord = coordinator(s0, idle_release=True)
+    lease = await coord.acquire("r", toks(0, 100))
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+    fake.held[0] = toks(0, 110).tolist()
+    await coord.finish(lease)
+    assert coord.tree.match(toks(0, 110)).length == 110
+    assert fake.erased == [] and len(s0.slots[0].tokens) == 110  # its next turn: route A
+    check(coord)
+
+
+async def test_a_restore_waiting_on_a_server_taken_out_of_routing_gives_up() -> None:
+    s0 = server("s0", n_slots=1)
+    coord = coordinator(s0)
+    prompt = toks(0, 100)
+    coord.tree.insert(prompt, KvSegment.from_rows(0, LAYOUT, rows(prompt.tolist())))
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+    hung = asyncio.Event()
+
+    async def hang(*args: Any, hold: Any = None, **kw: Any) -> None:
+        async with hold or contextlib.nullcontext():  # the server's part, under the move lock
+            hung.set()
+            await asyncio.sleep(3600)  # a stopped server: no answer before the move deadline
+
+    fake.import_ = hang  # type: ignore[method-assign]
+    lease = await coord.acquire("r", np.concatenate([prompt, toks(7000, 10)]))
+    assert lease.route == Route.H
+    restore = asyncio.create_task(coord.restore(lease, 16))
+    await hung.wait()
+    assert s0.move_lock.locked()
+    coord.server_down(s0, "health check timed out")
+    with pytest.raises(RestoreAbandoned):  # the request is planned again (routes.py)
+        await asyncio.wait_for(restore, 5)
+    assert not s0.move_lock.locked()  # the cancelled move let the lock go
+    assert (lease.route, lease.fallback, lease.no_cache) == (Route.PREFILL, FallbackCause.DOWN, True)
+    assert s0.slots[0].ns is None  # the server may still finish the import: erased before reuse
+    assert coord.metrics.value("radix_fallbacks_total", cause="down") == 1
+    assert coord.tree.stats().pinned_nodes == 0
+    coord.release(lease)
+    coord.server_up(s0, None)
+    assert not s0.went_down.is_set()  # a new event for the next time it goes
     check(coord)
 
 

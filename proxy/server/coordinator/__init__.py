@@ -23,7 +23,7 @@ from proxy.core.radix import RadixTree
 from proxy.errors import FallbackCause, RadixError
 from proxy.server.coordinator.decisions import Decision, DecisionLog, Divergence
 from proxy.server.coordinator.leases import Leases
-from proxy.server.coordinator.moves import KvMoves
+from proxy.server.coordinator.moves import KvMoves, RestoreAbandoned
 from proxy.server.coordinator.scan import scan as scan_prefixes
 from proxy.server.coordinator.state import EMPTY, Lease, ServerState, SlotState
 from proxy.server.disk import DiskTier
@@ -103,6 +103,7 @@ class Coordinator:
                 "%s (%s) is down, no new requests go there: %s", server.name, server.backend.url, reason
             )
         server.healthy, server.down_reason = False, reason
+        server.went_down.set()
         self.metrics.backend_up.labels(server.name).set(0)
 
     def server_up(self, server: ServerState, instance: str | None) -> None:
@@ -115,6 +116,7 @@ class Coordinator:
         server.instance = instance if instance is not None else server.instance
         if not server.healthy:
             log.warning("%s (%s) is serving again", server.name, server.backend.url)
+            server.went_down = asyncio.Event()
         server.healthy, server.down_reason = True, ""
         self.metrics.backend_up.labels(server.name).set(1)
         self.leases.grant_waiters()
@@ -151,4 +153,4 @@ class Coordinator:
         return self.log.record(lease, timings, ttft_s, status)
 
 
-__all__ = ["Coordinator", "Decision", "Divergence", "Lease", "ServerState", "SlotState"]
+__all__ = ["Coordinator", "Decision", "Divergence", "Lease", "RestoreAbandoned", "ServerState", "SlotState"]

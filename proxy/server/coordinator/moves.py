@@ -11,7 +11,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 import numpy as np
 
@@ -32,6 +33,11 @@ BUSY_POLLS = 100  # a cancelled request may still be winding down: poll its slot
 BUSY_POLL_S = 0.02
 
 
+class RestoreAbandoned(Exception):
+    """The server was taken out of routing while a restore waited on it: nothing was sent to
+    it for this request, which may be planned again."""
+
+
 class KvMoves:
     def __init__(self, config: Config, tree: RadixTree, metrics: Metrics) -> None:
         self.config = config
@@ -42,7 +48,11 @@ class KvMoves:
         """Do the plan's KV moves into the leased slot; on failure fall back to prefill."""
         started = time.monotonic()
         try:
-            await self._restore(lease, n_predict)
+            moves = lease.host is not None or lease.erase_first or lease.plan.route in (Route.S, Route.SH)
+            if moves:
+                await self._unless_down(lease, self._restore(lease, n_predict))
+            else:  # a plain request: only the books (room checks have deadlines of their own)
+                await self._restore(lease, n_predict)
             # Requests that arrived together (a wave) get a few turns of the loop to reach their
             # own restore before this one is sent (an I/O poll, then their handlers' first step).
             for _ in range(WAVE_YIELDS):
@@ -50,6 +60,34 @@ class KvMoves:
             await lease.server.move_lock.restores_done(RESTORES_FIRST_S)
         finally:
             lease.restore_s += time.monotonic() - started
+
+    async def _unless_down(self, lease: Lease, step: Coroutine[Any, Any, None]) -> None:
+        """Run a restore step unless the health checks take the server out of routing first: a
+        hung server would hold it until its move deadline (30 s and more). Then the step is
+        cancelled, what the slot holds is unknown (the server may still finish the move: the slot
+        is erased before anyone reuses it), and RestoreAbandoned sends the request back to be
+        planned again (another server, or a 503 once the queue deadline passes)."""
+        server = lease.server
+        task = asyncio.ensure_future(step)
+        down = asyncio.ensure_future(server.went_down.wait())
+        try:
+            await asyncio.wait((task, down), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            down.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.wait((task,))  # wound down; a cancel of this task still propagates
+        if not task.cancelled():
+            task.result()  # the step's own outcome (its errors included)
+            return
+        lease.slot.tokens, lease.slot.ns = EMPTY, None
+        # Never the server's own reuse now: an erase of another namespace's KV may not have run.
+        lease.no_cache, lease.fallback, lease.route = True, FallbackCause.DOWN, Route.PREFILL
+        self.metrics.fallbacks.labels(FallbackCause.DOWN).inc()
+        raise RestoreAbandoned(
+            f"{server.name} was taken out of routing during the restore into slot "
+            f"{lease.slot.slot_id} ({server.down_reason})"
+        )
 
     @contextlib.asynccontextmanager
     async def _locked(self, lease: Lease) -> AsyncIterator[None]:
@@ -196,6 +234,9 @@ class KvMoves:
             except KvMoveError as exc:
                 log.warning("erasing idle %s slot %d for room failed: %s", server.name, slot.slot_id, exc)
                 slot.tokens, slot.ns = EMPTY, None  # unknown: erased before anyone reuses it
+            except asyncio.CancelledError:
+                slot.tokens, slot.ns = EMPTY, None  # the erase may have run: unknown
+                raise
             finally:
                 slot.busy = False
             ok, free = await self._free_cells(lease, cells)
@@ -311,6 +352,10 @@ class KvMoves:
         slot, server = lease.slot, lease.server
         tokens = slot.tokens
         if not self.config.idle_release or len(tokens) == 0 or slot.ns != lease.ns or lease.fallback:
+            return
+        if server.mover.shm_dir is None:
+            # Inline payloads (no shared directory): a restore is a slower HTTP body, refused
+            # past the server's 64 MiB: the slot keeps its KV for its next turn.
             return
         if len(tokens) - self.tree.match(tokens, ns=lease.ns).length >= self._min_save():
             return  # the tree lacks part of it: keep it resident

@@ -134,6 +134,9 @@ class ServerState:
     n_cells: int = 0  # the KV pool's size (0: unknown)
     # Set (and replaced) when a reservation ends: requests waiting for room look again.
     room_freed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set when the health checks take the server out of routing, replaced when it is back: a
+    # restore waiting on a hung server gives up then, not at its move deadline.
+    went_down: asyncio.Event = field(default_factory=asyncio.Event)
 
     def reservation_ended(self, cells: int) -> None:
         self.reserved_cells -= cells
