@@ -327,6 +327,21 @@ async def test_a_server_with_inline_payloads_keeps_its_idle_slots_kv() -> None:
     check(coord)
 
 
+async def test_a_slot_shorter_than_a_host_restore_keeps_its_kv() -> None:
+    s0 = server("s0", n_slots=1)
+    coord = coordinator(s0, idle_release=True, min_restore_tokens=64)
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+    fake.shm_dir = Path("/dev/shm/payloads")
+    lease = await coord.acquire("r", toks(0, 40))
+    fake.held[0] = toks(0, 50).tolist()
+    await coord.finish(lease)
+    assert fake.erased == [] and len(s0.slots[0].tokens) == 50  # its next turn: route A
+    again = await coord.acquire("r2", toks(0, 60))
+    assert again.route == Route.A
+    coord.release(again)
+    check(coord)
+
+
 async def test_a_restore_waiting_on_a_server_taken_out_of_routing_gives_up() -> None:
     s0 = server("s0", n_slots=1)
     coord = coordinator(s0)

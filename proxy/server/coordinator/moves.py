@@ -353,6 +353,8 @@ class KvMoves:
         tokens = slot.tokens
         if not self.config.idle_release or len(tokens) == 0 or slot.ns != lease.ns or lease.fallback:
             return
+        if len(tokens) < self.config.min_restore_tokens:
+            return  # shorter than any host restore: erased, it would be computed again
         if server.mover.shm_dir is None:
             # Inline payloads (no shared directory): a restore is a slower HTTP body, refused
             # past the server's 64 MiB: the slot keeps its KV for its next turn.
