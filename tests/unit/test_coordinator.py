@@ -298,46 +298,31 @@ async def test_a_host_restore_imports_and_unpins() -> None:
     check(coord)
 
 
-async def test_by_default_an_answered_slot_is_saved_then_released() -> None:
+@pytest.mark.parametrize(
+    ("payload_dir", "held", "released"),
+    [
+        (True, 110, True),  # payload files: a restore is cheap, the slot is erased
+        (False, 110, False),  # inline payloads: restores are slow and capped, the slot keeps its KV
+        (True, 50, False),  # shorter than --min-restore-tokens: no host restore would bring it back
+    ],
+)
+async def test_by_default_an_answered_slot_is_saved_then_released(
+    payload_dir: bool, held: int, released: bool
+) -> None:
     s0 = server("s0", n_slots=1)
-    coord = coordinator(s0, idle_release=Config(backends=("x",)).idle_release)
-    lease = await coord.acquire("r", toks(0, 100))
+    coord = coordinator(s0, idle_release=Config(backends=("x",)).idle_release, min_restore_tokens=64)
     fake: FakeServer = s0.backend  # type: ignore[assignment]
-    fake.shm_dir = Path("/dev/shm/payloads")  # payload files: a restore is cheap
-    fake.held[0] = toks(0, 110).tolist()
+    fake.shm_dir = Path("/dev/shm/payloads") if payload_dir else None
+    lease = await coord.acquire("r", toks(0, held - 10))
+    fake.held[0] = toks(0, held).tolist()
     await coord.finish(lease)
-    assert coord.tree.match(toks(0, 110)).length == 110  # saved first
-    assert fake.erased == [0] and len(s0.slots[0].tokens) == 0 and s0.slots[0].ns == ""
-    assert coord.metrics.value("radix_idle_releases_total") == 1
-    again = await coord.acquire("r2", toks(0, 120))
-    assert again.route == Route.H and again.plan.host_to == 110  # its next turn: a host restore
-    coord.release(again)
-    check(coord)
-
-
-async def test_a_server_with_inline_payloads_keeps_its_idle_slots_kv() -> None:
-    s0 = server("s0", n_slots=1)  # the fake mover has no payload directory: inline
-    coord = coordinator(s0, idle_release=True)
-    lease = await coord.acquire("r", toks(0, 100))
-    fake: FakeServer = s0.backend  # type: ignore[assignment]
-    fake.held[0] = toks(0, 110).tolist()
-    await coord.finish(lease)
-    assert coord.tree.match(toks(0, 110)).length == 110
-    assert fake.erased == [] and len(s0.slots[0].tokens) == 110  # its next turn: route A
-    check(coord)
-
-
-async def test_a_slot_shorter_than_a_host_restore_keeps_its_kv() -> None:
-    s0 = server("s0", n_slots=1)
-    coord = coordinator(s0, idle_release=True, min_restore_tokens=64)
-    fake: FakeServer = s0.backend  # type: ignore[assignment]
-    fake.shm_dir = Path("/dev/shm/payloads")
-    lease = await coord.acquire("r", toks(0, 40))
-    fake.held[0] = toks(0, 50).tolist()
-    await coord.finish(lease)
-    assert fake.erased == [] and len(s0.slots[0].tokens) == 50  # its next turn: route A
-    again = await coord.acquire("r2", toks(0, 60))
-    assert again.route == Route.A
+    assert coord.tree.match(toks(0, held)).length == held  # saved first, released or not
+    assert fake.erased == ([0] if released else [])
+    assert len(s0.slots[0].tokens) == (0 if released else held) and s0.slots[0].ns == ""
+    assert coord.metrics.value("radix_idle_releases_total") == int(released)
+    again = await coord.acquire("r2", toks(0, held + 10))
+    # Its next turn: a host restore when released, else the slot's own prefix.
+    assert again.route == (Route.H if released else Route.A)
     coord.release(again)
     check(coord)
 
