@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
@@ -159,6 +160,19 @@ class ProxyThread:
             self.run(self._runner.cleanup())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
+
+
+@contextlib.contextmanager
+def slots_keep_kv(proxy: ProxyThread) -> Iterator[None]:
+    """Within the block, answered slots keep their KV (``--cache-idle-release off``) on a running
+    proxy: for a test that reads a slot's KV after its answer, or needs a slot to keep it."""
+    config = proxy.call(lambda rt: rt.coordinator.moves.config)
+    proxy.call(lambda rt: setattr(rt.coordinator.moves, "config", replace(config, idle_release=False)))
+    try:
+        yield
+        proxy.settle()  # the saves after the block's answers ran with the release held back
+    finally:
+        proxy.call(lambda rt: setattr(rt.coordinator.moves, "config", config))
 
 
 def proxy_config(*servers: ServerProcess, **over: Any) -> Config:

@@ -14,6 +14,8 @@ from typing import Any
 
 import click
 
+from proxy.server.eventloop import EVENT_LOOPS
+
 #: Backends ``radixctl build`` can compile llama-server for.
 BUILD_BACKENDS = ["cpu", "cuda", "cann", "metal", "vulkan"]
 
@@ -272,7 +274,7 @@ event_loop_option = click.option(
     default="auto",
     show_default=True,
     envvar="RADIX_EVENT_LOOP",
-    type=click.Choice(["auto", "uvloop", "asyncio"]),
+    type=click.Choice(EVENT_LOOPS),
     help="The proxy's event loop: auto is uvloop when installed (less time added per request), else asyncio's.",
 )
 log_level_option = click.option(

@@ -287,9 +287,7 @@ class _PayloadFile:
     def create(cls, path: Path, size: int) -> _PayloadFile:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            # Reserve the pages now: a sparse file on a full tmpfs would SIGBUS the mmap writes.
-            os.posix_fallocate(fd, 0, size)
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+            mm = _map_allocated(fd, size)
         except BaseException:
             _unlink(path)
             raise
@@ -306,8 +304,7 @@ class _PayloadFile:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
             try:
-                os.posix_fallocate(fd, 0, size)
-                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+                mm = _map_allocated(fd, size)
             finally:
                 os.close(fd)
         except BaseException:
@@ -321,6 +318,13 @@ class _PayloadFile:
         _unlink(self.path)
         with contextlib.suppress(BufferError):  # a view still alive: the mapping goes with it
             self.mm.close()
+
+
+def _map_allocated(fd: int, size: int) -> mmap.mmap:
+    """The first ``size`` bytes of the file, pages reserved first (a sparse file on a full
+    tmpfs would SIGBUS the writes through the mapping) and mapped in one call."""
+    os.posix_fallocate(fd, 0, size)
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
 
 
 def _unlink(path: Path) -> None:

@@ -10,7 +10,6 @@ import http.client
 import json
 import random
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ from tests.helpers import (
     get,
     post,
     proxy_config,
+    slots_keep_kv,
 )
 
 WORDS = [
@@ -142,13 +142,8 @@ def test_restored_kv_is_byte_identical_to_saved(proxy: ProxyThread) -> None:
         ask(proxy, convo(document(seed), "Name one word."), n=4)
     # The restore below runs as always; only the release after it is held back, so the slot
     # still holds what was imported when it is compared with the tree.
-    config = proxy.call(lambda rt: rt.coordinator.moves.config)
-    proxy.call(lambda rt: setattr(rt.coordinator.moves, "config", replace(config, idle_release=False)))
-    try:
+    with slots_keep_kv(proxy):
         got = ask(proxy, convo(doc, "Name two words."), n=4)
-        proxy.settle()  # the save after the answer ran with the release held back
-    finally:
-        proxy.call(lambda rt: setattr(rt.coordinator.moves, "config", config))
     assert got.headers["X-Radix-Route"] in ("H", "A+H")
     slot, cached = int(got.headers["X-Radix-Slot"]), int(got.headers["X-Radix-Cached-Tokens"])
 

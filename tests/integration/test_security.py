@@ -13,7 +13,6 @@ import hashlib
 import http.client
 import json
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from tests.helpers import (
     post,
     proxy_config,
     request,
+    slots_keep_kv,
 )
 
 pytestmark = pytest.mark.integration
@@ -206,12 +206,8 @@ def tenant_ask(proxy: ProxyThread, salt: str | None, question: str) -> Reply:
 def test_two_tenants_never_reuse_each_others_kv(proxy: ProxyThread) -> None:
     # Slots keep their KV here (--cache-idle-release off): with the default an answered slot is
     # emptied, and the erase of another tenant's slot before its reuse would never be reached.
-    config = proxy.call(lambda rt: rt.coordinator.moves.config)
-    proxy.call(lambda rt: setattr(rt.coordinator.moves, "config", replace(config, idle_release=False)))
-    try:
+    with slots_keep_kv(proxy):
         _two_tenants(proxy)
-    finally:
-        proxy.call(lambda rt: setattr(rt.coordinator.moves, "config", config))
 
 
 def _two_tenants(proxy: ProxyThread) -> None:
