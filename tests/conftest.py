@@ -75,7 +75,8 @@ def start_server(model_path: Path, work_dir: Path, shm_root: Path) -> Iterator[S
             kw["kvctl_dir"] = shm_root / f"kv-{port}"
         if kw.get("kvctl", True) and not kw.get("insecure"):
             kw.setdefault("kvctl_key", secrets.token_hex(16))
-        spec = ServerSpec(binary=binary, model=model_path, port=port, **kw)
+        model = kw.pop("model", model_path)  # another architecture: tests/tinymodels.py
+        spec = ServerSpec(binary=binary, model=model, port=port, **kw)
         server = ServerProcess(spec, work_dir / f"server-{port}.log")
         started.append(server)
         return server.start(timeout=180)

@@ -41,8 +41,23 @@ MAGIC = 0xAF143CD8
 
 # u32 magic, i32 seq_id, u32 n_stream, u32 cell_count (one stream: unified KV).
 _HEAD = struct.Struct("<IiII")
-# Per cell: i32 pos, u32 n_seq_id (always 1 for a one-sequence export), i32 seq_id.
-_CELL = np.dtype([("pos", "<i4"), ("n_seq", "<u4"), ("seq", "<i4")])
+# Per cell: i32 pos, u32 n_seq_id (always 1 for a one-sequence export), the model's extra cell
+# metadata (`llama_kv_cell_ext`, `KvLayout.cell_ext_bytes`: M-RoPE positions and token id), i32 seq_id.
+
+
+def _cell_dtype(ext: int) -> np.dtype:
+    fields: list[tuple[str, Any]] = [("pos", "<i4"), ("n_seq", "<u4")]
+    if ext:
+        fields.append(("ext", f"V{ext}"))
+    return np.dtype([*fields, ("seq", "<i4")])
+
+
+def _cell_ext_view(cells: np.ndarray, ext: int) -> np.ndarray:
+    """The cells' extra metadata as an (n, ext) uint8 view of the cell table (rows strided)."""
+    raw = cells.view(np.uint8).reshape(len(cells), cells.dtype.itemsize)
+    return raw[:, 8 : 8 + ext]
+
+
 _DATA_HEAD = struct.Struct("<II")  # u32 v_trans, u32 n_layer
 _ROW_HEAD = struct.Struct("<iQ")  # i32 type, u64 row bytes (K, and V when not transposed)
 _TRANS_HEAD = struct.Struct("<iII")  # i32 v_type, u32 v_el_bytes, u32 n_embd_v_gqa
@@ -83,15 +98,18 @@ class _Reader:
             )
 
 
-def parse_blob(buf: Buffer, expect: KvLayout | None = None) -> KvSegment:
+def parse_blob(buf: Buffer, expect: KvLayout | None = None, cell_ext_bytes: int | None = None) -> KvSegment:
     """Validate a payload and return its KV as one segment in position order.
 
     The cells must cover exactly [p0, p0+n) once each (any pool order). With `expect`,
-    the blob's layout must equal it. Any violation raises PayloadError. The result owns
-    its memory: `buf` (e.g. an mmap) may be closed right after.
+    the blob's layout must equal it. The size of the cells' extra metadata cannot be read from
+    the blob itself: it is `expect`'s, else `cell_ext_bytes` (default 0). Any violation raises
+    PayloadError. The result owns its memory: `buf` (e.g. an mmap) may be closed right after.
     """
+    if cell_ext_bytes is None:
+        cell_ext_bytes = expect.cell_ext_bytes if expect is not None else 0
     try:
-        return _parse(buf, expect)
+        return _parse(buf, expect, cell_ext_bytes)
     except PayloadError as e:
         err = PayloadError(e.message)
     # Raised outside the except block so no traceback frame keeps a numpy view of `buf`:
@@ -99,7 +117,7 @@ def parse_blob(buf: Buffer, expect: KvLayout | None = None) -> KvSegment:
     raise err
 
 
-def _parse(buf: Buffer, expect: KvLayout | None) -> KvSegment:
+def _parse(buf: Buffer, expect: KvLayout | None, ext: int) -> KvSegment:
     raw = np.frombuffer(buf, dtype=np.uint8)
     rd = _Reader(raw)
     magic, _seq_id, n_stream, n = rd.unpack(_HEAD, "header")
@@ -110,8 +128,10 @@ def _parse(buf: Buffer, expect: KvLayout | None) -> KvSegment:
     if n == 0:
         raise PayloadError("payload holds no cells")
     # Sanity before allocating anything from n: the cell table and data header must fit.
-    rd.need(n * _CELL.itemsize + _DATA_HEAD.size, f"{n} cells")
-    order, p0 = _parse_cells(rd.take(n * _CELL.itemsize, "cells").view(_CELL))
+    cell = _cell_dtype(ext)
+    rd.need(n * cell.itemsize + _DATA_HEAD.size, f"{n} cells")
+    cells = rd.take(n * cell.itemsize, "cells").view(cell)
+    order, p0 = _parse_cells(cells)
     v_trans, n_layer = rd.unpack(_DATA_HEAD, "data header")
     if v_trans not in (0, 1):
         raise PayloadError(f"v_trans {v_trans}, expected 0 or 1")
@@ -124,10 +144,11 @@ def _parse(buf: Buffer, expect: KvLayout | None) -> KvSegment:
         v_parts = [_read_rows(rd, n, f"V layer {il}") for il in range(n_layer)]
     if rd.off != len(raw):
         raise PayloadError(f"{len(raw) - rd.off} trailing bytes after the last layer")
-    layout = _layout_of(n_layer, bool(v_trans), k_parts, v_parts)
+    layout = _layout_of(n_layer, bool(v_trans), k_parts, v_parts, ext)
     if expect is not None and layout != expect:
         raise PayloadError(f"payload layout differs from the expected one: {_diff(layout, expect)}")
-    return _gather(layout, p0, n, order, k_parts + v_parts)
+    ext_parts: list[_Part] = [(0, ext, 0, 0, _cell_ext_view(cells, ext))] if ext else []
+    return _gather(layout, p0, n, order, k_parts + v_parts + ext_parts)
 
 
 def _parse_cells(cells: np.ndarray) -> tuple[np.ndarray | None, int]:
@@ -176,7 +197,7 @@ def _check_type(typ: int, what: str) -> None:
         raise PayloadError(f"{what}: ggml type {typ} out of range")
 
 
-def _layout_of(n_layer: int, v_trans: bool, k: list[_Part], v: list[_Part]) -> KvLayout:
+def _layout_of(n_layer: int, v_trans: bool, k: list[_Part], v: list[_Part], ext: int) -> KvLayout:
     return KvLayout(
         n_layer=n_layer,
         k_types=tuple(p[0] for p in k),
@@ -186,6 +207,7 @@ def _layout_of(n_layer: int, v_trans: bool, k: list[_Part], v: list[_Part]) -> K
         v_row_bytes=tuple(p[1] for p in v),
         v_el_bytes=tuple(p[2] for p in v),
         n_embd_v_gqa=tuple(p[3] for p in v),
+        cell_ext_bytes=ext,
     )
 
 
@@ -206,7 +228,7 @@ def _gather(layout: KvLayout, p0: int, n: int, order: np.ndarray | None, blocks:
     seg = KvSegment.empty(p0, layout, n)
     for dst, (_, row, el, embd, blk) in zip(seg.parts, blocks, strict=True):
         if order is None:
-            dst[...] = blk.reshape(dst.shape)
+            dst[...] = blk.reshape(dst.shape)  # the cell metadata's view is already (n, ext)
         elif el == 0:
             _rows(dst, row)[...] = _rows(blk.reshape(n, row), row)[order]
         else:  # element-major (embd, n): reorder the columns, one item per element
@@ -223,7 +245,14 @@ def blob_size(layout: KvLayout, n: int) -> int:
     per_layer_heads = layout.n_layer * (
         _ROW_HEAD.size + (_TRANS_HEAD.size if layout.v_trans else _ROW_HEAD.size)
     )
-    return _HEAD.size + n * _CELL.itemsize + _DATA_HEAD.size + per_layer_heads + n * layout.bytes_per_token
+    # The cells' extra metadata is in bytes_per_token (the segment holds it) and in the cell table.
+    return (
+        _HEAD.size
+        + n * _cell_dtype(0).itemsize
+        + _DATA_HEAD.size
+        + per_layer_heads
+        + n * layout.bytes_per_token
+    )
 
 
 def write_blob(segments: Sequence[KvSegment], out: Buffer, seq_id: int = 0) -> int:
@@ -249,11 +278,12 @@ def _write(segments: Sequence[KvSegment], out: Buffer, seq_id: int) -> int:
     if not buf.flags.writeable:
         raise PayloadError("output buffer is read-only")
     off = _put(buf, 0, _HEAD.pack(MAGIC, seq_id, 1, n))
-    cells = buf[off : off + n * _CELL.itemsize].view(_CELL)
+    cell = _cell_dtype(layout.cell_ext_bytes)
+    cells = buf[off : off + n * cell.itemsize].view(cell)
     cells["pos"] = np.arange(p0, p0 + n)
     cells["n_seq"] = 1
     cells["seq"] = seq_id
-    off = _put(buf, off + n * _CELL.itemsize, _DATA_HEAD.pack(int(layout.v_trans), layout.n_layer))
+    off = _put(buf, off + n * cell.itemsize, _DATA_HEAD.pack(int(layout.v_trans), layout.n_layer))
     # The blob's data section is the segment's parts end to end, each behind its header.
     heads = [_ROW_HEAD.pack(layout.k_types[il], layout.k_row_bytes[il]) for il in range(layout.n_layer)]
     for il in range(layout.n_layer):
@@ -267,7 +297,10 @@ def _write(segments: Sequence[KvSegment], out: Buffer, seq_id: int) -> int:
         blocks.append(off)
         off += n * part_bytes(layout, i)
     assert off == size, (off, size)
-    whole = KvSegment(p0, layout, _carve_at(buf, layout, n, blocks))
+    parts = _carve_at(buf, layout, n, blocks)
+    if layout.cell_ext_bytes:
+        parts += (_cell_ext_view(cells, layout.cell_ext_bytes),)
+    whole = KvSegment(p0, layout, parts)
     for seg in segments:
         whole.slice(seg.p0, seg.p1).assign(seg)
     return size
@@ -277,7 +310,7 @@ def _carve_at(buf: np.ndarray, layout: KvLayout, n: int, offsets: list[int]) -> 
     """The parts of a segment of n positions as views of `buf`'s blocks at `offsets`."""
     return tuple(
         buf[off : off + n * part_bytes(layout, i)].reshape(part_shape(layout, i, n))
-        for i, off in enumerate(offsets)
+        for i, off in enumerate(offsets)  # the K and V blocks (not the cell metadata)
     )
 
 

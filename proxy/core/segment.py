@@ -22,6 +22,9 @@ from proxy.errors import PayloadError
 
 # Generous sanity bounds: a header outside them is garbage, not a real model.
 _MAX_LAYERS = 4096
+# Every payload cell has an i32 position, a u32 sequence count and (one sequence) an i32 id.
+CELL_BASE_BYTES = 12
+_MAX_CELL_EXT = 256
 # Element size of ggml types that llama.cpp allows for transposed V (non-quantized only).
 _V_TRANS_EL_BYTES = {0: 4, 1: 2, 30: 2}  # F32, F16, BF16
 
@@ -32,6 +35,9 @@ class KvLayout:
 
     `v_row_bytes[l]` is the per-token V size of layer l; with `v_trans` it equals
     `n_embd_v_gqa[l] * v_el_bytes[l]`. `v_el_bytes` / `n_embd_v_gqa` are 0 when not `v_trans`.
+    `cell_ext_bytes` is the per-cell metadata beyond position, sequence count and sequence id
+    (llama.cpp's `llama_kv_cell_ext`: M-RoPE's extra position axes and the token id, 12 bytes
+    where the model uses them, else 0); the server reports it as `cell_meta_bytes` (12 more).
     """
 
     n_layer: int
@@ -42,6 +48,7 @@ class KvLayout:
     v_row_bytes: tuple[int, ...]
     v_el_bytes: tuple[int, ...]
     n_embd_v_gqa: tuple[int, ...]
+    cell_ext_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_layer <= _MAX_LAYERS:
@@ -53,6 +60,8 @@ class KvLayout:
                 )
         if min(self.k_row_bytes) <= 0 or min(self.v_row_bytes) <= 0:
             raise PayloadError("layout: row sizes must be positive")
+        if not 0 <= self.cell_ext_bytes <= _MAX_CELL_EXT:
+            raise PayloadError(f"layout: cell metadata of {self.cell_ext_bytes} extra bytes out of range")
         for il in range(self.n_layer):
             el, emb = self.v_el_bytes[il], self.n_embd_v_gqa[il]
             if self.v_trans and (el <= 0 or emb <= 0 or el * emb != self.v_row_bytes[il]):
@@ -62,7 +71,13 @@ class KvLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        return sum(self.k_row_bytes) + sum(self.v_row_bytes)
+        """What a segment stores per token: K and V rows, and the cell's extra metadata."""
+        return sum(self.k_row_bytes) + sum(self.v_row_bytes) + self.cell_ext_bytes
+
+    @property
+    def n_parts(self) -> int:
+        """K of each layer, V of each layer, then the cells' extra metadata when there is any."""
+        return 2 * self.n_layer + (1 if self.cell_ext_bytes else 0)
 
     def k_offset(self, il: int) -> int:
         """Byte offset of layer il's K row inside a token row."""
@@ -81,6 +96,7 @@ class KvLayout:
             "k_row_bytes": list(self.k_row_bytes),
             "v_row_bytes": list(self.v_row_bytes),
             "v_trans": self.v_trans,
+            "cell_meta_bytes": CELL_BASE_BYTES + self.cell_ext_bytes,
         }
 
     @classmethod
@@ -94,11 +110,14 @@ class KvLayout:
             v_types = _ints(compat["v_types"])
             k_rows = _ints(compat["k_row_bytes"])
             v_rows = _ints(compat["v_row_bytes"])
+            ext = int(compat.get("cell_meta_bytes", CELL_BASE_BYTES)) - CELL_BASE_BYTES
         except (KeyError, TypeError, ValueError) as e:
             raise PayloadError(f"compat: missing or bad field: {e}") from e
+        if ext < 0:
+            raise PayloadError(f"compat: cell_meta_bytes below the {CELL_BASE_BYTES} every cell has")
         if not v_trans:
             zeros = (0,) * n_layer
-            return cls(n_layer, k_types, k_rows, v_types, False, v_rows, zeros, zeros)
+            return cls(n_layer, k_types, k_rows, v_types, False, v_rows, zeros, zeros, ext)
         if "v_el_bytes" in compat:
             els = _ints(compat["v_el_bytes"])
         else:
@@ -109,7 +128,7 @@ class KvLayout:
         if len(els) != len(v_rows) or any(r % e for r, e in zip(v_rows, els, strict=True) if e > 0):
             raise PayloadError("compat: v_row_bytes not a multiple of the V element size")
         embd = tuple(r // e if e > 0 else 0 for r, e in zip(v_rows, els, strict=True))
-        return cls(n_layer, k_types, k_rows, v_types, True, v_rows, els, embd)
+        return cls(n_layer, k_types, k_rows, v_types, True, v_rows, els, embd, ext)
 
 
 def _ints(values: Any) -> tuple[int, ...]:
@@ -118,8 +137,9 @@ def _ints(values: Any) -> tuple[int, ...]:
 
 @dataclass(frozen=True, eq=False)
 class KvSegment:
-    """KV of positions [p0, p0+n) in the server's layout: `parts` holds 2 * n_layer uint8
-    blocks, K of layers 0..n_layer-1 then V of each layer. A K part, and a V part without
+    """KV of positions [p0, p0+n) in the server's layout: `parts` holds `layout.n_parts` uint8
+    blocks, K of layers 0..n_layer-1, then V of each layer, then (when the layout has any) the
+    cells' extra metadata, (n, cell_ext_bytes), as the payload's cell table holds it. A K part, and a V part without
     `v_trans`, is (n, row bytes): one row per token. A V part with `v_trans` is element-major,
     (n_embd_v_gqa, n * el bytes): per V element the run of the tokens' values.
 
@@ -136,8 +156,8 @@ class KvSegment:
         if self.p0 < 0:
             raise PayloadError(f"segment p0 {self.p0} < 0")
         lay = self.layout
-        if len(self.parts) != 2 * lay.n_layer:
-            raise PayloadError(f"segment has {len(self.parts)} parts, layout needs {2 * lay.n_layer}")
+        if len(self.parts) != lay.n_parts:
+            raise PayloadError(f"segment has {len(self.parts)} parts, layout needs {lay.n_parts}")
         n = self.parts[0].shape[0] if self.parts[0].ndim == 2 else -1
         owner = _buffer_owner(self.parts[0])
         for i, part in enumerate(self.parts):
@@ -318,7 +338,7 @@ def el_dtype(el: int) -> np.dtype:
 
 
 def _is_trans(lay: KvLayout, i: int) -> bool:
-    return lay.v_trans and i >= lay.n_layer
+    return lay.v_trans and lay.n_layer <= i < 2 * lay.n_layer
 
 
 def _el(lay: KvLayout, i: int) -> int:
@@ -326,8 +346,10 @@ def _el(lay: KvLayout, i: int) -> int:
 
 
 def part_bytes(lay: KvLayout, i: int) -> int:
-    """Bytes of part i (K of layers 0.., then V of layers 0..) per token."""
-    return lay.k_row_bytes[i] if i < lay.n_layer else lay.v_row_bytes[i - lay.n_layer]
+    """Bytes of part i (K of layers 0.., then V of layers 0.., then cell metadata) per token."""
+    if i < lay.n_layer:
+        return lay.k_row_bytes[i]
+    return lay.v_row_bytes[i - lay.n_layer] if i < 2 * lay.n_layer else lay.cell_ext_bytes
 
 
 def part_shape(lay: KvLayout, i: int, n: int) -> tuple[int, int]:
@@ -342,6 +364,8 @@ def _row_span(lay: KvLayout, i: int) -> tuple[int, int]:
     """(offset, bytes) of part i inside a per-token row."""
     if i < lay.n_layer:
         return lay.k_offset(i), lay.k_row_bytes[i]
+    if i == 2 * lay.n_layer:
+        return sum(lay.k_row_bytes) + sum(lay.v_row_bytes), lay.cell_ext_bytes
     il = i - lay.n_layer
     return lay.v_offset(il), lay.v_row_bytes[il]
 
@@ -349,7 +373,7 @@ def _row_span(lay: KvLayout, i: int) -> tuple[int, int]:
 def _carve(lay: KvLayout, n: int, buf: np.ndarray) -> tuple[np.ndarray, ...]:
     """The parts of n positions as consecutive blocks of `buf` (n * bytes_per_token bytes)."""
     parts, off = [], 0
-    for i in range(2 * lay.n_layer):
+    for i in range(lay.n_parts):
         size = n * part_bytes(lay, i)
         parts.append(buf[off : off + size].reshape(part_shape(lay, i, n)))
         off += size

@@ -129,7 +129,7 @@ def build_server(spec: BuildSpec) -> Path:
     if binary.exists():
         return binary
     _check_tools()
-    source = _pristine_source()
+    source = pristine_source()
     work = cache_root() / "work" / _base_key(spec)[:16]
     with file_lock(work.parent / f".{work.name}.lock"):
         if binary.exists():
@@ -193,7 +193,8 @@ def _check_tools() -> None:
         )
 
 
-def _pristine_source() -> Path:
+def pristine_source() -> Path:
+    """The pinned llama.cpp source, downloaded, verified and extracted once (read-only use)."""
     final = cache_root() / "src" / f"llama.cpp-{LLAMA_CPP.commit}-{LLAMA_CPP.sha256[:8]}"
     with file_lock(final.parent / f".{final.name}.lock"):
         if final.exists():

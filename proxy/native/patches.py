@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 from proxy.errors import BuildError
-from proxy.native.build import _ignore_git, _pristine_source, patch_dir, patch_files
+from proxy.native.build import _ignore_git, patch_dir, patch_files, pristine_source
 from proxy.native.fetch import say
 from proxy.native.pins import LLAMA_CPP
 
@@ -35,7 +35,7 @@ def _git(tree: Path, *args: str) -> str:
 def checkout(tree: Path) -> None:
     if tree.exists() and any(tree.iterdir()):
         raise BuildError(f"{tree} exists and is not empty", fix="pass a new directory")
-    shutil.copytree(_pristine_source(), tree, symlinks=True, dirs_exist_ok=True, ignore=_ignore_git)
+    shutil.copytree(pristine_source(), tree, symlinks=True, dirs_exist_ok=True, ignore=_ignore_git)
     _git(tree, "init", "-q")
     _git(tree, "add", "-A")
     _git(

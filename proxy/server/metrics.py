@@ -271,6 +271,13 @@ class Metrics:
             ["server"],
             registry=registry,
         )
+        self.server_moves = Gauge(
+            f"{ns}_server_moves",
+            "1 when KV moves (host restores, saves, sharing) are on for the server; 0 when its "
+            "model's memory cannot be moved exactly and it is served with routes A and prefill only",
+            ["server"],
+            registry=registry,
+        )
         self.pool = {
             field: Gauge(name, _POOL_HELP[field], ["server"], registry=registry)
             for field, name in POOL_FIELDS.items()

@@ -46,18 +46,28 @@ class KvMover:
     def __init__(
         self,
         backend: Backend,
-        layout: KvLayout,
+        layout: KvLayout | None,
         compat: dict[str, Any],
         shm_dir: Path | None,
         metrics: Metrics,
     ) -> None:
         self.backend = backend
-        self.layout = layout
+        self.layout = layout  # None: KV moves are off for this server (ServerState.moves_off)
         self.compat = compat
         self.shm_dir = shm_dir
         self.metrics = metrics
         self._idle: _PayloadFile | None = None  # the import file waiting for the next import
         self._idle_out: _PayloadFile | None = None  # the export file waiting for the next export
+
+    @property
+    def bytes_per_token(self) -> int:
+        """What one token's KV costs in the host tree (0 when moves are off)."""
+        return self.layout.bytes_per_token if self.layout is not None else 0
+
+    def _layout(self) -> KvLayout:
+        if self.layout is None:  # never planned (routes.py plans no move for it): a guard
+            raise KvMoveError(FallbackCause.COMPAT, "KV moves are off for this server")
+        return self.layout
 
     def _new_name(self) -> str:
         return f"radix-{os.getpid()}-{next(_names)}.kv"
@@ -79,7 +89,8 @@ class KvMover:
         should not wait for it."""
         started = time.perf_counter()
         p1 = len(tokens)
-        size = blob_size(self.layout, p1 - p0)
+        layout = self._layout()
+        size = blob_size(layout, p1 - p0)
         file: _PayloadFile | None = None
         try:
             if self.shm_dir is not None:
@@ -100,7 +111,7 @@ class KvMover:
             if reply.get("compat") not in (None, self.compat):
                 raise KvMoveError(FallbackCause.COMPAT, "exported payload has another compatibility key")
             if file is None:
-                segment = await asyncio.to_thread(parse_blob, reply["data"], self.layout)
+                segment = await asyncio.to_thread(parse_blob, reply["data"], layout)
             elif reply.get("in_place") is True:
                 # Answered: the server wrote the file and is done with it.
                 segment = await asyncio.to_thread(self._read_mapped, file, size)
@@ -150,7 +161,7 @@ class KvMover:
             "tokens": [int(t) for t in tokens],
             "compat": self.compat,
         }
-        size = blob_size(self.layout, n)
+        size = blob_size(self._layout(), n)
         file: _PayloadFile | None = None
         try:
             if self.shm_dir is not None:
@@ -202,7 +213,7 @@ class KvMover:
 
     def _read_mapped(self, file: _PayloadFile, size: int) -> KvSegment:
         with memoryview(file.mm) as view, view[:size] as blob:
-            return parse_blob(blob, self.layout)
+            return parse_blob(blob, self._layout())
 
     def _put_idle_out(self, file: _PayloadFile) -> None:
         if self._idle_out is None:
@@ -217,7 +228,7 @@ class KvMover:
             with mmap.mmap(
                 handle.fileno(), size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ
             ) as mm:
-                return parse_blob(memoryview(mm), self.layout)
+                return parse_blob(memoryview(mm), self._layout())
 
     def _write_file(
         self, file: _PayloadFile | None, segments: Sequence[KvSegment], size: int

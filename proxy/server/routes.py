@@ -199,6 +199,8 @@ async def health(request: web.Request) -> web.Response:
             "url": s.backend.url,
             "status": "ok" if s.healthy else "down",
             **({"reason": s.down_reason} if not s.healthy else {}),
+            # Served, but with routes A and prefill only: say which moves are off and why.
+            **({"kv_moves": "off", "kv_moves_off": list(s.moves_off)} if s.moves_off else {}),
         }
         for s in runtime.coordinator.servers
     ]

@@ -18,10 +18,11 @@ from proxy.config import BackendSpec, Config, parse_backend
 from proxy.core.payload import KvLayout
 from proxy.core.radix import RadixTree
 from proxy.core.resident import ResidentIndex
-from proxy.errors import ConfigError, FallbackCause, KvMoveError, RadixError
+from proxy.errors import ConfigError, FallbackCause, KvMoveError, PayloadError, RadixError
 from proxy.server.backend import Backend
 from proxy.server.coordinator import Coordinator, ServerState, SlotState
 from proxy.server.disk import DiskTier, compat_key
+from proxy.server.layoutcheck import check_layout
 from proxy.server.metrics import Metrics
 from proxy.server.models import ModelEntry, compat_ns
 from proxy.server.mover import KvMover
@@ -106,6 +107,11 @@ async def _disk_tier(config: Config, server: ServerState, tree: RadixTree, metri
     """Open the disk tier (entries of other compatibility keys are skipped) and have the tree
     demote what it evicts to it."""
     assert config.cache_disk is not None
+    if server.mover.layout is None:
+        raise ConfigError(
+            f"--cache-disk needs KV moves, which are off for {server.name}: {'; '.join(server.moves_off)}",
+            fix="leave --cache-disk unset for this model",
+        )
     tier = DiskTier(
         config.cache_disk,
         config.cache_disk_bytes,
@@ -228,14 +234,25 @@ async def _connect(
             "-sps 0, and pass --kvctl-key if it has one",
         ) from exc
     compat = dict(caps["compat"])
-    layout = KvLayout.from_caps(compat)
+    layout, moves_off = _layout_or_why_not(caps)
     shm = await _payload_dir(config.shm_dir, caps.get("dir"), spec)
+    mover = KvMover(backend, layout, compat, shm, metrics)
+    if not moves_off:
+        # Before the slots are read (it fills and erases one); its moves are not counted.
+        check_mover = KvMover(backend, layout, compat, shm, Metrics(CollectorRegistry(), (name,)))
+        try:
+            moves_off = await check_layout(backend, check_mover)
+        finally:
+            check_mover.close()
+    if moves_off:
+        mover.layout = None
     slots_info = await backend.slots(tokens=True)
     model_ns = compat_ns(compat)
-    slots = [_slot_found(s, bool(config.cache_isolation), model_ns) for s in slots_info["slots"]]
+    isolating = bool(config.cache_isolation)
+    slots = [_slot_found(s, isolating, model_ns, moves=not moves_off) for s in slots_info["slots"]]
     n_ctx_slot = int(caps.get("n_ctx_slot") or caps.get("n_ctx") or 0)
-    mover = KvMover(backend, layout, compat, shm, metrics)
-    sharing = await _sharing(config, name, backend, caps) if config.kv_share else None
+    metrics.server_moves.labels(name).set(0 if moves_off else 1)
+    sharing = await _sharing(config, name, backend, caps) if config.kv_share and not moves_off else None
     model = spec.model or await _server_model_name(backend)
     log.info(
         "%s: %s, model %r, %d slots, %d cells, payloads %s%s",
@@ -247,10 +264,41 @@ async def _connect(
         f"via {shm}" if shm else "inline",
         ", resident sharing on" if sharing else "",
     )
+    if moves_off:
+        log.warning(
+            "%s: KV moves are off for model %r (%s): %s; served with routes A and prefill only "
+            "(the server's own prefix reuse; no host restore, save or sharing)",
+            name,
+            model,
+            _memory_kind(caps),
+            "; ".join(moves_off),
+        )
     state = ServerState(name, backend, mover, slots, n_ctx_slot, sharing)
     state.model, state.model_ns, state.named = model, model_ns, bool(spec.model)
     state.n_cells = int(caps.get("n_cells", 0))
+    state.moves_off = moves_off
     return state
+
+
+def _memory_kind(caps: dict[str, Any]) -> str:
+    memory = caps.get("memory")
+    return str(memory.get("kind", "unknown")) if isinstance(memory, dict) else "memory unknown"
+
+
+def _layout_or_why_not(caps: dict[str, Any]) -> tuple[KvLayout | None, tuple[str, ...]]:
+    """The payload layout, or why KV moves are off: the server says so (`moves`, `moves_off`:
+    a sliding window, a recurrent state, a layout its probe does not know), or its caps do not
+    describe a layout the proxy can read. Never guessed from the architecture's name."""
+    if caps.get("moves") is False:
+        reasons = caps.get("moves_off")
+        if isinstance(reasons, list) and reasons:
+            return None, tuple(str(r) for r in reasons)
+        return None, ("the server turned KV moves off",)
+    try:
+        return KvLayout.from_caps(dict(caps["compat"])), ()
+    except (PayloadError, KeyError, TypeError, ValueError) as exc:
+        message = exc.message if isinstance(exc, PayloadError) else str(exc)
+        return None, (f"the server's KV layout cannot be read: {message}",)
 
 
 async def _server_model_name(backend: Backend) -> str:
@@ -259,11 +307,14 @@ async def _server_model_name(backend: Backend) -> str:
     return str(entry.get("id") or "default")
 
 
-def _slot_found(entry: dict[str, Any], isolating: bool, model_ns: str) -> SlotState:
+def _slot_found(entry: dict[str, Any], isolating: bool, model_ns: str, moves: bool = True) -> SlotState:
     """A slot as the proxy finds it at startup. Its KV is reused as the shared namespace's only
-    without isolation keys: with them, whose KV it is cannot be known, so it is erased first."""
+    without isolation keys: with them, whose KV it is cannot be known, so it is erased first.
+    With moves off its KV may start past position 0 (a sliding window forgot it): only the
+    server reuses it, so it still steers requests to the slot."""
     tokens = np.asarray(entry.get("tokens", []), dtype=np.int32)
     consistent = int(entry.get("pos_max", -1)) + 1 == len(tokens)
+    consistent = consistent and (int(entry.get("pos_min", 0)) <= 0 or not moves)
     if not len(tokens):
         return SlotState(int(entry["id"]), ns=model_ns)
     if consistent and not isolating:

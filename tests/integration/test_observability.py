@@ -215,6 +215,7 @@ def test_exact_metrics_after_scripted_sequence(live: Live) -> None:
     assert sample(m, "radix_host_tree_logical_tokens") == n1 + n2 + n3
     assert sample(m, "radix_host_tree_budget_bytes") == 256 * 1024 * 1024
     layout = live.proxy.call(lambda rt: rt.coordinator.servers[0].mover.layout)
+    assert layout is not None
     assert sample(m, "radix_host_tree_bytes") >= (n1 + n2 + n3) * layout.bytes_per_token
     # KV moves: three exports (KV rows), one import (a whole payload).
     assert (

@@ -189,7 +189,7 @@ def test_branches_share_one_stored_prefix(proxy: ProxyThread) -> None:
     # The shared document is stored once: far fewer unique tokens than eight copies.
     assert new_unique < 0.4 * sum(lengths), (new_unique, lengths)
     assert new_logical >= sum(lengths)
-    per_token = proxy.call(lambda rt: rt.coordinator.servers[0].mover.layout.bytes_per_token)
+    per_token = proxy.call(lambda rt: rt.coordinator.servers[0].mover.bytes_per_token)
     assert after.bytes - before.bytes < 1.2 * new_unique * per_token + 64 * 1024
 
 

@@ -42,6 +42,7 @@ class FakeServer:
     def __init__(self, n_slots: int) -> None:
         self.url = "http://fake"
         self.layout = LAYOUT
+        self.bytes_per_token = LAYOUT.bytes_per_token
         self.shm_dir: Path | None = None  # as a mover: inline payloads
         self.held: dict[int, list[int]] = {i: [] for i in range(n_slots)}
         self.fail_export = False
@@ -295,6 +296,29 @@ async def test_a_host_restore_imports_and_unpins() -> None:
     assert lease.host is None and coord.tree.stats().pinned_nodes == 0
     assert len(s0.slots[0].tokens) == 100
     coord.release(lease)
+    check(coord)
+
+
+async def test_a_server_with_moves_off_gets_no_host_restore_and_keeps_its_slots_kv() -> None:
+    """Moves off (a sliding window, a recurrent state): the slot's own prefix and prefills only;
+    nothing is exported, saved or released, even with idle release on and the tree holding more."""
+    s0 = server("s0", n_slots=2)
+    s0.moves_off = ("sliding-window attention",)
+    coord = coordinator(s0, idle_release=True)
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+    fake.shm_dir = Path("/dev/shm/payloads")
+    other = toks(5000, 100)
+    coord.tree.insert(other, KvSegment.from_rows(0, LAYOUT, rows(other.tolist())))
+    lease = await coord.acquire("r", np.concatenate([other, toks(9000, 10)]))
+    assert lease.route == Route.PREFILL and lease.host is None  # the tree's prefix is not imported
+    fake.held[lease.slot.slot_id] = np.concatenate([other, toks(9000, 20)]).tolist()
+    await coord.finish(lease)
+    assert fake.imports == [] and fake.erased == []
+    assert coord.tree.stats().unique_tokens == 100  # nothing saved
+    assert len(s0.slots[lease.slot.slot_id].tokens) == 120  # the slot keeps its KV: route A next
+    again = await coord.acquire("r2", np.concatenate([other, toks(9000, 30)]))
+    assert again.route == Route.A and again.slot.slot_id == lease.slot.slot_id
+    coord.release(again)
     check(coord)
 
 

@@ -24,15 +24,16 @@ from proxy.errors import PayloadError
 pytestmark = pytest.mark.unit
 
 
-def make_layout(v_trans: bool, n_layer: int = 3, el: int = 2) -> KvLayout:
+def make_layout(v_trans: bool, n_layer: int = 3, el: int = 2, ext: int = 0) -> KvLayout:
+    """`ext`: bytes of extra cell metadata (12 for M-RoPE's positions and token id)."""
     k_rows = tuple(8 + 4 * il for il in range(n_layer))  # per-layer sizes differ on purpose
     if not v_trans:
         v_rows = tuple(6 + 2 * il for il in range(n_layer))
         zeros = (0,) * n_layer
-        return KvLayout(n_layer, (1,) * n_layer, k_rows, (1,) * n_layer, False, v_rows, zeros, zeros)
+        return KvLayout(n_layer, (1,) * n_layer, k_rows, (1,) * n_layer, False, v_rows, zeros, zeros, ext)
     embd = tuple(3 + il for il in range(n_layer))
     v_rows = tuple(e * el for e in embd)
-    return KvLayout(n_layer, (1,) * n_layer, k_rows, (1,) * n_layer, True, v_rows, (el,) * n_layer, embd)
+    return KvLayout(n_layer, (1,) * n_layer, k_rows, (1,) * n_layer, True, v_rows, (el,) * n_layer, embd, ext)
 
 
 def random_segment(layout: KvLayout, p0: int, n: int, seed: int = 0) -> KvSegment:
@@ -54,12 +55,15 @@ def reference_fields(
         ("n_stream", struct.pack("<I", 1)),
         ("cell_count", struct.pack("<I", n)),
     ]
+    ext_off = sum(lay.k_row_bytes) + sum(lay.v_row_bytes)  # the cell metadata ends a token row
     for i, idx in enumerate(order):
         f += [
             (f"cell{i}.pos", struct.pack("<i", seg.p0 + int(idx))),
             (f"cell{i}.n_seq", struct.pack("<I", 1)),
-            (f"cell{i}.seq", struct.pack("<i", seq)),
         ]
+        if lay.cell_ext_bytes:
+            f.append((f"cell{i}.ext", seg.rows()[idx, ext_off : ext_off + lay.cell_ext_bytes].tobytes()))
+        f.append((f"cell{i}.seq", struct.pack("<i", seq)))
     f += [("v_trans", struct.pack("<I", int(lay.v_trans))), ("n_layer", struct.pack("<I", lay.n_layer))]
     for il in range(lay.n_layer):
         off, row = lay.k_offset(il), lay.k_row_bytes[il]
@@ -95,10 +99,11 @@ def join(fields: list[tuple[str, bytes]], **patch: bytes) -> bytes:
     return b"".join(patch.get(name, raw) for name, raw in fields)
 
 
+@pytest.mark.parametrize("ext", [0, 12])
 @pytest.mark.parametrize("v_trans", [False, True])
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_parse_matches_reference(v_trans: bool, shuffle: bool) -> None:
-    lay = make_layout(v_trans)
+def test_parse_matches_reference(v_trans: bool, shuffle: bool, ext: int) -> None:
+    lay = make_layout(v_trans, ext=ext)
     seg = random_segment(lay, p0=40, n=23)
     order = np.random.default_rng(1).permutation(23) if shuffle else None
     parsed = parse_blob(join(reference_fields(seg, order)), expect=lay)
@@ -106,20 +111,33 @@ def test_parse_matches_reference(v_trans: bool, shuffle: bool) -> None:
     assert parsed.p0 == 40 and parsed.p1 == 63 and parsed.nbytes == 23 * lay.bytes_per_token
 
 
+@pytest.mark.parametrize("ext", [0, 12])
 @pytest.mark.parametrize("v_trans", [False, True])
-def test_build_equals_reference_and_round_trips(v_trans: bool) -> None:
-    lay = make_layout(v_trans)
+def test_build_equals_reference_and_round_trips(v_trans: bool, ext: int) -> None:
+    lay = make_layout(v_trans, ext=ext)
     seg = random_segment(lay, p0=5, n=17)
     ref = join(reference_fields(seg, seq=7))
     assert build_blob([seg], seq_id=7) == ref
-    assert build_blob([parse_blob(ref)], seq_id=7) == ref
-    assert parse_blob(build_blob([seg])) == seg
+    assert build_blob([parse_blob(ref, lay)], seq_id=7) == ref
+    assert parse_blob(build_blob([seg]), cell_ext_bytes=ext) == seg
     assert blob_size(lay, 17) == len(ref)
 
 
+def test_cell_metadata_size_must_be_known() -> None:
+    """A blob with 12 extra bytes per cell read as plain cells (what the proxy did before it took
+    the size from caps) is refused, never misread as other K/V."""
+    lay = make_layout(False, ext=12)
+    blob = build_blob([random_segment(lay, p0=0, n=9)])
+    with pytest.raises(PayloadError):
+        parse_blob(blob)
+    with pytest.raises(PayloadError):
+        parse_blob(blob, make_layout(False))
+
+
+@pytest.mark.parametrize("ext", [0, 12])
 @pytest.mark.parametrize("v_trans", [False, True])
-def test_build_from_several_segments_and_views(v_trans: bool) -> None:
-    lay = make_layout(v_trans)
+def test_build_from_several_segments_and_views(v_trans: bool, ext: int) -> None:
+    lay = make_layout(v_trans, ext=ext)
     seg = random_segment(lay, p0=0, n=30)
     parts = [seg.slice(0, 7), seg.slice(7, 8), seg.slice(8, 30)]
     assert build_blob(parts) == build_blob([seg])
@@ -244,6 +262,7 @@ def caps(v_trans: bool, **extra: object) -> dict[str, object]:
         "v_trans": v_trans,
         "rope": "norm",
         "n_pos_per_embd": 1,
+        "cell_meta_bytes": 12,
     }
     c.update(extra)
     return c
@@ -259,6 +278,9 @@ def test_from_caps_plain_and_transposed() -> None:
     for lay in (plain, trans, f32):
         assert KvLayout.from_caps(lay.compat_dict()) == lay
     assert set(plain.compat_dict()) <= set(caps(False))
+    mrope = KvLayout.from_caps(caps(True, cell_meta_bytes=24))  # M-RoPE: 12 more bytes per cell
+    assert mrope.cell_ext_bytes == 12 and mrope.bytes_per_token == trans.bytes_per_token + 12
+    assert KvLayout.from_caps(mrope.compat_dict()) == mrope
 
 
 @pytest.mark.parametrize(
@@ -270,6 +292,9 @@ def test_from_caps_plain_and_transposed() -> None:
         {"k_types": "x"},
         {"v_trans": True, "v_types": [2, 2]},  # quantized V cannot be transposed
         {"v_trans": True, "v_row_bytes": [385, 384]},  # not a multiple of 2
+        {"cell_meta_bytes": 8},  # less than a cell's position, count and sequence id
+        {"cell_meta_bytes": "x"},
+        {"cell_meta_bytes": 4096},
     ],
 )
 def test_from_caps_rejects(extra: dict[str, object]) -> None:
@@ -365,13 +390,15 @@ def test_expect_layout_mismatch() -> None:
     n=st.integers(1, 40),
     seed=st.integers(0, 2**32 - 1),
     shuffle=st.booleans(),
+    ext=st.sampled_from([0, 4, 12]),
 )
-def test_round_trip_property(v_trans: bool, p0: int, n: int, seed: int, shuffle: bool) -> None:
-    lay = make_layout(v_trans, n_layer=1 + seed % 3)
+def test_round_trip_property(v_trans: bool, p0: int, n: int, seed: int, shuffle: bool, ext: int) -> None:
+    lay = make_layout(v_trans, n_layer=1 + seed % 3, ext=ext)
     seg = random_segment(lay, p0, n, seed)
     order = np.random.default_rng(seed).permutation(n) if shuffle else None
     assert parse_blob(join(reference_fields(seg, order)), expect=lay) == seg
-    assert parse_blob(build_blob([seg])) == seg
+    assert parse_blob(build_blob([seg]), lay) == seg
+    assert KvSegment.concat([seg.slice(p0, p0 + n // 2), seg.slice(p0 + n // 2, p0 + n)]) == seg
 
 
 @settings(max_examples=200, deadline=None)

@@ -251,7 +251,7 @@ class Leases:
             index=index,
             n_prompt=len(found.tokens),
             cached=plan.predicted_cached,
-            moved_bytes=(plan.host_to - plan.host_from) * server.mover.layout.bytes_per_token,
+            moved_bytes=(plan.host_to - plan.host_from) * server.mover.bytes_per_token,
             inline=server.mover.shm_dir is None,
             busy_slots=self._running(server),
             free_cells=server.free_cells_estimate() + max(0, len(slot.tokens) - kept),
@@ -275,11 +275,11 @@ class Leases:
         return PlanInput(
             n_prompt=len(found.tokens),
             slots=views,
-            host_len=found.host.length,
+            host_len=found.host.length if server.moves else 0,
             residents=sv.residents,
             policy=self.config.kv_share_route,
             min_restore_tokens=self.config.min_restore_tokens,
-            share_enabled=server.sharing is not None,
+            share_enabled=server.sharing is not None and server.moves,
             mixed_enabled=self.config.mixed_restore,
         )
 

@@ -271,7 +271,7 @@ class KvMoves:
         segments = self.tree.segments(lease.host, p0, p1)  # lease.host is in lease.ns
         mover = lease.server.mover
         # An inline import copies the rows into a request body: bytes held outside the tree.
-        inline = 0 if mover.shm_dir else self.tree.reserve(mover.layout.bytes_per_token * (p1 - p0))
+        inline = 0 if mover.shm_dir else self.tree.reserve(mover.bytes_per_token * (p1 - p0))
         started = time.monotonic()
         try:
             await mover.import_(lease.slot.slot_id, p0, lease.tokens[:p1].tolist(), segments, hold=hold)
@@ -291,6 +291,8 @@ class KvMoves:
             return
         try:
             await self._refresh_slot(lease)
+            if not lease.server.moves:
+                return  # the slot keeps its KV for the server's own reuse (route A)
             await self._save(lease)
             await self._share(lease)
             await self._release_idle(lease)
@@ -317,8 +319,11 @@ class KvMoves:
             return
         tokens = np.asarray(entry.get("tokens", []), dtype=np.int32)
         held = int(entry.get("pos_max", -1)) + 1
-        # Invariant 1: only tokens whose KV the sequence really holds count.
-        if held == len(tokens) and int(entry.get("pos_min", 0)) <= 0:
+        # Invariant 1: only tokens whose KV the sequence really holds count. With moves off only
+        # the server reuses a slot's KV (route A), and a sliding window's cache forgets the start
+        # (pos_min > 0): the tokens then only steer the request to the slot.
+        starts_at_0 = int(entry.get("pos_min", 0)) <= 0 or not lease.server.moves
+        if held == len(tokens) and starts_at_0:
             slot.tokens = tokens
         else:  # holds KV it does not account for: erase before anyone reuses it
             slot.tokens, slot.ns = EMPTY, None
@@ -331,7 +336,7 @@ class KvMoves:
         # Pinned so the prefix the export continues cannot be evicted while we wait; the
         # exported rows count against the budget from now on, not only once inserted.
         self.tree.pin(match)
-        held = self.tree.reserve(lease.server.mover.layout.bytes_per_token * (len(tokens) - match.length))
+        held = self.tree.reserve(lease.server.mover.bytes_per_token * (len(tokens) - match.length))
         try:
             segment = await lease.server.mover.export(
                 {"slot": lease.slot.slot_id}, match.length, lease.slot.tokens, hold=lease.server.move_lock

@@ -132,11 +132,18 @@ class ServerState:
     named: bool = False  # the operator named the model (--backend-url NAME=URL)
     model_ns: str = ""  # the model's tree namespace (its compatibility key): see routes.py
     n_cells: int = 0  # the KV pool's size (0: unknown)
+    # Why KV moves are off for this server ((): on). Off, it is served with routes A and prefill
+    # only: the server's own prefix reuse, no host restore, save or sharing (invariant 9).
+    moves_off: tuple[str, ...] = ()
     # Set (and replaced) when a reservation ends: requests waiting for room look again.
     room_freed: asyncio.Event = field(default_factory=asyncio.Event)
     # Set when the health checks take the server out of routing, replaced when it is back: a
     # restore waiting on a hung server gives up then, not at its move deadline.
     went_down: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def moves(self) -> bool:
+        return not self.moves_off
 
     def reservation_ended(self, cells: int) -> None:
         self.reserved_cells -= cells

@@ -1,0 +1,177 @@
+"""Other architectures through the proxy, on tiny random-weight models made here
+(tests/tinymodels.py), each against stock llama-server of the same commit computing from scratch.
+
+- Models whose KV the patch moves exactly (standard attention at other head dims, q/k norms,
+  M-RoPE's 24-byte cells): every turn's answer equals stock's from scratch under the near-tie
+  rule, the second turn is a host restore (idle release erased the slot), and no move fell back.
+- Models whose memory cannot be moved exactly (a sliding window, a recurrent state): the patched
+  server starts with moves off instead of exiting, the proxy serves it with routes A and prefill
+  only and says so (log, /health, metric), and answers equal stock's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from proxy.native.launch import ServerProcess
+from tests.helpers import (
+    ProxyThread,
+    Reply,
+    ServerFactory,
+    assert_same_answer,
+    chat_body,
+    get,
+    post,
+    proxy_config,
+    request,
+)
+from tests.integration.test_proxy import convo, document
+from tests.tinymodels import tiny_model
+
+MOVABLE = ["qwen2vl", "llama-h80", "llama-h128", "qwen3"]
+# K/V types and flash attention: f16 with V transposed (flash attention off), and q8_0 K and V
+# (quantized V needs flash attention, which stores V untransposed).
+KV_CONFIGS = {
+    "f16": ("-fa", "off"),
+    "q8_0-fa": ("-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0"),
+}
+# q8_0's 32-element blocks do not divide a head dim of 80: llama.cpp (stock too) refuses it.
+_NO_CONFIG = {("llama-h80", "q8_0-fa")}
+UNMOVABLE = {"gemma2": "kv_swa", "mamba2": "recurrent"}
+
+
+def _servers(
+    start_server: ServerFactory, patched: Path, stock: Path, family: str, kv: str = "f16"
+) -> tuple[ServerProcess, ...]:
+    model, args = tiny_model(family), KV_CONFIGS[kv]
+    # Small pools: the models are tiny and the suite runs many servers on 2 cores.
+    return (
+        start_server(patched, model=model, ctx_size=4096, threads=1, extra_args=args),
+        start_server(stock, model=model, ctx_size=4096, threads=1, kvctl=False, extra_args=args),
+    )
+
+
+def _kvctl(server: ServerProcess, route: str, body: object = None) -> Reply:
+    return request(
+        f"{server.url}/kvctl/{route}",
+        "POST" if body is not None else "GET",
+        body,
+        headers={"Authorization": f"Bearer {server.spec.kvctl_key}"},
+        timeout=60,
+    )
+
+
+def _ask(proxy: ProxyThread, messages: list[dict[str, str]]) -> Reply:
+    reply = post(f"{proxy.url}/v1/chat/completions", chat_body(messages, 16))
+    assert reply.status == 200, reply.body
+    proxy.settle()
+    return reply
+
+
+def _from_scratch(stock: ServerProcess, messages: list[dict[str, str]]) -> Reply:
+    reply = post(f"{stock.url}/v1/chat/completions", chat_body(messages, 16, cache_prompt=False))
+    assert reply.status == 200, reply.body
+    return reply
+
+
+def _fallbacks(proxy: ProxyThread) -> float:
+    return float(
+        proxy.call(
+            lambda rt: sum(
+                s.value
+                for m in rt.metrics.fallbacks.collect()
+                for s in m.samples
+                if s.name.endswith("_total")
+            )
+        )
+    )
+
+
+def _two_turns(proxy: ProxyThread, stock: ServerProcess, seed: int) -> tuple[Reply, Reply]:
+    messages = convo(document(seed, 120), "What is the first word?")
+    first = _ask(proxy, messages)
+    assert_same_answer(first, _from_scratch(stock, messages))
+    messages += [
+        {"role": "assistant", "content": first.body["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And the last word?"},
+    ]
+    second = _ask(proxy, messages)
+    assert_same_answer(second, _from_scratch(stock, messages))
+    return first, second
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(f, kv) for f in MOVABLE for kv in KV_CONFIGS if (f, kv) not in _NO_CONFIG],
+    ids="-".join,
+)
+def movable(
+    request: pytest.FixtureRequest, start_server: ServerFactory, patched_bin: Path, stock_bin: Path
+) -> Iterator[tuple[str, ProxyThread, ServerProcess, ServerProcess]]:
+    family, kv = request.param
+    patched, stock = _servers(start_server, patched_bin, stock_bin, family, kv)
+    proxy = ProxyThread(proxy_config(patched)).start()
+    yield family, proxy, patched, stock
+    proxy.stop()
+    patched.stop()
+    stock.stop()
+
+
+def test_moved_kv_answers_as_stock_from_scratch(
+    movable: tuple[str, ProxyThread, ServerProcess, ServerProcess],
+) -> None:
+    family, proxy, patched, stock = movable
+    caps = _kvctl(patched, "caps").body
+    assert caps["moves"] is True, caps
+    layout = proxy.call(lambda rt: rt.coordinator.servers[0].mover.layout)
+    assert layout is not None
+    # M-RoPE cells carry 12 more bytes (two position axes and the token): taken from caps.
+    assert caps["compat"]["cell_meta_bytes"] == (24 if family == "qwen2vl" else 12)
+    assert layout.cell_ext_bytes == caps["compat"]["cell_meta_bytes"] - 12
+    assert layout.v_trans == (patched.spec.extra_args[:2] == ("-fa", "off"))
+
+    first, second = _two_turns(proxy, stock, seed=7)
+    assert first.headers["X-Radix-Route"] == "prefill"
+    # Idle release erased the slot once the tree held it: the next turn is a host restore.
+    assert second.headers["X-Radix-Route"] == "H", second.headers
+    assert int(second.headers["X-Radix-Cached-Tokens"]) > 100
+    assert _fallbacks(proxy) == 0
+    assert proxy.call(lambda rt: rt.metrics.server_moves.labels("s0")._value.get()) == 1
+
+
+@pytest.mark.parametrize("family", sorted(UNMOVABLE))
+def test_unmovable_memory_is_served_with_moves_off(
+    family: str, start_server: ServerFactory, patched_bin: Path, stock_bin: Path
+) -> None:
+    patched, stock = _servers(start_server, patched_bin, stock_bin, family)
+    try:
+        caps = _kvctl(patched, "caps").body
+        assert caps["moves"] is False and caps["moves_off"], caps
+        assert caps["memory"]["kind"] == UNMOVABLE[family]
+        assert caps["sharing"] is False
+        # Every move is refused with the reason, and nothing is changed.
+        export = _kvctl(patched, "export", {"slot": 0, "p0": 0, "p1": 1, "expect_sha256": "0" * 64})
+        assert export.status == 501 and "moves are off" in export.body["error"]["message"], export.body
+
+        proxy = ProxyThread(proxy_config(patched)).start()
+        try:
+            health = get(f"{proxy.url}/health").body
+            entry = health["servers"][0]
+            assert health["status"] == "ok" and entry["kv_moves"] == "off", health
+            assert entry["kv_moves_off"] == caps["moves_off"]
+            assert proxy.call(lambda rt: rt.metrics.server_moves.labels("s0")._value.get()) == 0
+
+            first, second = _two_turns(proxy, stock, seed=11)
+            routes = {first.headers["X-Radix-Route"], second.headers["X-Radix-Route"]}
+            assert routes <= {"A", "prefill"}, routes  # never a host restore or an attach
+            assert second.headers["X-Radix-Slot"] == first.headers["X-Radix-Slot"]  # steered to its slot
+            assert _fallbacks(proxy) == 0
+            assert proxy.call(lambda rt: rt.coordinator.tree.stats().unique_tokens) == 0  # nothing saved
+        finally:
+            proxy.stop()
+    finally:
+        patched.stop()
+        stock.stop()

@@ -1,0 +1,286 @@
+"""Tiny random-weight GGUF models of other architectures, made here (no weights are downloaded).
+
+Each model is written with the `gguf` writer of the pinned llama.cpp source and carries the
+default model's tokenizer metadata (vocab, merges, chat template), so prompts tokenize and
+render for real and the proxy's tokenizer and template checks pass as with SmolLM2. The
+weights are seeded normal noise, scaled so greedy answers are not made of near-ties (the top
+two log-probabilities part by more than the near-tie rule's tolerance on most tokens; checked
+by the tests that use them). A model is a few MB and is cached by the content of its spec
+and of this file, like the native builds.
+
+    path = tiny_model("qwen2vl")      # M-RoPE (Qwen2-VL's text path)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from proxy.native.build import pristine_source
+from proxy.native.fetch import cache_root, file_lock, staging_dir
+from proxy.native.model import default_model_path
+
+Shape = tuple[int, ...]
+_LOGIT_STD = 16.0
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture: its GGUF arch name, hyper-parameters and tensors (name -> shape in
+    ggml order: ne0 first). `norm_names` are tensors filled with ones (RMS norm weights)."""
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    extra_kv: dict[str, Any] = field(default_factory=dict)
+    tensors: Callable[[Family, int], dict[str, Shape]] | None = None
+    scale: float = 1.0  # layer weights' std times sqrt(fan-in)
+    tied: bool = False  # the output reuses the token embedding (no output.weight tensor)
+
+    def spec(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "tensors"} | {
+            "tensors": self.tensors.__name__ if self.tensors else None
+        }
+
+
+def _attn(f: Family, il: int) -> dict[str, Shape]:
+    q, kv = f.n_head * f.head_dim, f.n_head_kv * f.head_dim
+    return {
+        f"blk.{il}.attn_norm.weight": (f.n_embd,),
+        f"blk.{il}.attn_q.weight": (f.n_embd, q),
+        f"blk.{il}.attn_k.weight": (f.n_embd, kv),
+        f"blk.{il}.attn_v.weight": (f.n_embd, kv),
+        f"blk.{il}.attn_output.weight": (q, f.n_embd),
+    }
+
+
+def _ffn(f: Family, il: int) -> dict[str, Shape]:
+    return {
+        f"blk.{il}.ffn_norm.weight": (f.n_embd,),
+        f"blk.{il}.ffn_gate.weight": (f.n_embd, f.n_ff),
+        f"blk.{il}.ffn_down.weight": (f.n_ff, f.n_embd),
+        f"blk.{il}.ffn_up.weight": (f.n_embd, f.n_ff),
+    }
+
+
+def dense_layer(f: Family, il: int) -> dict[str, Shape]:
+    """llama / qwen2vl: RMS norm, attention without biases, SwiGLU."""
+    return _attn(f, il) | _ffn(f, il)
+
+
+def qk_norm_layer(f: Family, il: int) -> dict[str, Shape]:
+    """qwen3: dense plus per-head q/k norms."""
+    return dense_layer(f, il) | {
+        f"blk.{il}.attn_q_norm.weight": (f.head_dim,),
+        f"blk.{il}.attn_k_norm.weight": (f.head_dim,),
+    }
+
+
+def gemma2_layer(f: Family, il: int) -> dict[str, Shape]:
+    """gemma2: dense plus norms after attention and after the FFN."""
+    return dense_layer(f, il) | {
+        f"blk.{il}.post_attention_norm.weight": (f.n_embd,),
+        f"blk.{il}.post_ffw_norm.weight": (f.n_embd,),
+    }
+
+
+_SSM = {"d_conv": 4, "d_inner": 128, "d_state": 16, "n_group": 1, "dt_rank": 4}
+
+
+def mamba2_layer(f: Family, il: int) -> dict[str, Shape]:
+    """mamba2: a selective state-space block per layer, no attention (recurrent memory)."""
+    d_inner, conv = _SSM["d_inner"], _SSM["d_inner"] + 2 * _SSM["n_group"] * _SSM["d_state"]
+    rank = _SSM["dt_rank"]
+    return {
+        f"blk.{il}.attn_norm.weight": (f.n_embd,),
+        f"blk.{il}.ssm_in.weight": (f.n_embd, d_inner + conv + rank),
+        f"blk.{il}.ssm_conv1d.weight": (_SSM["d_conv"], conv),
+        f"blk.{il}.ssm_conv1d.bias": (conv,),
+        f"blk.{il}.ssm_dt.bias": (rank,),
+        f"blk.{il}.ssm_a": (1, rank),
+        f"blk.{il}.ssm_d": (1, rank),
+        f"blk.{il}.ssm_norm.weight": (d_inner // _SSM["n_group"], _SSM["n_group"]),
+        f"blk.{il}.ssm_out.weight": (d_inner, f.n_embd),
+    }
+
+
+FAMILIES: dict[str, Family] = {
+    # GQA at head dim 80 (2 query heads, 1 KV head) and 128.
+    "llama-h80": Family("llama", 2, 64, 2, 1, 80, 192, tensors=dense_layer),
+    "llama-h128": Family("llama", 2, 64, 2, 1, 128, 192, tensors=dense_layer),
+    "qwen3": Family("qwen3", 2, 64, 2, 1, 64, 192, tensors=qk_norm_layer),
+    # M-RoPE: several position axes per token, 12 more bytes of metadata per KV cell.
+    "qwen2vl": Family(
+        "qwen2vl",
+        2,
+        128,
+        2,
+        1,
+        64,
+        192,
+        extra_kv={"rope.dimension_sections": [16, 8, 8, 0]},
+        tensors=dense_layer,
+    ),
+    # Sliding window on every other layer (a window of 32 tokens: the suite's prompts pass it).
+    "gemma2": Family(
+        "gemma2",
+        2,
+        64,
+        2,
+        1,
+        64,
+        192,
+        extra_kv={"attention.sliding_window": 32},
+        tensors=gemma2_layer,
+        scale=3.0,
+        tied=True,
+    ),
+    # Recurrent memory: no KV cache at all, a state per sequence.
+    "mamba2": Family(
+        "mamba2",
+        2,
+        64,
+        0,
+        0,
+        0,
+        0,
+        extra_kv={
+            "ssm.conv_kernel": _SSM["d_conv"],
+            "ssm.inner_size": _SSM["d_inner"],
+            "ssm.state_size": _SSM["d_state"],
+            "ssm.time_step_rank": _SSM["dt_rank"],
+            "ssm.group_count": _SSM["n_group"],
+        },
+        tensors=mamba2_layer,
+    ),
+}
+
+
+def tiny_model(name: str) -> Path:
+    """The GGUF of family `name`, written once into the cache (keyed by its content)."""
+    fam = FAMILIES[name]
+    key = hashlib.sha256(
+        json.dumps(fam.spec(), sort_keys=True).encode() + Path(__file__).read_bytes()
+    ).hexdigest()[:12]
+    final = cache_root() / "tiny-models" / f"{name}-{key}.gguf"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(final.parent / f".{final.name}.lock"):
+        if not final.exists():
+            with staging_dir(final) as tmp:
+                _write(fam, tmp / final.name)
+                os.replace(tmp / final.name, final)
+    return final
+
+
+def _gguf() -> Any:
+    """The pinned source's gguf-py (the writer that matches the server's reader)."""
+    path = str(pristine_source() / "gguf-py")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    import gguf
+
+    return gguf
+
+
+def _write(fam: Family, out: Path) -> None:
+    gguf = _gguf()
+    writer = gguf.GGUFWriter(str(out), fam.arch)
+    vocab = _copy_tokenizer(gguf, writer)
+    a = fam.arch
+    writer.add_uint32(f"{a}.block_count", fam.n_layer)
+    writer.add_uint32(f"{a}.context_length", 8192)
+    writer.add_uint32(f"{a}.embedding_length", fam.n_embd)
+    if fam.n_head:  # attention (a pure state-space model has none)
+        writer.add_uint32(f"{a}.feed_forward_length", fam.n_ff)
+        writer.add_uint32(f"{a}.attention.head_count", fam.n_head)
+        writer.add_uint32(f"{a}.attention.head_count_kv", fam.n_head_kv)
+        writer.add_uint32(f"{a}.attention.key_length", fam.head_dim)
+        writer.add_uint32(f"{a}.attention.value_length", fam.head_dim)
+        writer.add_uint32(f"{a}.rope.dimension_count", fam.head_dim)
+        writer.add_float32(f"{a}.rope.freq_base", 10000.0)
+    writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_uint32("general.file_type", 1)  # mostly F16
+    for k, v in fam.extra_kv.items():
+        _add(gguf, writer, f"{a}.{k}", v)
+    rng = np.random.default_rng(int.from_bytes(hashlib.sha256(a.encode()).digest()[:4], "little"))
+    for name, shape in _tensors(fam, vocab):
+        writer.add_tensor(name, _weights(rng, name, shape, fam))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _tensors(fam: Family, n_vocab: int) -> Iterator[tuple[str, Shape]]:
+    yield "token_embd.weight", (fam.n_embd, n_vocab)
+    yield "output_norm.weight", (fam.n_embd,)
+    if not fam.tied:
+        yield "output.weight", (fam.n_embd, n_vocab)
+    assert fam.tensors is not None
+    for il in range(fam.n_layer):
+        yield from fam.tensors(fam, il).items()
+
+
+def _weights(rng: np.random.Generator, name: str, shape: Shape, fam: Family) -> np.ndarray:
+    """Norm weights are ones; matrices normal with std scale/sqrt(fan-in); the output's logits
+    spread over about 16 nats, so the top two part by more than the near-tie tolerance on most
+    tokens, and depend on the context (an untied output: a tied one mostly repeats the last
+    token). numpy's shape is ggml's reversed."""
+    np_shape = tuple(reversed(shape))
+    if "norm" in name:
+        return np.ones(np_shape, dtype=np.float32)
+    if name.endswith((".ssm_a", ".ssm_d")) or ".ssm_conv1d" in name or name.endswith(".bias"):
+        # State-space parameters stay f32 (ggml's scan and conv read them so); A < 0 keeps the
+        # recurrence stable.
+        vals = rng.standard_normal(np_shape, dtype=np.float32) * 0.5
+        return -np.abs(vals) - 0.5 if name.endswith(".ssm_a") else vals
+    if name == "token_embd.weight":
+        std = 1.0 if not fam.tied else 4.0 / np.sqrt(shape[0])
+    elif name == "output.weight":
+        std = _LOGIT_STD / np.sqrt(shape[0])
+    else:
+        std = fam.scale / np.sqrt(shape[0])
+    return (rng.standard_normal(np_shape, dtype=np.float32) * std).astype(np.float16)
+
+
+def _add(gguf: Any, writer: Any, key: str, value: Any) -> None:
+    if isinstance(value, list):
+        writer.add_array(key, value)
+    elif isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    else:
+        writer.add_string(key, str(value))
+
+
+def _copy_tokenizer(gguf: Any, writer: Any) -> int:
+    """Copy every `tokenizer.*` key of the default model; returns the vocabulary size."""
+    reader = gguf.GGUFReader(str(default_model_path()))
+    n_vocab = 0
+    for key, fld in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = fld.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            values = fld.contents()
+            writer.add_array(key, values)
+            if key == "tokenizer.ggml.tokens":
+                n_vocab = len(values)
+        else:
+            writer.add_key_value(key, fld.contents(), vtype)
+    return n_vocab
