@@ -186,7 +186,11 @@ def up_forever(
     )
     server = ServerProcess(spec, cache_root() / "logs" / f"llama-server-{spec.port}.log")
     say(f"starting llama-server on {spec.url} (log: {server.log_path})")
-    server.start()
+    try:
+        _start_server(server)
+    except BaseException:
+        _remove_payload_dir(shm_dir)  # the server made it; nothing else will
+        raise
     config = Config(
         backends=(spec.url,), shm_dir=shm_dir, tokenizer_cache=cache_root() / "tokenizers", **proxy_kw
     )
@@ -217,9 +221,24 @@ def up_forever(
     finally:
         say("stopping llama-server")
         server.stop()
-        _remove_payloads(shm_dir)
-        with contextlib.suppress(OSError):
-            shm_dir.rmdir()
+        _remove_payload_dir(shm_dir)
+
+
+def _start_server(server: ServerProcess) -> None:
+    """Start it, or say in one line why it refused (not the whole log)."""
+    try:
+        server.start()
+    except ConfigError as exc:
+        if server.startup_exit is None:  # it did not exit (too slow): the whole message helps
+            raise
+        why, fix = server.startup_refusal()
+        raise ConfigError(why, fix=fix) from exc
+
+
+def _remove_payload_dir(shm_dir: Path) -> None:
+    _remove_payloads(shm_dir)
+    with contextlib.suppress(OSError):
+        shm_dir.rmdir()
 
 
 async def supervise(server: ServerProcess, poll_s: float = 0.5, max_backoff_s: float = 30.0) -> None:

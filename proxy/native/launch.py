@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import re
 import shutil
 import signal
 import socket
@@ -102,6 +103,11 @@ def check_port_free(host: str, port: int, what: str) -> None:
             ) from exc
 
 
+_KVCTL_REFUSAL = "--kvctl cannot be enabled:"
+# A llama.cpp log line of level E: "0.00.142.458 E llama_model_load: error loading model: ...".
+_ERROR_LINE = re.compile(r"^\s*[\d.]+ E (?:\S+\s+)?(.+)$")
+
+
 class ServerProcess:
     """One llama-server child: started in its own process group, always stopped."""
 
@@ -110,6 +116,8 @@ class ServerProcess:
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
         self._key_dir: Path | None = None
+        self._log_start = 0  # where this run's lines begin in the (appended) log
+        self.startup_exit: int | None = None  # the exit code when it died during startup
 
     @property
     def url(self) -> str:
@@ -129,6 +137,7 @@ class ServerProcess:
             # The server refuses a group- or world-writable one.
             self.spec.kvctl_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         key_file = self._write_key() if self.spec.kvctl and self.spec.kvctl_key else None
         try:
             with open(self.log_path, "ab") as log:
@@ -184,6 +193,7 @@ class ServerProcess:
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:
+                self.startup_exit = self.proc.returncode
                 raise ConfigError(
                     f"llama-server exited with code {self.proc.returncode} during startup:\n"
                     f"{self.log_tail()}",
@@ -207,6 +217,31 @@ class ServerProcess:
         except OSError:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
+
+    def startup_refusal(self) -> tuple[str, str]:
+        """(why, what to do): the one line of this run's log that says why the server did not
+        start, for a user who should not have to read the whole log."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_start)
+                lines = log.read().decode(errors="replace").splitlines()
+        except OSError:
+            lines = []
+        see = f"the whole log: {self.log_path}"
+        for line in lines:
+            if _KVCTL_REFUSAL in line:
+                reason = line.split(_KVCTL_REFUSAL, 1)[1].strip()
+                return (
+                    f"the patched llama-server refuses --kvctl with these settings: {reason}",
+                    f"change or drop the settings it names ({see})",
+                )
+        errors = [m.group(1) for m in map(_ERROR_LINE.match, lines) if m]
+        if errors:
+            return (
+                f"llama-server did not start: {errors[0]}",
+                f"check the model and the server options ({see})",
+            )
+        return f"llama-server exited with code {self.startup_exit} during startup", see
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -175,3 +176,66 @@ def test_unmovable_memory_is_served_with_moves_off(
     finally:
         patched.stop()
         stock.stop()
+
+
+def _ask_together(proxy: ProxyThread, conversations: list[list[dict[str, str]]]) -> list[Reply]:
+    with concurrent.futures.ThreadPoolExecutor(len(conversations)) as pool:
+        replies = list(pool.map(lambda m: _ask(proxy, m), conversations))
+    proxy.settle()
+    return replies
+
+
+def test_mrope_kv_is_reused_exactly_on_every_route(
+    start_server: ServerFactory, patched_bin: Path, stock_bin: Path, tmp_path: Path
+) -> None:
+    """M-RoPE (qwen2vl): A, A+H (an import at p0 > 0), S (resident sharing) and a restore from
+    the disk tier after a restart (H), each equal to stock from scratch, with no fallback."""
+    patched, stock = _servers(start_server, patched_bin, stock_bin, "qwen2vl")
+    routes: set[str] = set()
+
+    def check(proxy: ProxyThread, messages: list[dict[str, str]], reply: Reply | None = None) -> Reply:
+        reply = reply or _ask(proxy, messages)
+        assert_same_answer(reply, _from_scratch(stock, messages))
+        routes.add(reply.headers["X-Radix-Route"])
+        assert _fallbacks(proxy) == 0
+        return reply
+
+    doc = document(23, 150)
+    # A, then A+H: the slot keeps its KV (idle release off); the tree tops up a shorter slot.
+    proxy = ProxyThread(proxy_config(patched, idle_release=False, cache_disk=tmp_path / "disk")).start()
+    try:
+        first = check(proxy, convo(doc, "What is the first word?"))
+        turn = convo(doc, "What is the first word?") + [
+            {"role": "assistant", "content": first.body["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "And the last word?"},
+        ]
+        second = check(proxy, turn)
+        assert second.headers["X-Radix-Route"] == "A"
+        # The slot is taken by another question on the document (A again, shorter) ...
+        check(proxy, convo(doc, "Which word is the longest?"))
+        # ... so the conversation's next turn is the slot's document plus the rest from the tree.
+        turn3 = turn + [
+            {"role": "assistant", "content": second.body["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "Which word comes second?"},
+        ]
+        assert check(proxy, turn3).headers["X-Radix-Route"] == "A+H"
+    finally:
+        proxy.stop()  # graceful: the tree is written to the disk tier
+    # A restart: the tree is empty, the disk tier restores it (route H), the slots were erased.
+    for slot in range(patched.spec.n_parallel):
+        _kvctl(patched, "erase", {"slot": slot})
+    proxy = ProxyThread(proxy_config(patched, cache_disk=tmp_path / "disk")).start()
+    try:
+        assert check(proxy, turn + [{"role": "user", "content": "One more?"}]).headers["X-Radix-Route"] == "H"
+    finally:
+        proxy.stop()
+    # S and S+H: a resident prefix attached to another slot, topped up from the tree.
+    proxy = ProxyThread(proxy_config(patched, kv_share=True, idle_release=False)).start()
+    try:
+        check(proxy, convo(doc, "Name a word."))
+        pair = [convo(doc, "Name a verb."), convo(doc, "Name a noun.")]
+        for reply, messages in zip(_ask_together(proxy, pair), pair, strict=True):
+            check(proxy, messages, reply)
+    finally:
+        proxy.stop()
+    assert {"A", "A+H", "H"} <= routes and routes & {"S", "S+H"}, routes

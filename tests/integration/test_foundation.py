@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -130,6 +131,36 @@ def test_up_with_port_in_use_says_cause_and_fix() -> None:
         out = _cli("up", "--port", str(port))
     assert out.returncode == 1
     assert "in use" in out.stderr and "fix:" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (
+            ("--server-arg=--cache-reuse", "--server-arg=256"),
+            "error: the patched llama-server refuses --kvctl with these settings: requires --cache-reuse 0",
+        ),
+        (("--model", "{bad}"), "error: llama-server did not start: "),
+    ],
+    ids=["kvctl-refused", "model-refused"],
+)
+def test_up_says_in_one_line_why_the_server_refused_and_leaves_no_payload_dir(
+    patched_bin: Path, tmp_path: Path, args: tuple[str, ...], line: str
+) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 60)  # a GGUF header the server refuses
+    port = free_port()
+    shm = (
+        Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir())
+        / f"radix-{os.getuid()}-{port}"
+    )
+    out = _cli("up", "--port", str(port), "-c", "2048", *(a.format(bad=bad) for a in args), timeout=180)
+    assert out.returncode == 1, out.stderr
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("radixctl: error:")]
+    assert len(errors) == 1 and errors[0].startswith("radixctl: " + line), out.stderr
+    assert "radixctl: fix:" in out.stderr and "the whole log:" in out.stderr
+    assert len(out.stderr.splitlines()) <= 4, out.stderr  # not the server's log
+    assert not shm.exists()  # the server made it; a refused start removes it
 
 
 def test_up_serves_through_the_proxy_and_stops_cleanly(patched_bin: Path, model_path: Path) -> None:
