@@ -138,7 +138,9 @@ def _parse(buf: Buffer, expect: KvLayout | None, ext: int) -> KvSegment:
     if not 1 <= n_layer <= _MAX_LAYERS:
         raise PayloadError(f"n_layer {n_layer} out of range")
     k_parts = [_read_rows(rd, n, f"K layer {il}") for il in range(n_layer)]
-    if v_trans:
+    if rd.off == len(raw):  # K only: an MLA cache has no V tensors (V is a view of K)
+        v_parts: list[_Part] = []
+    elif v_trans:
         v_parts = [_read_trans(rd, n, f"V layer {il}") for il in range(n_layer)]
     else:
         v_parts = [_read_rows(rd, n, f"V layer {il}") for il in range(n_layer)]
@@ -242,8 +244,8 @@ def _gather(layout: KvLayout, p0: int, n: int, order: np.ndarray | None, blocks:
 
 def blob_size(layout: KvLayout, n: int) -> int:
     """Exact byte size of a blob holding n cells of this layout."""
-    per_layer_heads = layout.n_layer * (
-        _ROW_HEAD.size + (_TRANS_HEAD.size if layout.v_trans else _ROW_HEAD.size)
+    per_layer_heads = layout.n_layer * _ROW_HEAD.size + layout.n_v * (
+        _TRANS_HEAD.size if layout.v_trans else _ROW_HEAD.size
     )
     # The cells' extra metadata is in bytes_per_token (the segment holds it) and in the cell table.
     return (
@@ -286,7 +288,7 @@ def _write(segments: Sequence[KvSegment], out: Buffer, seq_id: int) -> int:
     off = _put(buf, off + n * cell.itemsize, _DATA_HEAD.pack(int(layout.v_trans), layout.n_layer))
     # The blob's data section is the segment's parts end to end, each behind its header.
     heads = [_ROW_HEAD.pack(layout.k_types[il], layout.k_row_bytes[il]) for il in range(layout.n_layer)]
-    for il in range(layout.n_layer):
+    for il in range(layout.n_v):
         if layout.v_trans:
             heads.append(_TRANS_HEAD.pack(layout.v_types[il], layout.v_el_bytes[il], layout.n_embd_v_gqa[il]))
         else:

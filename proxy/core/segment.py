@@ -53,16 +53,23 @@ class KvLayout:
     def __post_init__(self) -> None:
         if not 1 <= self.n_layer <= _MAX_LAYERS:
             raise PayloadError(f"layout: n_layer {self.n_layer} out of range")
-        for name in ("k_types", "k_row_bytes", "v_types", "v_row_bytes", "v_el_bytes", "n_embd_v_gqa"):
+        # V: one entry per layer, or none at all (K-only: MLA keeps V as a view of K).
+        n_v = len(self.v_types)
+        for name in ("k_types", "k_row_bytes"):
             if len(getattr(self, name)) != self.n_layer:
                 raise PayloadError(
                     f"layout: {name} has {len(getattr(self, name))} entries, not {self.n_layer}"
                 )
-        if min(self.k_row_bytes) <= 0 or min(self.v_row_bytes) <= 0:
+        if n_v not in (0, self.n_layer):
+            raise PayloadError(f"layout: v_types has {n_v} entries, not {self.n_layer} (or 0: K only)")
+        for name in ("v_row_bytes", "v_el_bytes", "n_embd_v_gqa"):
+            if len(getattr(self, name)) != n_v:
+                raise PayloadError(f"layout: {name} has {len(getattr(self, name))} entries, not {n_v}")
+        if min(self.k_row_bytes) <= 0 or min(self.v_row_bytes, default=1) <= 0:
             raise PayloadError("layout: row sizes must be positive")
         if not 0 <= self.cell_ext_bytes <= _MAX_CELL_EXT:
             raise PayloadError(f"layout: cell metadata of {self.cell_ext_bytes} extra bytes out of range")
-        for il in range(self.n_layer):
+        for il in range(n_v):
             el, emb = self.v_el_bytes[il], self.n_embd_v_gqa[il]
             if self.v_trans and (el <= 0 or emb <= 0 or el * emb != self.v_row_bytes[il]):
                 raise PayloadError(f"layout: layer {il}: v_row_bytes != n_embd_v_gqa * v_el_bytes")
@@ -77,7 +84,12 @@ class KvLayout:
     @property
     def n_parts(self) -> int:
         """K of each layer, V of each layer, then the cells' extra metadata when there is any."""
-        return 2 * self.n_layer + (1 if self.cell_ext_bytes else 0)
+        return self.n_layer + self.n_v + (1 if self.cell_ext_bytes else 0)
+
+    @property
+    def n_v(self) -> int:
+        """Layers with V rows: all of them, or 0 for a K-only (MLA) cache."""
+        return len(self.v_types)
 
     def k_offset(self, il: int) -> int:
         """Byte offset of layer il's K row inside a token row."""
@@ -116,7 +128,7 @@ class KvLayout:
         if ext < 0:
             raise PayloadError(f"compat: cell_meta_bytes below the {CELL_BASE_BYTES} every cell has")
         if not v_trans:
-            zeros = (0,) * n_layer
+            zeros = (0,) * len(v_types)  # no V rows at all when K-only
             return cls(n_layer, k_types, k_rows, v_types, False, v_rows, zeros, zeros, ext)
         if "v_el_bytes" in compat:
             els = _ints(compat["v_el_bytes"])
@@ -338,7 +350,7 @@ def el_dtype(el: int) -> np.dtype:
 
 
 def _is_trans(lay: KvLayout, i: int) -> bool:
-    return lay.v_trans and lay.n_layer <= i < 2 * lay.n_layer
+    return lay.v_trans and lay.n_layer <= i < lay.n_layer + lay.n_v
 
 
 def _el(lay: KvLayout, i: int) -> int:
@@ -349,7 +361,7 @@ def part_bytes(lay: KvLayout, i: int) -> int:
     """Bytes of part i (K of layers 0.., then V of layers 0.., then cell metadata) per token."""
     if i < lay.n_layer:
         return lay.k_row_bytes[i]
-    return lay.v_row_bytes[i - lay.n_layer] if i < 2 * lay.n_layer else lay.cell_ext_bytes
+    return lay.v_row_bytes[i - lay.n_layer] if i < lay.n_layer + lay.n_v else lay.cell_ext_bytes
 
 
 def part_shape(lay: KvLayout, i: int, n: int) -> tuple[int, int]:
@@ -364,7 +376,7 @@ def _row_span(lay: KvLayout, i: int) -> tuple[int, int]:
     """(offset, bytes) of part i inside a per-token row."""
     if i < lay.n_layer:
         return lay.k_offset(i), lay.k_row_bytes[i]
-    if i == 2 * lay.n_layer:
+    if i == lay.n_layer + lay.n_v:
         return sum(lay.k_row_bytes) + sum(lay.v_row_bytes), lay.cell_ext_bytes
     il = i - lay.n_layer
     return lay.v_offset(il), lay.v_row_bytes[il]

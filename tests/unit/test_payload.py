@@ -24,8 +24,12 @@ from proxy.errors import PayloadError
 pytestmark = pytest.mark.unit
 
 
-def make_layout(v_trans: bool, n_layer: int = 3, el: int = 2, ext: int = 0) -> KvLayout:
-    """`ext`: bytes of extra cell metadata (12 for M-RoPE's positions and token id)."""
+def make_layout(v_trans: bool, n_layer: int = 3, el: int = 2, ext: int = 0, k_only: bool = False) -> KvLayout:
+    """`ext`: bytes of extra cell metadata (12 for M-RoPE's positions and token id); `k_only`:
+    no V rows (an MLA cache)."""
+    if k_only:
+        k_rows = tuple(8 + 4 * il for il in range(n_layer))
+        return KvLayout(n_layer, (1,) * n_layer, k_rows, (), v_trans, (), (), (), ext)
     k_rows = tuple(8 + 4 * il for il in range(n_layer))  # per-layer sizes differ on purpose
     if not v_trans:
         v_rows = tuple(6 + 2 * il for il in range(n_layer))
@@ -72,7 +76,7 @@ def reference_fields(
             (f"k{il}.row", struct.pack("<Q", row)),
             (f"k{il}.data", seg.rows()[order, off : off + row].tobytes()),
         ]
-    for il in range(lay.n_layer):
+    for il in range(lay.n_v):
         off, row = lay.v_offset(il), lay.v_row_bytes[il]
         rows = seg.rows()[order, off : off + row]
         if not lay.v_trans:
@@ -121,6 +125,26 @@ def test_build_equals_reference_and_round_trips(v_trans: bool, ext: int) -> None
     assert build_blob([parse_blob(ref, lay)], seq_id=7) == ref
     assert parse_blob(build_blob([seg]), cell_ext_bytes=ext) == seg
     assert blob_size(lay, 17) == len(ref)
+
+
+@pytest.mark.parametrize("ext", [0, 12])
+@pytest.mark.parametrize("v_trans", [False, True])
+def test_k_only_layout_round_trips(v_trans: bool, ext: int) -> None:
+    """MLA: the cache holds K only (V is a view of it); the blob ends after the K rows."""
+    lay = make_layout(v_trans, ext=ext, k_only=True)
+    assert lay.n_v == 0 and lay.n_parts == lay.n_layer + (1 if ext else 0)
+    seg = random_segment(lay, p0=3, n=11)
+    order = np.random.default_rng(4).permutation(11)
+    ref = join(reference_fields(seg, order))
+    assert parse_blob(ref, lay) == seg
+    blob = build_blob([seg], seq_id=7)
+    assert blob == join(reference_fields(seg)) and len(blob) == blob_size(lay, 11)
+    assert KvSegment.concat([seg.slice(3, 8), seg.slice(8, 14)]) == seg
+    assert KvLayout.from_caps(lay.compat_dict()) == lay
+    with pytest.raises(PayloadError):  # a K-only blob is never taken for a full layout, nor back
+        parse_blob(blob, make_layout(v_trans, ext=ext))
+    with pytest.raises(PayloadError):
+        parse_blob(build_blob([random_segment(make_layout(v_trans, ext=ext), 0, 4)]), lay)
 
 
 def test_cell_metadata_size_must_be_known() -> None:
@@ -368,9 +392,16 @@ def test_trailing_byte_and_every_truncation_raise() -> None:
         blob = build_blob([random_segment(make_layout(v_trans), p0=0, n=3)])
         with pytest.raises(PayloadError, match="trailing"):
             parse_blob(blob + b"\0")
+        lay = make_layout(v_trans)
+        k_end = (
+            blob_size(lay, 3) - 3 * sum(lay.v_row_bytes) - lay.n_layer * 12
+        )  # V headers: 12 bytes either way
         for cut in range(len(blob)):
             with pytest.raises(PayloadError):
-                parse_blob(blob[:cut])
+                parse_blob(blob[:cut], expect=lay)  # how the proxy parses: against the server's layout
+            if cut != k_end:  # cut right after K, the blob reads as a K-only (MLA) one
+                with pytest.raises(PayloadError):
+                    parse_blob(blob[:cut])
 
 
 def test_expect_layout_mismatch() -> None:
