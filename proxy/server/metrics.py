@@ -90,6 +90,12 @@ class Metrics:
             ["route", "server"],
             registry=registry,
         )
+        self.api_requests = Counter(
+            f"{ns}_api_requests",
+            "Steered requests by client API (chat, completions, messages, responses)",
+            ["api"],
+            registry=registry,
+        )
         self.request_errors = Counter(
             f"{ns}_request_errors",
             "Requests answered with an error, by status class",
