@@ -30,7 +30,7 @@ from proxy.server.front import (
 from proxy.server.models import ModelEntry, models_listing, pick_model, with_model
 from proxy.server.observe import refresh_metrics
 from proxy.server.runtime import RUNTIME, Runtime
-from proxy.server.shapes import AnswerShape
+from proxy.server.shapes import AnswerShape, check_prompt_count
 
 log = logging.getLogger("radix")
 
@@ -115,7 +115,8 @@ async def _steered(
     ``radix_api_requests`` (chat or completions by default)."""
     runtime = request.app[RUNTIME]
     coord, config = runtime.coordinator, runtime.config
-    runtime.metrics.api_requests.labels(api or ("chat" if "chat" in request.path else "completions")).inc()
+    api = api or ("chat" if "chat" in request.path else "completions")
+    runtime.metrics.api_requests.labels(api).inc()
     arrived = time.monotonic()
     ns = with_model(model.ns, cache_namespace(config, body, request.headers))
     session = request.headers.get(SESSION_HEADER, "")
@@ -128,7 +129,7 @@ async def _steered(
             f"r{next(_ids)}", tokens, ns, model=model.name, session=session, n_predict=_n_predict(body)
         )
         outcome = Outcome()
-        done = _once(functools.partial(_finish, runtime, lease, outcome))
+        done = _once(functools.partial(_finish, runtime, lease, outcome, api))
         try:
             await coord.restore(lease, _n_predict(body))
             if lease.no_cache:
@@ -173,7 +174,8 @@ async def _steered(
     raise AssertionError("unreachable")
 
 
-def _finish(runtime: Runtime, lease: Lease, outcome: Outcome) -> None:
+def _finish(runtime: Runtime, lease: Lease, outcome: Outcome, api: str) -> None:
+    check_prompt_count(runtime.metrics, api, len(lease.tokens), outcome.timings, lease.request_id)
     try:
         runtime.coordinator.record(lease, outcome.timings, outcome.ttft_s, outcome.status)
     finally:  # the slot is saved and released whatever the record made of the answer

@@ -9,6 +9,7 @@ answer on and strips every field that tells how much of the prompt was cached.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 import orjson
@@ -16,6 +17,9 @@ import orjson
 from proxy.server.anthropic import convert_error, message_of
 from proxy.server.anthropic_stream import EventStream
 from proxy.server.front import SseStripper, strip_cache_info_raw
+from proxy.server.metrics import Metrics
+
+log = logging.getLogger("radix")
 
 
 class Rewriter(Protocol):
@@ -137,3 +141,25 @@ class ResponsesShape(AnswerShape):
 
     def stream(self) -> Rewriter | None:
         return None if self.show else _DeepStripper()
+
+
+def check_prompt_count(
+    metrics: Metrics, api: str, tokens: int, timings: dict[str, Any] | None, request_id: str
+) -> bool:
+    """Whether the server computed a prompt as long as the proxy's tokens for it. One that
+    differs (an API conversion, template or tokenizer that is not the server's) costs cache
+    hits, never correctness: counted in ``radix_prompt_mismatch`` and logged."""
+    if not timings or "cache_n" not in timings or "prompt_n" not in timings:
+        return True
+    served = int(timings["cache_n"]) + int(timings["prompt_n"])
+    if served == tokens:
+        return True
+    metrics.prompt_mismatch.labels(api).inc()
+    log.warning(
+        "request %s (%s): the server's prompt has %d tokens, the proxy's %d: the cache matched less",
+        request_id,
+        api,
+        served,
+        tokens,
+    )
+    return False

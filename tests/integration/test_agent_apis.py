@@ -326,6 +326,18 @@ def test_responses_stream(proxy: ProxyThread, stock_server: ServerProcess) -> No
 # ---- last: a proxy that hides cache information (one proxy per server) -------------------------
 
 
+def test_every_prompt_was_the_servers(proxy: ProxyThread) -> None:
+    """After all the above, the server computed each prompt at the proxy's length."""
+
+    def sample(name: str, api: str) -> float:
+        value = proxy.call(lambda rt: rt.metrics.registry.get_sample_value(name, {"api": api}))
+        return float(value or 0.0)
+
+    for api in ("messages", "responses"):
+        assert sample("radix_api_requests_total", api) >= 2
+        assert sample("radix_prompt_mismatch_total", api) == 0
+
+
 def test_cache_information_hidden(backend: ServerProcess, proxy: ProxyThread) -> None:
     proxy.stop()
     hidden = ProxyThread(proxy_config(backend, cache_ram_mib=64, cache_info=False)).start()
