@@ -9,6 +9,7 @@ same converted chat body with log-probabilities, compared under invariant 5
 
 from __future__ import annotations
 
+import http.client
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -321,6 +322,33 @@ def test_responses_stream(proxy: ProxyThread, stock_server: ServerProcess) -> No
     assert_same_text(text, responses_reference(stock_server, body))
     bad = post(f"{proxy.url}/v1/responses", {"model": "default", "input": [{"type": "nonsense"}]})
     assert bad.status == 400 and bad.body["error"]["message"] == "Cannot determine type of 'item'"
+
+
+def test_a_server_dying_mid_stream_ends_with_an_anthropic_error_event(
+    start_server: ServerFactory, patched_bin: Path
+) -> None:
+    lone = start_server(patched_bin, n_parallel=2)
+    thread = ProxyThread(proxy_config(lone, cache_ram_mib=64, queue_timeout_s=20.0)).start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", thread.config.port, timeout=60)
+        body = {**body_of("Write a long report on every word.", 400), "stream": True}
+        conn.request("POST", "/v1/messages", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.getheader("Content-Type", "").startswith("text/event-stream")
+        assert resp.readline() == b"event: message_start\n"
+        assert lone.proc is not None
+        lone.proc.kill()
+        rest = resp.read().decode()  # ends: no hang, no second HTTP response inside the body
+        last = [b for b in rest.split("\n\n") if b.strip()][-1]
+        assert last.startswith("event: error\ndata: ")
+        error = json.loads(last.split("data: ", 1)[1])
+        assert error["type"] == "error" and error["error"]["type"] == "api_error"
+        assert "mid-stream" in error["error"]["message"] and "HTTP/1.1" not in rest
+        assert "message_stop" not in rest
+        thread.settle()
+        assert thread.call(lambda rt: [s.slot_id for s in rt.coordinator.servers[0].slots if s.busy]) == []
+    finally:
+        thread.stop()
 
 
 # ---- last: a proxy that hides cache information (one proxy per server) -------------------------
