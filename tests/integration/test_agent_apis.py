@@ -289,6 +289,7 @@ def test_responses_create_and_second_turn(proxy: ProxyThread, stock_server: Serv
     first = raw.parse()
     counted = post(f"{stock_server.url}/v1/responses/input_tokens", body).body["input_tokens"]
     assert int(raw.headers["x-radix-prompt-tokens"]) == counted == first.usage.input_tokens
+    assert post(f"{proxy.url}/v1/responses/input_tokens", body).body["input_tokens"] == counted
     assert_same_text(first.output_text, responses_reference(stock_server, body))
     body["input"] += [
         {

@@ -116,6 +116,8 @@ CONTROL = [
     ("POST", "/lora-adapters", [{"id": 0, "scale": 1.0}]),
     ("POST", "/infill", {"input_prefix": "a", "input_suffix": "b"}),
     ("POST", "/embeddings", {"input": "hi"}),
+    ("POST", "/v1/embeddings", {"input": "hi"}),
+    ("POST", "/v1/rerank", {"query": "hi", "documents": ["a", "b"]}),
     ("GET", "/metrics/../kvctl/slots", None),
 ]
 
