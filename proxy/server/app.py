@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from proxy.config import Config
 from proxy.errors import BackendError, ConfigError, RadixError, TooLarge
 from proxy.server.admin import add_admin_routes
+from proxy.server.apis import add_api_routes
 from proxy.server.health import HealthMonitor
 from proxy.server.observe import summary_loop
 from proxy.server.recorder import Recorder
@@ -70,6 +71,7 @@ def build_app(config: Config, registry: CollectorRegistry | None = None) -> web.
     app[REGISTRY] = registry if registry is not None else CollectorRegistry()
     app.cleanup_ctx.extend([_session_ctx, _recorder_ctx, _runtime_ctx, _health_ctx, _summary_ctx])
     add_routes(app)
+    add_api_routes(app)
     add_admin_routes(app)
     add_catch_all(app)
     return app

@@ -23,7 +23,7 @@ import orjson
 from aiohttp import web
 
 from proxy.server.coordinator import Lease
-from proxy.server.front import SseStripper, strip_cache_info_raw
+from proxy.server.shapes import AnswerShape
 
 CLIENT_WRITE_TIMEOUT_S = 120.0  # a client that takes no byte for this long is gone: cut it
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding"}
@@ -101,12 +101,17 @@ async def forward_completion(
     retry_no_room: bool = False,
     buffer_bytes: int,
     on_upstream_done: Callable[[], None],
+    path: str | None = None,
+    shape: AnswerShape | None = None,
 ) -> web.StreamResponse:
+    """``body`` to the server's ``path`` (the request's own by default); the answer back in
+    ``shape`` (the server's own by default)."""
     backend = lease.server.backend
+    shape = shape if shape is not None else AnswerShape(show)
     headers = {**forward_headers(request), "Content-Type": "application/json"}
     started = False
     try:
-        async with backend.post_stream(request.path, orjson.dumps(body), headers) as up:
+        async with backend.post_stream(path or request.path, orjson.dumps(body), headers) as up:
             outcome.status = up.status
             extra = radix_headers(lease, show)
             if "text/event-stream" not in up.headers.get("Content-Type", ""):
@@ -114,12 +119,12 @@ async def forward_completion(
                 if retry_no_room and up.status >= 500 and NO_ROOM_MARK in raw:
                     raise NoRoom(raw[:200].decode(errors="replace"))
                 outcome.ttft_s = time.monotonic() - arrived
-                outcome.timings = timings_of(raw)
+                outcome.timings = shape.timings(raw)
                 on_upstream_done()
                 if outcome.timings is not None and show:
                     extra["X-Radix-Cached-Tokens"] = str(outcome.timings.get("cache_n", 0))
                 return web.Response(
-                    body=raw if show else strip_cache_info_raw(raw),
+                    body=shape.answer(raw, up.status),
                     status=up.status,
                     headers=extra,
                     content_type=up.content_type or "application/json",
@@ -130,7 +135,7 @@ async def forward_completion(
             )
             await stream.prepare(request)
             started = True
-            await _relay(request, up, stream, lease, arrived, outcome, show, buffer_bytes, on_upstream_done)
+            await _relay(request, up, stream, lease, arrived, outcome, shape, buffer_bytes, on_upstream_done)
             return stream
     except (aiohttp.ClientError, TimeoutError) as exc:
         if not started:
@@ -145,7 +150,7 @@ async def _relay(
     lease: Lease,
     arrived: float,
     outcome: Outcome,
-    show: bool,
+    shape: AnswerShape,
     buffer_bytes: int,
     on_upstream_done: Callable[[], None],
 ) -> None:
@@ -178,7 +183,7 @@ async def _relay(
         finally:
             queue.put_nowait(None)
 
-    stripper = None if show else SseStripper()
+    stripper = shape.stream()
     reader = asyncio.get_running_loop().create_task(pump())
     try:
         while (chunk := await queue.get()) is not None:

@@ -37,13 +37,19 @@ READ_ONLY = {
     ("POST", "/v1/chat/completions/input_tokens"),
     ("POST", "/chat/completions/input_tokens"),
     ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/v1/responses/input_tokens"),
+    ("POST", "/responses/input_tokens"),
 }
+_EMBED = (
+    "is not steered by the proxy: each input runs on a slot of its own the proxy would have to "
+    "lease (and llama-server serves it only with --embeddings / --reranking); run a llama-server "
+    "of its own for it"
+)
 # Paths llama-server serves that the proxy refuses, and why (the rest get a plain 404).
 REFUSED = {
-    "/v1/messages": "the Anthropic messages API is not steered by the proxy yet; use /v1/chat/completions",
-    "/v1/responses": "the Responses API is not steered by the proxy yet; use /v1/chat/completions",
-    "/responses": "the Responses API is not steered by the proxy yet; use /v1/chat/completions",
     "/infill": "/infill is not steered by the proxy; use /completion with the infill prompt",
+    **{p: f"{p} {_EMBED}" for p in ("/embedding", "/embeddings", "/v1/embeddings")},
+    **{p: f"{p} {_EMBED}" for p in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking")},
     "/v1/chat/completions/control": "the control endpoint is not available through the proxy",
 }
 OFF_LOOP_BYTES = 1 << 20  # bodies larger than this are parsed in a worker thread
@@ -108,12 +114,21 @@ def cache_namespace(config: Config, body: dict[str, Any], headers: Any) -> str:
         parts.append(f"salt:{salt}")
     if "header" in sources and headers.get(SALT_HEADER):
         parts.append(f"header:{headers[SALT_HEADER]}")
-    auth = headers.get("Authorization", "")
-    if "api-key" in sources and auth.lower().startswith("bearer ") and auth[7:].strip():
-        parts.append(f"key:{auth[7:].strip()}")
+    key = api_key(headers)
+    if "api-key" in sources and key:
+        parts.append(f"key:{key}")
     if not parts:
         return ""
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def api_key(headers: Any) -> str:
+    """The client's API key as llama-server reads it: ``Authorization: Bearer KEY``, else
+    Anthropic's ``x-api-key`` ("" when neither)."""
+    auth = headers.get("Authorization", "")
+    if auth.lower().startswith("bearer ") and auth[7:].strip():
+        return str(auth[7:].strip())
+    return str(headers.get("x-api-key", "")).strip()
 
 
 # Request fields that would make the server report cache hits by other routes.

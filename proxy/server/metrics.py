@@ -39,6 +39,7 @@ SHARE_PATHS = {
 FALLBACK_CAUSES = tuple(c.value for c in FallbackCause)
 DIRECTIONS = ("export", "import")
 REJECT_REASONS = ("queue_full", "queue_timeout", "shutting_down", "no_room")
+APIS = ("chat", "completions", "messages", "responses")  # the client APIs of steered requests
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 
 # GET /kvctl/cells field -> pool gauge (all per server, in KV cells).
@@ -88,6 +89,19 @@ class Metrics:
             f"{ns}_requests",
             "Completion requests by route and server",
             ["route", "server"],
+            registry=registry,
+        )
+        self.api_requests = Counter(
+            f"{ns}_api_requests",
+            "Steered requests by client API (chat, completions, messages, responses)",
+            ["api"],
+            registry=registry,
+        )
+        self.prompt_mismatch = Counter(
+            f"{ns}_prompt_mismatch",
+            "Requests whose prompt the server counted at another length than the proxy's tokens "
+            "(an API conversion, template or tokenizer not the server's: costs hits, not correctness)",
+            ["api"],
             registry=registry,
         )
         self.request_errors = Counter(
@@ -318,6 +332,9 @@ class Metrics:
             self.kv_move_seconds.labels(direction)
         for status in ("4xx", "5xx"):
             self.request_errors.labels(status)
+        for api in APIS:
+            self.api_requests.labels(api)
+            self.prompt_mismatch.labels(api)
 
     # ---- updates from state owned elsewhere --------------------------------------------------
 

@@ -30,6 +30,7 @@ from proxy.server.front import (
 from proxy.server.models import ModelEntry, models_listing, pick_model, with_model
 from proxy.server.observe import refresh_metrics
 from proxy.server.runtime import RUNTIME, Runtime
+from proxy.server.shapes import AnswerShape, check_prompt_count
 
 log = logging.getLogger("radix")
 
@@ -99,12 +100,23 @@ async def completion(request: web.Request) -> web.StreamResponse:
 
 
 async def _steered(
-    request: web.Request, body: dict[str, Any], tokens: np.ndarray, model: ModelEntry
+    request: web.Request,
+    body: dict[str, Any],
+    tokens: np.ndarray,
+    model: ModelEntry,
+    *,
+    path: str | None = None,
+    shape: AnswerShape | None = None,
+    api: str = "",
 ) -> web.StreamResponse:
     """Lease, restore, forward; once more elsewhere (or after a restart) when the server failed
-    before the client saw a byte of the answer."""
+    before the client saw a byte of the answer. ``path`` and ``shape``: where the body goes on
+    the server and how its answer reaches the client (``forward_completion``); ``api`` labels
+    ``radix_api_requests`` (chat or completions by default)."""
     runtime = request.app[RUNTIME]
     coord, config = runtime.coordinator, runtime.config
+    api = api or ("chat" if "chat" in request.path else "completions")
+    runtime.metrics.api_requests.labels(api).inc()
     arrived = time.monotonic()
     ns = with_model(model.ns, cache_namespace(config, body, request.headers))
     session = request.headers.get(SESSION_HEADER, "")
@@ -117,7 +129,7 @@ async def _steered(
             f"r{next(_ids)}", tokens, ns, model=model.name, session=session, n_predict=_n_predict(body)
         )
         outcome = Outcome()
-        done = _once(functools.partial(_finish, runtime, lease, outcome))
+        done = _once(functools.partial(_finish, runtime, lease, outcome, api))
         try:
             await coord.restore(lease, _n_predict(body))
             if lease.no_cache:
@@ -135,6 +147,8 @@ async def _steered(
                 buffer_bytes=config.stream_buffer_bytes,
                 on_upstream_done=done,
                 retry_no_room=attempt == 1,
+                path=path,
+                shape=shape,
             )
         except NoRoom as exc:
             outcome.status = 500
@@ -160,7 +174,8 @@ async def _steered(
     raise AssertionError("unreachable")
 
 
-def _finish(runtime: Runtime, lease: Lease, outcome: Outcome) -> None:
+def _finish(runtime: Runtime, lease: Lease, outcome: Outcome, api: str) -> None:
+    check_prompt_count(runtime.metrics, api, len(lease.tokens), outcome.timings, lease.request_id)
     try:
         runtime.coordinator.record(lease, outcome.timings, outcome.ttft_s, outcome.status)
     finally:  # the slot is saved and released whatever the record made of the answer

@@ -233,6 +233,9 @@ def test_exact_metrics_after_scripted_sequence(live: Live) -> None:
         assert sample(m, "radix_fallbacks_total", cause=cause) == 0
     for status in ("4xx", "5xx"):
         assert sample(m, "radix_request_errors_total", status=status) == 0
+    for api in ("chat", "completions", "messages", "responses"):
+        assert sample(m, "radix_api_requests_total", api=api) == (5 if api == "completions" else 0), api
+        assert sample(m, "radix_prompt_mismatch_total", api=api) == 0, api
     assert sample(m, "radix_tokenizer_server_fallback") == 0
     # The server's pool: slot 0 holds P3, slot 1 holds P1, nothing shared, no owners.
     assert sample(m, "radix_backend_up", server="s0") == 1

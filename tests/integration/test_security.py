@@ -114,14 +114,10 @@ CONTROL = [
     ("POST", "/props", {"n_ctx": 1}),
     ("GET", "/lora-adapters", None),
     ("POST", "/lora-adapters", [{"id": 0, "scale": 1.0}]),
-    (
-        "POST",
-        "/v1/messages",
-        {"model": "x", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
-    ),
-    ("POST", "/v1/responses", {"input": "hi"}),
     ("POST", "/infill", {"input_prefix": "a", "input_suffix": "b"}),
     ("POST", "/embeddings", {"input": "hi"}),
+    ("POST", "/v1/embeddings", {"input": "hi"}),
+    ("POST", "/v1/rerank", {"query": "hi", "documents": ["a", "b"]}),
     ("GET", "/metrics/../kvctl/slots", None),
 ]
 

@@ -42,12 +42,23 @@ CONFIG = Config(backends=("http://x",))
         ("POST", "/infill", False),
         ("POST", "/v1/chat/completions/control", False),
         ("POST", "/embeddings", False),
+        ("POST", "/v1/embeddings", False),
+        ("POST", "/v1/rerank", False),
+        ("POST", "/v1/messages/count_tokens", True),
+        ("POST", "/v1/responses/input_tokens", True),
         ("GET", "/metrics/../kvctl/slots", False),
         ("GET", "/v1/stream", False),
     ],
 )
 def test_only_the_read_only_allowlist_passes(method: str, path: str, passes: bool) -> None:
     assert (front.refusal(method, path) is None) == passes
+
+
+def test_unsteered_slot_endpoints_say_why() -> None:
+    for path in ("/v1/embeddings", "/embeddings", "/v1/rerank", "/reranking"):
+        why = front.refusal("POST", path)
+        assert why is not None and "--embeddings" in why and "slot" in why
+    assert "/completion" in (front.refusal("POST", "/infill") or "")
 
 
 @pytest.mark.parametrize("body", [{"n": 2}, {"n_cmpl": 3}, {"n": 0}, {"n": "2"}, {"n": True}, {"n": 1.5}])
