@@ -83,6 +83,17 @@ class Config:
     summary_interval_s: float = 60.0
     # Largest request body accepted, MiB (aiohttp's client_max_size).
     max_body_mib: int = 8
+    # Most log-probabilities per token a request may ask for (n_probs, top_logprobs,
+    # logprobs): the server caps only at the vocabulary, and each one is ~100 bytes a token.
+    max_logprobs: int = 20
+    # Largest answer the proxy holds for a client: a whole non-streamed answer, a pass-through
+    # answer, one SSE event line. Past it the answer is cut with a 502.
+    max_answer_bytes: int = 64 << 20
+    # The server parses grammars and converts JSON schemas recursively: bound what reaches it.
+    # Bytes of a grammar or schema, nesting (grammar parentheses, schema JSON levels), rules.
+    max_grammar_bytes: int = 256 << 10
+    max_grammar_depth: int = 128
+    max_grammar_rules: int = 4096
     # Where a request's cache-isolation key comes from: "field" (body "cache_salt"),
     # "header" (X-Cache-Salt), "api-key" (Authorization: Bearer). Empty: no isolation.
     cache_isolation: tuple[str, ...] = ("field", "header", "api-key")

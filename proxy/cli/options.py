@@ -200,6 +200,60 @@ max_body_option = click.option(
 )
 
 
+def _times(factor: int) -> Callable[[click.Context, click.Parameter, int], int]:
+    """A size given in KiB or MiB on the command line, in bytes in the config."""
+    return lambda ctx, param, value: value * factor
+
+
+max_answer_option = click.option(
+    "--max-answer",
+    "max_answer_bytes",
+    default=64,
+    show_default=True,
+    envvar="RADIX_MAX_ANSWER",
+    type=click.IntRange(1),
+    callback=_times(1 << 20),
+    help="Largest answer the proxy holds for a client, MiB: a non-streamed or pass-through answer, "
+    "one event of a stream (a larger one is cut with a 502).",
+)
+max_logprobs_option = click.option(
+    "--max-logprobs",
+    default=20,
+    show_default=True,
+    envvar="RADIX_MAX_LOGPROBS",
+    type=click.IntRange(0),
+    help="Most log-probabilities per token a request may ask for (n_probs, top_logprobs, logprobs); "
+    "more get 400. 20 is OpenAI's limit.",
+)
+max_grammar_option = click.option(
+    "--max-grammar",
+    "max_grammar_bytes",
+    default=256,
+    show_default=True,
+    envvar="RADIX_MAX_GRAMMAR",
+    type=click.IntRange(1),
+    callback=_times(1 << 10),
+    help="Largest grammar or JSON schema (json_schema, response_format) in KiB; larger get 400.",
+)
+max_grammar_depth_option = click.option(
+    "--max-grammar-depth",
+    default=128,
+    show_default=True,
+    envvar="RADIX_MAX_GRAMMAR_DEPTH",
+    type=click.IntRange(1),
+    help="Deepest nesting of a grammar's groups or of a JSON schema (json_schema, response_format, "
+    "tools); deeper get 400 (the server's parsers recurse).",
+)
+max_grammar_rules_option = click.option(
+    "--max-grammar-rules",
+    default=4096,
+    show_default=True,
+    envvar="RADIX_MAX_GRAMMAR_RULES",
+    type=click.IntRange(1),
+    help="Most rules in a grammar; more get 400 (a long chain of rules overflows the server's stack).",
+)
+
+
 def _isolation_sources(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
     sources = tuple(s.strip() for s in value.split(",") if s.strip() and s.strip() != "none")
     unknown = [s for s in sources if s not in ("field", "header", "api-key")]
@@ -345,6 +399,11 @@ PROXY_OPTIONS = [
     cache_isolation_option,
     cache_info_option,
     max_body_option,
+    max_answer_option,
+    max_logprobs_option,
+    max_grammar_option,
+    max_grammar_depth_option,
+    max_grammar_rules_option,
     max_queue_option,
     queue_timeout_option,
     backend_read_timeout_option,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import logging
@@ -14,7 +15,7 @@ import numpy as np
 import orjson
 
 from proxy.core.payload import tokens_sha256
-from proxy.errors import BackendError, FallbackCause, KvMoveError
+from proxy.errors import BackendError, FallbackCause, KvMoveError, RadixError
 
 log = logging.getLogger("radix")
 
@@ -63,15 +64,18 @@ class Backend:
     # ---- plain server API -------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def request(self, method: str, path: str, **kw: Any) -> AsyncIterator[aiohttp.ClientResponse]:
-        """One request, retried once if a pooled connection turned out to be closed."""
+    async def request(
+        self, method: str, path: str, retry_stale: bool = True, **kw: Any
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """One request, retried once if a pooled connection turned out to be closed (unless
+        ``retry_stale`` is off: the caller decides whether sending it again is safe)."""
         kw.setdefault("timeout", PLAIN_TIMEOUT)
         for attempt in (0, 1):
             try:
                 resp = await self.session.request(method, self.url + path, **kw)
                 break
             except _STALE:
-                if attempt:
+                if attempt or not retry_stale:
                     raise
         try:
             yield resp
@@ -81,7 +85,11 @@ class Backend:
     def post_stream(
         self, path: str, data: bytes, headers: Mapping[str, str]
     ) -> contextlib.AbstractAsyncContextManager[aiohttp.ClientResponse]:
-        return self.request("POST", path, data=data, headers=headers, timeout=self.completion_timeout)
+        # Not retried here: a completion after which the server died must not be sent again
+        # (routes._steered asks whether the server survived it).
+        return self.request(
+            "POST", path, retry_stale=False, data=data, headers=headers, timeout=self.completion_timeout
+        )
 
     async def get_json(self, path: str) -> Any:
         async with self.request("GET", path) as resp:
@@ -218,6 +226,15 @@ class Backend:
             )
             raise KvMoveError(cause, f"/kvctl/{route} answered {status}: {message}")
         return reply
+
+    async def survived(self, instance: str | None, timeout_s: float = 5.0) -> bool:
+        """Whether the server process ``instance`` still answers here (not dead, not replaced)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.kv_get("caps")
+        except (RadixError, TimeoutError):
+            return False
+        return instance is None or self.instance == instance
 
     async def caps(self) -> dict[str, Any]:
         """The server's capabilities; a new instance id is adopted here (see check_instance)."""

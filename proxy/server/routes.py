@@ -18,7 +18,15 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from proxy.errors import BackendError, BadRequest, NotFound
 from proxy.server.backend import Backend
 from proxy.server.coordinator import Lease, RestoreAbandoned
-from proxy.server.forward import HOP_HEADERS, NoRoom, NotStarted, Outcome, forward_completion, forward_headers
+from proxy.server.forward import (
+    HOP_HEADERS,
+    NoRoom,
+    NotStarted,
+    Outcome,
+    forward_completion,
+    forward_headers,
+    read_capped,
+)
 from proxy.server.front import (
     cache_namespace,
     check_one_answer,
@@ -27,6 +35,7 @@ from proxy.server.front import (
     prompt_token_ids,
     refusal,
 )
+from proxy.server.limits import check_request
 from proxy.server.models import ModelEntry, models_listing, pick_model, with_model
 from proxy.server.observe import refresh_metrics
 from proxy.server.runtime import RUNTIME, Runtime
@@ -61,6 +70,7 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
             request.path, orjson.loads(orjson.dumps(body)), request.headers.get("X-Session-Id", "")
         )
     check_one_answer(body)
+    check_request(request.app[RUNTIME].config, body)
     return body
 
 
@@ -117,6 +127,7 @@ async def _steered(
             f"r{next(_ids)}", tokens, ns, model=model.name, session=session, n_predict=_n_predict(body)
         )
         outcome = Outcome()
+        instance = lease.server.backend.instance  # the process this attempt is sent to
         done = _once(functools.partial(_finish, runtime, lease, outcome))
         try:
             await coord.restore(lease, _n_predict(body))
@@ -133,6 +144,7 @@ async def _steered(
                 outcome,
                 show=config.cache_info,
                 buffer_bytes=config.stream_buffer_bytes,
+                max_answer_bytes=config.max_answer_bytes,
                 on_upstream_done=done,
                 retry_no_room=attempt == 1,
             )
@@ -147,6 +159,19 @@ async def _steered(
         except (NotStarted, RestoreAbandoned) as exc:
             outcome.status = 502
             coord.server_down(lease.server, str(exc))
+            if isinstance(exc, NotStarted) and await _killed_by(lease, instance, exc):
+                runtime.metrics.poison_requests.labels(lease.server.name).inc()
+                log.error(
+                    "request %s: %s died while it ran the request (%s); suspected poison request, "
+                    "not retried",
+                    lease.request_id,
+                    lease.server.name,
+                    exc,
+                )
+                raise BackendError(
+                    "llama-server died while running this request; it is not retried (a request "
+                    "that kills its server would kill the next one too)"
+                ) from exc
             if attempt == 2:
                 raise BackendError(f"llama-server failed before answering, twice: {exc}") from exc
             log.warning(
@@ -158,6 +183,12 @@ async def _steered(
         finally:
             done()
     raise AssertionError("unreachable")
+
+
+async def _killed_by(lease: Lease, instance: str | None, exc: NotStarted) -> bool:
+    """Whether the server died (or was replaced) after it took this request: then the request
+    may be what killed it. A request that never reached it (connection refused) is not."""
+    return exc.delivered and not await lease.server.backend.survived(instance)
 
 
 def _finish(runtime: Runtime, lease: Lease, outcome: Outcome) -> None:
@@ -230,7 +261,7 @@ async def forward_plain(request: web.Request) -> web.StreamResponse:
 
     async def call(backend: Backend) -> web.Response:
         async with backend.request(request.method, request.path_qs, data=data, headers=headers) as up:
-            raw = await up.read()
+            raw = await read_capped(up, runtime.config.max_answer_bytes)
             # llama-server's permissive CORS headers are not passed on: the proxy grants no origin.
             kept = {
                 k: v

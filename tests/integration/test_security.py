@@ -172,6 +172,61 @@ def test_bad_completion_requests_are_refused(proxy: ProxyThread, unchanged: None
     assert_error_shape(reply, 413)
 
 
+def nested_grammar(depth: int) -> str:
+    return "root ::= " + "(" * depth + '"a"' + ")" * depth
+
+
+def nested_schema(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"x": schema}}
+    return schema
+
+
+PROMPT = "The sky is"
+# Each was forwarded before: an answer of tens of MiB, a server killed by its grammar parser, or a 500.
+BOMBS = [
+    ("/v1/chat/completions", {**chat_body(CANARY, 2), "logprobs": True, "top_logprobs": 1000}),
+    ("/v1/chat/completions", {**chat_body(CANARY, 2), "n_probs": 49152}),
+    ("/completion", {"prompt": PROMPT, "n_predict": 2, "n_probs": 49152}),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "logprobs": 100}),
+    ("/completion", {"prompt": PROMPT, "n_predict": 2, "grammar": nested_grammar(100_000)}),
+    ("/completion", {"prompt": PROMPT, "n_predict": 2, "grammar": nested_grammar(1_000)}),
+    (
+        "/completion",
+        {"prompt": PROMPT, "n_predict": 2, "grammar": "".join(f"r{i} ::= r{i + 1}\n" for i in range(50_000))},
+    ),
+    ("/completion", {"prompt": PROMPT, "n_predict": 2, "json_schema": nested_schema(100)}),
+    (
+        "/v1/chat/completions",
+        {**chat_body(CANARY, 2), "response_format": {"type": "json_object", "schema": nested_schema(100)}},
+    ),
+    ("/completion", {"prompt": [1, 2, 2**63], "n_predict": 2}),
+]
+
+
+def test_amplifiers_and_parser_bombs_are_refused(proxy: ProxyThread, unchanged: None) -> None:
+    for path, body in BOMBS:
+        assert_error_shape(post(f"{proxy.url}{path}", body), 400, f"{path} {str(body)[:80]}")
+    for depth in (255, 600, 1024):  # orjson reads 1,024 levels; the proxy writes 254 at most
+        raw = b'{"messages": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+        assert_error_shape(post(f"{proxy.url}/v1/chat/completions", None, raw=raw), 400, f"depth {depth}")
+
+
+def test_twenty_logprobs_and_a_small_grammar_still_pass(proxy: ProxyThread) -> None:
+    body = {**chat_body(CANARY, 4), "top_logprobs": 20}
+    reply = post(f"{proxy.url}/v1/chat/completions", body)
+    assert (
+        reply.status == 200 and len(reply.body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
+    )
+    grammar = 'root ::= ("red" | "blue") ", " ("green" | "violet")'
+    reply = post(f"{proxy.url}/completion", {"prompt": PROMPT, "n_predict": 8, "grammar": grammar})
+    assert reply.status == 200 and reply.body["content"] in {
+        f"{a}, {b}" for a in ("red", "blue") for b in ("green", "violet")
+    }
+    proxy.settle()
+
+
 def test_llama_cpp_completion_endpoint_is_steered(proxy: ProxyThread) -> None:
     body = {"prompt": "The capital of France is", "n_predict": 4, "temperature": 0}
     for path in ("/completion", "/completions"):

@@ -66,6 +66,8 @@ def test_one_answer_passes() -> None:
     [
         ([1, 2, 70_000], "invalid token id 70000"),
         ([-1, 2], "invalid token id -1"),
+        ([1, 2**63], f"invalid token id {2**63}"),  # past int64: overflowed to a 500 before
+        ([-(2**63) - 1, 2], "invalid token id"),
         ([1, "a"], "array of token ids"),
         ([1, True], "array of token ids"),
         (list(range(100)), "exceeds the available context size"),

@@ -1,0 +1,107 @@
+"""Bounds on what one request can make the proxy hold and a server do, against real patched
+llama-servers: answers larger than the proxy holds are cut with a clear error, and a request
+after which its server died is answered 502 and never sent again.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from proxy.native.launch import ServerProcess
+from tests.helpers import ProxyThread, ServerFactory, post, proxy_config
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "Write a long story about a lighthouse keeper and the sea."
+ANSWER_CAP = 16 << 10
+
+
+@pytest.fixture(scope="module")
+def backend(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
+    return start_server(patched_bin, n_parallel=2)
+
+
+@pytest.fixture
+def capped(backend: ServerProcess) -> Iterator[ProxyThread]:
+    proxy = ProxyThread(proxy_config(backend, max_answer_bytes=ANSWER_CAP)).start()
+    yield proxy
+    proxy.stop()
+
+
+def _metric(proxy: ProxyThread, name: str, **labels: str) -> float:
+    value = proxy.call(lambda rt: rt.metrics.registry.get_sample_value(name, labels))
+    return float(value or 0.0)
+
+
+def test_an_answer_larger_than_the_proxy_holds_is_cut_with_a_502(capped: ProxyThread) -> None:
+    # 64 tokens with 20 log-probabilities each: well over 16 KiB of JSON.
+    body = {"prompt": PROMPT, "n_predict": 64, "n_probs": 20, "temperature": 0, "ignore_eos": True}
+    reply = post(f"{capped.url}/completion", body)
+    assert reply.status == 502, reply.body
+    assert "--max-answer" in reply.body["error"]["message"]
+    # The same through the read-only pass-through: every token's piece of a long text.
+    tok = post(f"{capped.url}/tokenize", {"content": PROMPT * 200, "with_pieces": True})
+    assert tok.status == 502 and "--max-answer" in tok.body["error"]["message"]
+    capped.settle()
+    small = post(f"{capped.url}/completion", {"prompt": PROMPT, "n_predict": 4, "temperature": 0})
+    assert small.status == 200, small.body
+    capped.settle()
+    assert (
+        capped.call(lambda rt: [s.slot_id for sv in rt.coordinator.servers for s in sv.slots if s.busy]) == []
+    )
+
+
+def test_a_streamed_event_larger_than_the_proxy_holds_ends_the_stream(backend: ServerProcess) -> None:
+    proxy = ProxyThread(proxy_config(backend, max_answer_bytes=1024)).start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.config.port, timeout=120)
+        body = {"prompt": PROMPT, "n_predict": 8, "n_probs": 20, "stream": True, "ignore_eos": True}
+        conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read()
+        events = [line for line in raw.split(b"\n") if line.startswith(b"data: ")]
+        error = json.loads(events[-1][6:])["error"]
+        assert error["code"] == 502 and "--max-answer" in error["message"]
+        proxy.settle()
+    finally:
+        proxy.stop()
+
+
+def test_a_request_that_kills_its_server_is_not_retried(
+    start_server: ServerFactory, patched_bin: Path
+) -> None:
+    server = start_server(patched_bin, n_parallel=2)
+    # The proxy's grammar bounds lifted, so the bomb reaches the server's recursive parser.
+    config = proxy_config(
+        server,
+        max_grammar_bytes=8 << 20,
+        max_grammar_depth=1 << 30,
+        max_body_mib=8,
+        queue_timeout_s=30.0,
+        health_interval_s=0.2,
+    )
+    proxy = ProxyThread(config).start()
+    try:
+        bomb = "root ::= " + "(" * 100_000 + '"a"' + ")" * 100_000
+        started = time.monotonic()
+        reply = post(
+            f"{proxy.url}/completion", {"prompt": PROMPT, "n_predict": 2, "grammar": bomb}, timeout=120
+        )
+        elapsed = time.monotonic() - started
+        assert server.proc is not None and server.proc.wait(10) is not None, (
+            "the bomb did not kill the server"
+        )
+        # Before: retried once, so the request waited for a server to come back (and would have
+        # killed it again), then got a 503 after --queue-timeout.
+        assert reply.status == 502, reply.body
+        assert "not retried" in reply.body["error"]["message"]
+        assert elapsed < 20, elapsed
+        assert _metric(proxy, "radix_poison_requests_total", server="s0") == 1.0
+    finally:
+        proxy.stop()
