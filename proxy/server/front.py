@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 from typing import Any
 
 import numpy as np
@@ -106,22 +107,35 @@ def prompt_token_ids(prompt: list[Any], n_vocab: int, n_ctx_slot: int) -> np.nda
 
 
 def cache_namespace(config: Config, body: dict[str, Any], headers: Any) -> str:
-    """The request's cache-isolation namespace ("" when it names no key); pops ``cache_salt``."""
+    """The request's cache-isolation namespace ("" when it names no key); pops ``cache_salt``.
+
+    The parts are encoded as a JSON array of (source, value) pairs: no value can pose as two
+    parts (joined by a separator, salt ``"a\nheader:b"`` equalled salt ``a`` plus header ``b``).
+    Control characters in a key are refused outright: no real key has them."""
     parts = []
     salt = body.pop(SALT_FIELD, None)
     if salt is not None and not isinstance(salt, str):
         raise BadRequest(f"'{SALT_FIELD}' must be a string")
     sources = config.cache_isolation
     if "field" in sources and salt:
-        parts.append(f"salt:{salt}")
+        parts.append(("salt", _key_text(salt, f"'{SALT_FIELD}'")))
     if "header" in sources and headers.get(SALT_HEADER):
-        parts.append(f"header:{headers[SALT_HEADER]}")
+        parts.append(("header", _key_text(headers[SALT_HEADER], SALT_HEADER)))
     auth = headers.get("Authorization", "")
     if "api-key" in sources and auth.lower().startswith("bearer ") and auth[7:].strip():
-        parts.append(f"key:{auth[7:].strip()}")
+        parts.append(("key", _key_text(auth[7:].strip(), "the API key")))
     if not parts:
         return ""
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+    return hashlib.sha256(orjson.dumps(parts)).hexdigest()[:32]
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _key_text(value: str, what: str) -> str:
+    if _CONTROL.search(value):
+        raise BadRequest(f"{what} must not contain control characters")
+    return value
 
 
 # Request fields that would make the server report cache hits by other routes.

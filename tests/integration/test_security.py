@@ -162,6 +162,7 @@ BAD_COMPLETIONS = [
     ("/completion", {"prompt": list(range(100_000)), "n_predict": 2}, 400),
     ("/v1/completions", {"prompt": {"a": 1}, "max_tokens": 2}, 400),
     ("/v1/chat/completions", {**chat_body(CANARY, 4), "cache_salt": 7}, 400),
+    ("/v1/chat/completions", {**chat_body(CANARY, 4), "cache_salt": "a\nheader:b"}, 400),
 ]
 
 

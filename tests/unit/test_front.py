@@ -111,6 +111,17 @@ def test_cache_namespace_sources() -> None:
         front.cache_namespace(CONFIG, {"cache_salt": 5}, headers)
 
 
+def test_a_composite_isolation_key_is_unambiguous() -> None:
+    # Joined by a newline, salt "a\nheader:b" was the same key as salt "a" and header "b".
+    both = front.cache_namespace(CONFIG, {"cache_salt": "a"}, {"X-Cache-Salt": "b"})
+    assert front.cache_namespace(CONFIG, {"cache_salt": 'a"],["header","b'}, {}) != both
+    for salt in ("a\nheader:b", "a\x00", "tab\there", "del\x7f"):
+        with pytest.raises(BadRequest, match="control characters"):
+            front.cache_namespace(CONFIG, {"cache_salt": salt}, {})
+    with pytest.raises(BadRequest, match="control characters"):
+        front.cache_namespace(CONFIG, {}, {"X-Cache-Salt": "a\tb"})
+
+
 def test_strip_cache_info() -> None:
     raw = orjson.dumps(
         {
