@@ -60,7 +60,12 @@ class Config:
     # A host restore shorter than this is not worth a KV move (prefill it instead).
     min_restore_tokens: int = 64
     kvctl_key: str | None = None
+    # The servers' own API key (llama-server --api-key-file), sent on every call but /kvctl.
+    server_api_key: str | None = None
     admin_key: str | None = None
+    # A second port (on --host) serving /metrics only, with no key: for a scraper that is not on
+    # this host. 0: none; /metrics is then under the admin rule on the client port.
+    metrics_port: int = 0
     tokenizer_cache: Path | None = None
     log_level: str = "info"
     # Resident sharing (route S); off by default like the reference design.

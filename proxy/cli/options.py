@@ -99,25 +99,44 @@ kvctl_key_file_option = click.option(
 )
 
 
+server_api_key_option = click.option(
+    "--server-api-key",
+    envvar="RADIX_SERVER_API_KEY",
+    help="The servers' own API key (llama-server --api-key): sent on every call but /kvctl.",
+)
+server_api_key_file_option = click.option(
+    "--server-api-key-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="RADIX_SERVER_API_KEY_FILE",
+    help="Read the servers' API key from the first line of this file (as llama-server's --api-key-file).",
+)
+
+
 def take_kvctl_key_file(kw: dict[str, Any]) -> None:
-    """Replace ``kw["kvctl_key_file"]`` by the key it holds, in ``kw["kvctl_key"]``.
+    """Replace ``kw["kvctl_key_file"]`` by the key it holds, in ``kw["kvctl_key"]`` (and the
+    same for ``server_api_key_file``, when the command has it).
 
     Same reading as llama-server's --kvctl-key-file: the first line, trailing whitespace off."""
-    path: Path | None = kw.pop("kvctl_key_file", None)
+    _take_key_file(kw, "kvctl_key")
+    if "server_api_key_file" in kw:
+        _take_key_file(kw, "server_api_key")
+
+
+def _take_key_file(kw: dict[str, Any], name: str) -> None:
+    path: Path | None = kw.pop(f"{name}_file", None)
+    flag = "--" + name.replace("_", "-")
     if path is None:
         return
-    if kw.get("kvctl_key"):
-        raise click.UsageError("give --kvctl-key or --kvctl-key-file, not both")
+    if kw.get(name):
+        raise click.UsageError(f"give {flag} or {flag}-file, not both")
     try:
         lines = path.read_text().splitlines()
     except OSError as exc:
-        raise click.BadParameter(
-            f"cannot read {path}: {exc.strerror}", param_hint="--kvctl-key-file"
-        ) from exc
+        raise click.BadParameter(f"cannot read {path}: {exc.strerror}", param_hint=f"{flag}-file") from exc
     key = lines[0].rstrip() if lines else ""
     if not key:
-        raise click.BadParameter(f"{path} holds an empty key", param_hint="--kvctl-key-file")
-    kw["kvctl_key"] = key
+        raise click.BadParameter(f"{path} holds an empty key", param_hint=f"{flag}-file")
+    kw[name] = key
 
 
 kv_share_option = _on_off_option(
@@ -181,6 +200,15 @@ admin_key_option = click.option(
     "--admin-key",
     envvar="RADIX_ADMIN_KEY",
     help="Key for the proxy's /radix admin API.",
+)
+metrics_port_option = click.option(
+    "--metrics-port",
+    default=0,
+    show_default=True,
+    envvar="RADIX_METRICS_PORT",
+    type=click.IntRange(0, 65535),
+    help="Also serve /metrics, with no key, on this port of --host (for a scraper elsewhere; "
+    "0: none). On the client port /metrics answers local clients or --admin-key only.",
 )
 record_option = click.option(
     "--record",
@@ -387,6 +415,8 @@ PROXY_OPTIONS = [
     min_restore_tokens_option,
     kvctl_key_option,
     kvctl_key_file_option,
+    server_api_key_option,
+    server_api_key_file_option,
     kv_share_option,
     idle_release_option,
     kv_share_min_tokens_option,
@@ -396,6 +426,7 @@ PROXY_OPTIONS = [
     kv_share_route_option,
     admin_key_option,
     admin_show_text_option,
+    metrics_port_option,
     cache_isolation_option,
     cache_info_option,
     max_body_option,

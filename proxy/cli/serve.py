@@ -170,9 +170,11 @@ def up_forever(
     binary = build_server(BuildSpec(variant="patched", backend=build_backend))
     shm_dir = proxy_kw.pop("shm_dir", None) or _default_shm_dir(port)
     _remove_payloads(shm_dir)  # left by an earlier run that was killed
-    # A /kvctl key per run unless one was given: to the server in a 0600 file, to the proxy in memory.
-    if not proxy_kw.get("kvctl_key"):
-        proxy_kw["kvctl_key"] = secrets.token_urlsafe(32)
+    # A /kvctl key and an API key per run unless given: to the server in 0600 files, to the proxy
+    # in memory. With the API key only the proxy can use the server's port (docs/security.md).
+    for key in ("kvctl_key", "server_api_key"):
+        if not proxy_kw.get(key):
+            proxy_kw[key] = secrets.token_urlsafe(32)
     spec = ServerSpec(
         binary=binary,
         model=model,
@@ -182,6 +184,7 @@ def up_forever(
         threads=threads,
         kvctl_dir=shm_dir,
         kvctl_key=proxy_kw.get("kvctl_key"),
+        api_key=proxy_kw.get("server_api_key"),
         extra_args=server_args,
     )
     server = ServerProcess(spec, cache_root() / "logs" / f"llama-server-{spec.port}.log")

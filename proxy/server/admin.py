@@ -48,7 +48,7 @@ def add_admin_routes(app: web.Application) -> None:
         async def handler(request: web.Request) -> web.Response:
             runtime = request.app[RUNTIME]
             # Answered here, not raised: an admin poll is not a failed completion request.
-            refused = _refuse(request, runtime.config.admin_key)
+            refused = refuse_admin(request, runtime.config.admin_key)
             if refused is not None:
                 return web.json_response(refused.to_body(), status=refused.status)
             try:
@@ -64,7 +64,7 @@ def add_admin_routes(app: web.Application) -> None:
     app.router.add_get("/radix/stats", guarded(_stats))
 
 
-def _refuse(request: web.Request, key: str | None) -> RadixError | None:
+def refuse_admin(request: web.Request, key: str | None) -> RadixError | None:
     """With --admin-key, the key; without, only clients on this host (loopback)."""
     if key:
         sent = request.headers.get("Authorization", "")

@@ -25,7 +25,7 @@ from proxy.server.admin import add_admin_routes
 from proxy.server.health import HealthMonitor
 from proxy.server.observe import summary_loop
 from proxy.server.recorder import Recorder
-from proxy.server.routes import add_catch_all, add_routes
+from proxy.server.routes import add_catch_all, add_routes, metrics_port_only
 from proxy.server.runtime import RUNTIME, Runtime
 from proxy.server.startup import connect_pending, create_runtime
 
@@ -65,7 +65,9 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 def build_app(config: Config, registry: CollectorRegistry | None = None) -> web.Application:
     """The proxy as an aiohttp application; its resources open when a runner sets it up."""
-    app = web.Application(middlewares=[errors_middleware], client_max_size=config.max_body_mib * 1024 * 1024)
+    app = web.Application(
+        middlewares=[errors_middleware, metrics_port_only], client_max_size=config.max_body_mib * 1024 * 1024
+    )
     app[CONFIG] = config
     app[REGISTRY] = registry if registry is not None else CollectorRegistry()
     app.cleanup_ctx.extend([_session_ctx, _recorder_ctx, _runtime_ctx, _health_ctx, _summary_ctx])
@@ -153,15 +155,18 @@ async def start_site(
     except BaseException:
         await runner.cleanup()  # closes what the startup contexts opened before the failure
         raise
-    site = web.TCPSite(runner, host, port)
-    try:
-        await site.start()
-    except OSError as exc:
-        await runner.cleanup()
-        raise ConfigError(
-            f"cannot listen on {host}:{port}: {exc.strerror}",
-            fix="choose another --port, or stop what listens there",
-        ) from exc
+    metrics_port = app[CONFIG].metrics_port
+    for listen, flag in ((port, "--port"), (metrics_port, "--metrics-port")):
+        if flag == "--metrics-port" and not metrics_port:
+            continue
+        try:
+            await web.TCPSite(runner, host, listen).start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise ConfigError(
+                f"cannot listen on {host}:{listen}: {exc.strerror}",
+                fix=f"choose another {flag}, or stop what listens there",
+            ) from exc
     return runner
 
 

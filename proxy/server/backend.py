@@ -24,6 +24,9 @@ log = logging.getLogger("radix")
 # one retry on a fresh connection is safe.
 _STALE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
+# Request headers llama-server reads as its API key.
+_CREDENTIALS = {"authorization", "x-api-key"}
+
 # Deadlines (invariant 8: every wait has a bound). Template, tokenize and /props are answered
 # by the server's HTTP threads; /kvctl reads wait for its main loop (a decode step); a KV move
 # gets a base plus time for its bytes at a pessimistic rate.
@@ -47,8 +50,12 @@ class Backend:
         kvctl_key: str | None = None,
         read_timeout_s: float = 600.0,
         total_timeout_s: float | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        # The server's own API key (its --api-key-file): sent on every call but /kvctl, which
+        # has its own; it replaces whatever credentials a client's request carried.
+        self._api_key = api_key
         self.session = session
         # A completion: no byte for read_timeout_s (a long prefill sends none) or the whole
         # answer past total_timeout_s ends it.
@@ -70,6 +77,8 @@ class Backend:
         """One request, retried once if a pooled connection turned out to be closed (unless
         ``retry_stale`` is off: the caller decides whether sending it again is safe)."""
         kw.setdefault("timeout", PLAIN_TIMEOUT)
+        if self._api_key and not path.startswith("/kvctl/"):
+            kw["headers"] = self.with_api_key(kw.get("headers"))
         for attempt in (0, 1):
             try:
                 resp = await self.session.request(method, self.url + path, **kw)
@@ -81,6 +90,10 @@ class Backend:
             yield resp
         finally:
             resp.release()
+
+    def with_api_key(self, headers: Mapping[str, str] | None) -> dict[str, str]:
+        kept = {k: v for k, v in (headers or {}).items() if k.lower() not in _CREDENTIALS}
+        return {**kept, "Authorization": f"Bearer {self._api_key}"}
 
     def post_stream(
         self, path: str, data: bytes, headers: Mapping[str, str]

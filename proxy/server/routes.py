@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
+import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -15,7 +15,9 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from proxy.config import Config
 from proxy.errors import BackendError, BadRequest, NotFound
+from proxy.server.admin import refuse_admin
 from proxy.server.backend import Backend
 from proxy.server.coordinator import Lease, RestoreAbandoned
 from proxy.server.forward import (
@@ -42,7 +44,7 @@ from proxy.server.runtime import RUNTIME, Runtime
 
 log = logging.getLogger("radix")
 
-_ids = itertools.count(1)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SESSION_HEADER = "X-Session-Id"  # the session-affinity key (a routing tie-break only)
 
 
@@ -55,6 +57,22 @@ def add_routes(app: web.Application) -> None:
         app.router.add_get(path, list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+
+
+def on_metrics_port(request: web.Request, config: Config) -> bool:
+    """Whether the request came in on ``--metrics-port`` (the socket it arrived on says)."""
+    if not config.metrics_port or request.transport is None:
+        return False
+    sockname = request.transport.get_extra_info("sockname")
+    return isinstance(sockname, tuple) and len(sockname) >= 2 and sockname[1] == config.metrics_port
+
+
+@web.middleware
+async def metrics_port_only(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The metrics port serves /metrics and nothing else."""
+    if request.path != "/metrics" and on_metrics_port(request, request.app[RUNTIME].config):
+        raise NotFound(f"{request.path} is not served on the metrics port")
+    return await handler(request)
 
 
 def add_catch_all(app: web.Application) -> None:
@@ -124,7 +142,7 @@ async def _steered(
     for attempt in (1, 2):
         body = dict(original)  # each attempt sets its own slot and cache_prompt
         lease = await coord.acquire(
-            f"r{next(_ids)}", tokens, ns, model=model.name, session=session, n_predict=_n_predict(body)
+            _request_id(), tokens, ns, model=model.name, session=session, n_predict=_n_predict(body)
         )
         outcome = Outcome()
         instance = lease.server.backend.instance  # the process this attempt is sent to
@@ -211,6 +229,12 @@ def _once(fn: Callable[[], None]) -> Callable[[], None]:
     return call
 
 
+def _request_id() -> str:
+    """Random, not a counter: a counter tells every client how many requests others sent
+    between two of its own (timing, load), even with --cache-info off."""
+    return f"r{secrets.token_hex(8)}"
+
+
 def _n_predict(body: dict[str, Any]) -> int:
     """Tokens the answer may add to the slot (for the free-cell headroom)."""
     for key in ("max_completion_tokens", "max_tokens", "n_predict"):
@@ -222,12 +246,12 @@ def _n_predict(body: dict[str, Any]) -> int:
 
 async def health(request: web.Request) -> web.Response:
     """200 while at least one server serves (the body names the others), 503 when none does;
-    from the health monitor's last round (a client cannot make the proxy probe its servers)."""
+    from the health monitor's last round (a client cannot make the proxy probe its servers).
+    Servers by name only: their URLs are inside the trust boundary (the admin API has them)."""
     runtime = request.app[RUNTIME]
     servers = [
         {
             "name": s.name,
-            "url": s.backend.url,
             "status": "ok" if s.healthy else "down",
             **({"reason": s.down_reason} if not s.healthy else {}),
         }
@@ -244,7 +268,14 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """Under the admin rule (loopback, or --admin-key) on the client port: a cache-hit counter
+    moved by a client's own request tells it what others had cached, --cache-info off or not.
+    On --metrics-port it needs nothing (that port serves only this)."""
     runtime = request.app[RUNTIME]
+    if not on_metrics_port(request, runtime.config):
+        refused = refuse_admin(request, runtime.config.admin_key)
+        if refused is not None:
+            return web.json_response(refused.to_body(), status=refused.status)
     await refresh_metrics(runtime)
     return web.Response(
         body=generate_latest(runtime.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}

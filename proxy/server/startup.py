@@ -210,7 +210,13 @@ async def _connect(
 ) -> ServerState:
     spec = parse_backend(spec_text)
     url = spec.url
-    backend = Backend(url, session, config.kvctl_key, read_timeout_s=config.backend_read_timeout_s)
+    backend = Backend(
+        url,
+        session,
+        config.kvctl_key,
+        read_timeout_s=config.backend_read_timeout_s,
+        api_key=config.server_api_key,
+    )
     try:
         caps = await backend.caps()
     except aiohttp.ClientError as exc:

@@ -1,20 +1,22 @@
 """Bounds on what one request can make the proxy hold and a server do, against real patched
-llama-servers: answers larger than the proxy holds are cut with a clear error, and a request
-after which its server died is answered 502 and never sent again.
+llama-servers: answers larger than the proxy holds are cut with a clear error, a request
+after which its server died is answered 502 and never sent again; and /metrics, an oracle
+for other clients' cache hits, follows the admin rule (or has its own port).
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from proxy.native.launch import ServerProcess
-from tests.helpers import ProxyThread, ServerFactory, post, proxy_config
+from proxy.native.launch import ServerProcess, free_port
+from tests.helpers import ProxyThread, ServerFactory, get, post, proxy_config, request
 
 pytestmark = pytest.mark.integration
 
@@ -103,5 +105,32 @@ def test_a_request_that_kills_its_server_is_not_retried(
         assert "not retried" in reply.body["error"]["message"]
         assert elapsed < 20, elapsed
         assert _metric(proxy, "radix_poison_requests_total", server="s0") == 1.0
+    finally:
+        proxy.stop()
+
+
+def test_metrics_follow_the_admin_rule_or_their_own_port(backend: ServerProcess) -> None:
+    key = "admin-secret"
+    config = proxy_config(backend, admin_key=key, metrics_port=free_port())
+    proxy = ProxyThread(config).start()
+    try:
+        reply = post(f"{proxy.url}/completion", {"prompt": PROMPT, "n_predict": 2})
+        assert reply.status == 200
+        # A random id: a counter told each client how many requests others sent meanwhile.
+        ids = [
+            reply.headers["X-Request-Id"],
+            post(f"{proxy.url}/completion", {"prompt": PROMPT, "n_predict": 2}).headers["X-Request-Id"],
+        ]
+        assert all(re.fullmatch(r"r[0-9a-f]{16}", i) for i in ids) and ids[0] != ids[1]
+        # Before, /metrics answered anyone on the client port: a repeated request moved
+        # radix_cached_tokens_total by exactly its hit, --cache-info off or not.
+        assert get(f"{proxy.url}/metrics").status == 401
+        keyed = request(f"{proxy.url}/metrics", headers={"Authorization": f"Bearer {key}"})
+        assert keyed.status == 200 and "radix_cached_tokens_total" in keyed.body
+        scraped = get(f"http://127.0.0.1:{config.metrics_port}/metrics")
+        assert scraped.status == 200 and "radix_cached_tokens_total" in scraped.body
+        other = get(f"http://127.0.0.1:{config.metrics_port}/v1/models")
+        assert other.status == 404 and other.body["error"]["code"] == 404
+        proxy.settle()
     finally:
         proxy.stop()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,8 @@ SECRET = (
 
 @pytest.fixture(scope="module")
 def backend(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
-    return start_server(patched_bin)
+    # Keyed as `radixctl up` starts it: every call the proxy makes below carries the key.
+    return start_server(patched_bin, api_key=secrets.token_hex(16))
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +146,37 @@ def test_cors_preflight_to_the_control_api_is_not_granted(proxy: ProxyThread) ->
     assert resp.status == 404
     assert resp.getheader("Access-Control-Allow-Origin") is None
     assert resp.getheader("Access-Control-Allow-Credentials") is None
+
+
+SIDE_DOOR = [
+    ("POST", "/completion", {"prompt": "hi", "n_predict": 0, "id_slot": 0}),
+    ("GET", "/slots", None),
+    ("POST", "/tokenize", {"content": "hi"}),
+    ("GET", "/props", None),
+]
+
+
+def test_the_servers_own_port_is_keyed_and_grants_no_origin(backend: ServerProcess) -> None:
+    # Before, anyone who reached the port read timings.cache_n of any slot (a cross-tenant
+    # oracle) and could break the proxy's saves.
+    evil = {"Origin": "http://evil.example"}
+    for method, path, body in SIDE_DOOR:
+        reply = request(f"{backend.url}{path}", method, body, headers=evil)
+        assert reply.status == 401, (method, path, reply.status, reply.body)
+        assert reply.headers.get("Access-Control-Allow-Origin", "") in ("",)
+        assert reply.headers.get("Access-Control-Allow-Credentials") != "true"
+    conn = http.client.HTTPConnection("127.0.0.1", backend.spec.port, timeout=30)
+    conn.request("OPTIONS", "/completion", headers={**evil, "Access-Control-Request-Method": "POST"})
+    resp = conn.getresponse()
+    resp.read()
+    assert resp.getheader("Access-Control-Allow-Origin", "") == ""
+    assert resp.getheader("Access-Control-Allow-Credentials") != "true"
+
+
+def test_health_on_the_client_port_names_no_server_url(proxy: ProxyThread, backend: ServerProcess) -> None:
+    reply = request(f"{proxy.url}/health")
+    assert reply.status == 200 and reply.body["servers"][0]["name"] == "s0"
+    assert str(backend.spec.port) not in json.dumps(reply.body)
 
 
 def test_read_only_paths_still_pass(proxy: ProxyThread) -> None:

@@ -152,7 +152,12 @@ def test_probes_hit_the_real_endpoints() -> None:
 def test_metrics_are_scraped() -> None:
     template = statefulset()["spec"]["template"]
     ann = template["metadata"]["annotations"]
-    port = next(p for p in template["spec"]["containers"][1]["ports"] if p["name"] == "http")["containerPort"]
+    # The metrics port (/metrics only, no key): on the client port /metrics needs the admin key.
+    port = next(p for p in template["spec"]["containers"][1]["ports"] if p["name"] == "metrics")[
+        "containerPort"
+    ]
+    env = {e["name"]: e.get("value") for e in template["spec"]["containers"][1]["env"]}
+    assert env["RADIX_METRICS_PORT"] == str(port)
     assert (ann["prometheus.io/scrape"], ann["prometheus.io/path"], ann["prometheus.io/port"]) == (
         "true",
         "/metrics",
