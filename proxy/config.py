@@ -88,6 +88,14 @@ class Config:
     summary_interval_s: float = 60.0
     # Largest request body accepted, MiB (aiohttp's client_max_size).
     max_body_mib: int = 8
+    # Client connections: a request head (and the idle time between requests) within
+    # idle_timeout_s, a body within body_timeout_s; at most max_connections open (0: no cap), of
+    # which max_connections_per_client from one address (0: no cap; behind a balancer every
+    # client has the balancer's address).
+    idle_timeout_s: float = 30.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 4096
+    max_connections_per_client: int = 256
     # Most log-probabilities per token a request may ask for (n_probs, top_logprobs,
     # logprobs): the server caps only at the vocabulary, and each one is ~100 bytes a token.
     max_logprobs: int = 20

@@ -233,6 +233,42 @@ def _times(factor: int) -> Callable[[click.Context, click.Parameter, int], int]:
     return lambda ctx, param, value: value * factor
 
 
+idle_timeout_option = click.option(
+    "--idle-timeout",
+    "idle_timeout_s",
+    default=30.0,
+    show_default=True,
+    envvar="RADIX_IDLE_TIMEOUT",
+    type=click.FloatRange(0.1),
+    help="Seconds a client connection may be idle, or take to send a request's head; then it is closed.",
+)
+body_timeout_option = click.option(
+    "--body-timeout",
+    "body_timeout_s",
+    default=60.0,
+    show_default=True,
+    envvar="RADIX_BODY_TIMEOUT",
+    type=click.FloatRange(0.1),
+    help="Seconds a client may take to send a request's body; then 408 and the connection is closed.",
+)
+max_connections_option = click.option(
+    "--max-connections",
+    default=4096,
+    show_default=True,
+    envvar="RADIX_MAX_CONNECTIONS",
+    type=click.IntRange(0),
+    help="Client connections open at once; more are closed as they are accepted (0: no cap). "
+    "The open-file limit is raised to fit them at start.",
+)
+max_connections_per_client_option = click.option(
+    "--max-connections-per-client",
+    default=256,
+    show_default=True,
+    envvar="RADIX_MAX_CONNECTIONS_PER_CLIENT",
+    type=click.IntRange(0),
+    help="Client connections open at once from one address (0: no cap; behind a balancer every "
+    "client has its address: raise it or use 0 there).",
+)
 max_answer_option = click.option(
     "--max-answer",
     "max_answer_bytes",
@@ -430,6 +466,10 @@ PROXY_OPTIONS = [
     cache_isolation_option,
     cache_info_option,
     max_body_option,
+    idle_timeout_option,
+    body_timeout_option,
+    max_connections_option,
+    max_connections_per_client_option,
     max_answer_option,
     max_logprobs_option,
     max_grammar_option,

@@ -20,8 +20,9 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.config import Config
-from proxy.errors import BackendError, ConfigError, RadixError, TooLarge
+from proxy.errors import BackendError, ConfigError, RadixError, RequestTimeout, TooLarge
 from proxy.server.admin import add_admin_routes
+from proxy.server.connections import ConnectionLimits, GuardedSite, raise_file_limit
 from proxy.server.health import HealthMonitor
 from proxy.server.observe import summary_loop
 from proxy.server.recorder import Recorder
@@ -54,7 +55,16 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         runtime: Runtime | None = request.app.get(RUNTIME)
         if runtime is not None:
             runtime.metrics.request_errors.labels("4xx" if exc.status < 500 else "5xx").inc()
-        return error_response(exc)
+        response = error_response(exc)
+        if isinstance(exc, RequestTimeout):
+            # Sent now and the connection closed: aiohttp would otherwise keep reading the rest of
+            # a body that comes too slowly (its lingering close) before it lets go.
+            response.force_close()
+            await response.prepare(request)
+            await response.write_eof()
+            if request.transport is not None:
+                request.transport.close()
+        return response
     except web.HTTPRequestEntityTooLarge as exc:
         return error_response(TooLarge(f"request body too large: {exc.text}"))
     except web.HTTPException:
@@ -149,18 +159,29 @@ async def start_site(
 ) -> web.AppRunner:
     """Open the app's resources and listen; the caller owns ``runner.cleanup()``, which stops
     listening, gives in-flight requests ``shutdown_timeout`` seconds, then closes everything."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
+    config = app[CONFIG]
+    # aiohttp's keep-alive timer runs from the connection's start and from each answer's end, and
+    # closes a connection whose next request head is not complete by then: an idle timeout and a
+    # header read deadline in one (its default is an hour).
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=shutdown_timeout,
+        keepalive_timeout=config.idle_timeout_s,
+    )
     try:
         await runner.setup()
     except BaseException:
         await runner.cleanup()  # closes what the startup contexts opened before the failure
         raise
-    metrics_port = app[CONFIG].metrics_port
-    for listen, flag in ((port, "--port"), (metrics_port, "--metrics-port")):
-        if flag == "--metrics-port" and not metrics_port:
+    raise_file_limit(config.max_connections)
+    limits = ConnectionLimits(config.max_connections, config.max_connections_per_client)
+    for listen, flag in ((port, "--port"), (config.metrics_port, "--metrics-port")):
+        if flag == "--metrics-port" and not listen:
             continue
         try:
-            await web.TCPSite(runner, host, listen).start()
+            await GuardedSite(runner, host, listen, limits).start()
         except OSError as exc:
             await runner.cleanup()
             raise ConfigError(

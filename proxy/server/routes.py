@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import secrets
@@ -16,7 +17,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from proxy.config import Config
-from proxy.errors import BackendError, BadRequest, NotFound
+from proxy.errors import BackendError, BadRequest, NotFound, RequestTimeout
 from proxy.server.admin import refuse_admin
 from proxy.server.backend import Backend
 from proxy.server.coordinator import Lease, RestoreAbandoned
@@ -80,8 +81,19 @@ def add_catch_all(app: web.Application) -> None:
     app.router.add_route("*", "/{tail:.*}", forward_plain)
 
 
+async def read_body(request: web.Request) -> bytes:
+    """The request body, within --body-timeout (a client sending a byte now and then would hold
+    its connection and its buffer for ever)."""
+    limit = request.app[RUNTIME].config.body_timeout_s
+    try:
+        async with asyncio.timeout(limit):
+            return await request.read()
+    except TimeoutError as exc:
+        raise RequestTimeout(f"the request body did not arrive within {limit:g} s (--body-timeout)") from exc
+
+
 async def _read_json(request: web.Request) -> dict[str, Any]:
-    body = await parse_json(await request.read())
+    body = await parse_json(await read_body(request))
     recorder = request.app[RUNTIME].recorder
     if recorder is not None:
         recorder.record(
@@ -288,7 +300,7 @@ async def forward_plain(request: web.Request) -> web.StreamResponse:
     if why is not None:
         raise NotFound(why)
     runtime = request.app[RUNTIME]
-    data, headers = await request.read(), forward_headers(request)
+    data, headers = await read_body(request), forward_headers(request)
 
     async def call(backend: Backend) -> web.Response:
         async with backend.request(request.method, request.path_qs, data=data, headers=headers) as up:

@@ -1,14 +1,18 @@
 """Bounds on what one request can make the proxy hold and a server do, against real patched
 llama-servers: answers larger than the proxy holds are cut with a clear error, a request
-after which its server died is answered 502 and never sent again; and /metrics, an oracle
-for other clients' cache hits, follows the admin rule (or has its own port).
+after which its server died is answered 502 and never sent again; /metrics, an oracle for
+other clients' cache hits, follows the admin rule (or has its own port); and idle, slow and
+too many client connections are cut.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
+import resource
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,5 +136,59 @@ def test_metrics_follow_the_admin_rule_or_their_own_port(backend: ServerProcess)
         other = get(f"http://127.0.0.1:{config.metrics_port}/v1/models")
         assert other.status == 404 and other.body["error"]["code"] == 404
         proxy.settle()
+    finally:
+        proxy.stop()
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the proxy closed ``sock`` (EOF or reset) within ``seconds``."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        pass
+    return True
+
+
+def test_slow_idle_and_too_many_connections_are_cut(backend: ServerProcess) -> None:
+    config = proxy_config(
+        backend, idle_timeout_s=1.0, body_timeout_s=1.0, max_connections=64, max_connections_per_client=4
+    )
+    proxy = ProxyThread(config).start()
+    port = config.port
+    try:
+        # Before: every one of these was still connected after 100 s (aiohttp's keep-alive
+        # timeout is an hour, and nothing bounded a body).
+        idle = socket.create_connection(("127.0.0.1", port))
+        assert _closed_within(idle, 5), "an idle connection was not closed"
+        slow_head = socket.create_connection(("127.0.0.1", port))
+        slow_head.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        for i in range(4):  # a header line every 0.5 s: never a complete head
+            time.sleep(0.5)
+            with contextlib.suppress(OSError):
+                slow_head.sendall(f"X-Slow-{i}: 1\r\n".encode())
+        assert _closed_within(slow_head, 5), "a head sent a line at a time was not cut"
+        slow_body = socket.create_connection(("127.0.0.1", port))
+        slow_body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        slow_body.settimeout(5)
+        answer = slow_body.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408") and b"--body-timeout" in answer, answer[:200]
+        assert _closed_within(slow_body, 5)
+        # Four connections from this address are the most: a fifth is closed at once, and
+        # requests go through again once they are gone.
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+        time.sleep(0.2)
+        fifth = socket.create_connection(("127.0.0.1", port))
+        assert _closed_within(fifth, 2), "a connection past the per-client cap was kept"
+        for sock in held:
+            sock.close()
+        time.sleep(0.2)
+        assert get(f"{proxy.url}/health").status == 200
+        assert proxy.call(lambda rt: None) is None
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        assert soft == hard or soft >= config.max_connections + 256  # raised at start
     finally:
         proxy.stop()
