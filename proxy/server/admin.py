@@ -65,7 +65,8 @@ def add_admin_routes(app: web.Application) -> None:
 
 
 def refuse_admin(request: web.Request, key: str | None) -> RadixError | None:
-    """With --admin-key, the key; without, only clients on this host (loopback)."""
+    """With --admin-key, the key; without, only clients on this host (loopback) that name it by a
+    loopback name in ``Host``."""
     if key:
         sent = request.headers.get("Authorization", "")
         if not hmac.compare_digest(sent.encode(), f"Bearer {key}".encode()):
@@ -80,7 +81,25 @@ def refuse_admin(request: web.Request, key: str | None) -> RadixError | None:
             "the admin API answers only clients on this host; start the proxy with --admin-key "
             "to reach it from elsewhere"
         )
+    if not loopback_host(request.host):
+        # DNS rebinding: a page whose name now resolves to 127.0.0.1 is "local" by address, but
+        # the browser still names the page's host.
+        return Forbidden(
+            "the admin API answers only requests for this host by a loopback name (Host: "
+            "localhost or a loopback address); start the proxy with --admin-key to use another name"
+        )
     return None
+
+
+def loopback_host(host: str) -> bool:
+    """Whether a Host header (with or without its port) names this host by a loopback name."""
+    name = host.rsplit("]", 1)[0].lstrip("[") if host.startswith("[") else host.rsplit(":", 1)[0]
+    if name.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 def _query_number(request: web.Request, name: str, default: float, lo: float, hi: float) -> float:

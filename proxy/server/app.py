@@ -26,7 +26,7 @@ from proxy.server.connections import ConnectionLimits, GuardedSite, raise_file_l
 from proxy.server.health import HealthMonitor
 from proxy.server.observe import summary_loop
 from proxy.server.recorder import Recorder
-from proxy.server.routes import add_catch_all, add_routes, metrics_port_only
+from proxy.server.routes import add_catch_all, add_routes, metrics_port_only, plain_paths_only
 from proxy.server.runtime import RUNTIME, Runtime
 from proxy.server.startup import connect_pending, create_runtime
 
@@ -76,7 +76,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 def build_app(config: Config, registry: CollectorRegistry | None = None) -> web.Application:
     """The proxy as an aiohttp application; its resources open when a runner sets it up."""
     app = web.Application(
-        middlewares=[errors_middleware, metrics_port_only], client_max_size=config.max_body_mib * 1024 * 1024
+        middlewares=[errors_middleware, plain_paths_only, metrics_port_only],
+        client_max_size=config.max_body_mib * 1024 * 1024,
     )
     app[CONFIG] = config
     app[REGISTRY] = registry if registry is not None else CollectorRegistry()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -66,6 +67,19 @@ def on_metrics_port(request: web.Request, config: Config) -> bool:
         return False
     sockname = request.transport.get_extra_info("sockname")
     return isinstance(sockname, tuple) and len(sockname) >= 2 and sockname[1] == config.metrics_port
+
+
+_NOT_PLAIN = re.compile(r"%|//|(^|/)\.\.?(/|$)")
+
+
+@web.middleware
+async def plain_paths_only(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A path with percent-encoding, ``//`` or dot segments is refused before any route matches:
+    aiohttp matches the decoded path, so ``/%72adix/routes`` was the admin API to the proxy but
+    not to a balancer in front that blocks ``/radix/`` by its raw text."""
+    if _NOT_PLAIN.search(request.raw_path.split("?", 1)[0]):
+        raise NotFound("no such path (paths must be plain: no percent-encoding, '//' or dot segments)")
+    return await handler(request)
 
 
 @web.middleware

@@ -179,6 +179,20 @@ def test_health_on_the_client_port_names_no_server_url(proxy: ProxyThread, backe
     assert str(backend.spec.port) not in json.dumps(reply.body)
 
 
+def test_admin_api_and_metrics_refuse_a_rebound_host_and_unplain_paths(proxy: ProxyThread) -> None:
+    for path in ("/radix/routes", "/metrics"):
+        assert request(f"{proxy.url}{path}").status == 200  # loopback, by a loopback name
+        # A page whose name was rebound to 127.0.0.1: local by address, not by name.
+        rebound = request(f"{proxy.url}{path}", headers={"Host": "evil.example:8080"})
+        assert_error_shape(rebound, 403, path)
+    for path in ("/%72adix/routes", "//radix/routes", "/v1/../radix/routes", "/%6bvctl/caps"):
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.config.port, timeout=30)
+        conn.request("GET", path)  # sent as written (urllib would not normalize either)
+        resp = conn.getresponse()
+        body = json.loads(resp.read())
+        assert resp.status == 404 and body["error"]["code"] == 404, (path, resp.status, body)
+
+
 def test_read_only_paths_still_pass(proxy: ProxyThread) -> None:
     assert request(f"{proxy.url}/v1/models").status == 200
     tok = post(f"{proxy.url}/tokenize", {"content": "hello world"})

@@ -203,3 +203,6 @@ def test_envoy_hashes_the_same_key_on_a_ring() -> None:
     assert all(p.get("terminal") for p in policies[:-1])
     blocked = {r["match"].get("prefix") or r["match"].get("path") for r in routes if "direct_response" in r}
     assert blocked == {"/radix/", "/metrics"}
+    # Matched on the normalized path, or /%72adix/routes would pass the block.
+    assert hcm["normalize_path"] is True and hcm["merge_slashes"] is True
+    assert hcm["path_with_escaped_slashes_action"] == "REJECT_REQUEST"

@@ -173,3 +173,23 @@ def test_no_other_route_reveals_cache_hits_when_hidden() -> None:
         + stripper.flush()
     )
     assert b"cache" not in out
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1:8080", True),
+        ("localhost", True),
+        ("LOCALHOST:1", True),
+        ("[::1]:8080", True),
+        ("127.8.9.10", True),
+        ("evil.example:8080", False),
+        ("localhost.evil.example", False),
+        ("10.0.0.1:8080", False),
+        ("", False),
+    ],
+)
+def test_admin_rule_names_this_host_by_a_loopback_name(host: str, loopback: bool) -> None:
+    from proxy.server.admin import loopback_host
+
+    assert loopback_host(host) is loopback
