@@ -60,7 +60,12 @@ class Config:
     # A host restore shorter than this is not worth a KV move (prefill it instead).
     min_restore_tokens: int = 64
     kvctl_key: str | None = None
+    # The servers' own API key (llama-server --api-key-file), sent on every call but /kvctl.
+    server_api_key: str | None = None
     admin_key: str | None = None
+    # A second port (on --host) serving /metrics only, with no key: for a scraper that is not on
+    # this host. 0: none; /metrics is then under the admin rule on the client port.
+    metrics_port: int = 0
     tokenizer_cache: Path | None = None
     log_level: str = "info"
     # Resident sharing (route S); off by default like the reference design.
@@ -83,6 +88,25 @@ class Config:
     summary_interval_s: float = 60.0
     # Largest request body accepted, MiB (aiohttp's client_max_size).
     max_body_mib: int = 8
+    # Client connections: a request head (and the idle time between requests) within
+    # idle_timeout_s, a body within body_timeout_s; at most max_connections open (0: no cap), of
+    # which max_connections_per_client from one address (0: no cap; behind a balancer every
+    # client has the balancer's address).
+    idle_timeout_s: float = 30.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 4096
+    max_connections_per_client: int = 256
+    # Most log-probabilities per token a request may ask for (n_probs, top_logprobs,
+    # logprobs): the server caps only at the vocabulary, and each one is ~100 bytes a token.
+    max_logprobs: int = 20
+    # Largest answer the proxy holds for a client: a whole non-streamed answer, a pass-through
+    # answer, one SSE event line. Past it the answer is cut with a 502.
+    max_answer_bytes: int = 64 << 20
+    # The server parses grammars and converts JSON schemas recursively: bound what reaches it.
+    # Bytes of a grammar or schema, nesting (grammar parentheses, schema JSON levels), rules.
+    max_grammar_bytes: int = 256 << 10
+    max_grammar_depth: int = 128
+    max_grammar_rules: int = 4096
     # Where a request's cache-isolation key comes from: "field" (body "cache_salt"),
     # "header" (X-Cache-Salt), "api-key" (Authorization: Bearer). Empty: no isolation.
     cache_isolation: tuple[str, ...] = ("field", "header", "api-key")

@@ -52,6 +52,13 @@ class TooLarge(RadixError):
     err_type = "invalid_request_error"
 
 
+class RequestTimeout(RadixError):
+    """The client did not send its request body within --body-timeout; the connection is closed."""
+
+    status = 408
+    err_type = "invalid_request_error"
+
+
 class Forbidden(RadixError):
     """The caller may not use this endpoint from where it is."""
 

@@ -183,6 +183,7 @@ def proxy_config(*servers: ServerProcess, **over: Any) -> Config:
         "port": free_port(),
         "shm_dir": spec.kvctl_dir,
         "kvctl_key": spec.kvctl_key,
+        "server_api_key": spec.api_key,
         "min_restore_tokens": 32,
         "cache_ram_mib": 256,
     }

@@ -124,9 +124,9 @@ log "images run as non-root; no build-time CA material in them"
 work=$(mktemp -d /var/tmp/radix-deploy-test.XXXXXX)
 payloads=$(mktemp -d /dev/shm/radix-deploy-test-kv.XXXXXX)
 project="radixdeploytest$$"
-read -r P_PROXY P_LLAMA P_LLAMA2 P_PROM P_WB < <("$PYTHON" - <<'EOF'
+read -r P_PROXY P_LLAMA P_LLAMA2 P_PROM P_WB P_METRICS < <("$PYTHON" - <<'EOF'
 import socket
-socks = [socket.socket() for _ in range(5)]
+socks = [socket.socket() for _ in range(6)]
 for s in socks:
     s.bind(("127.0.0.1", 0))
 print(*(s.getsockname()[1] for s in socks))
@@ -134,9 +134,11 @@ EOF
 )
 mkdir -p "$work/secrets"
 head -c 32 /dev/urandom | base64 >"$work/secrets/kvctl_key"
-chown 10001:10001 "$work/secrets/kvctl_key" "$payloads" && chmod 0400 "$work/secrets/kvctl_key" && chmod 0700 "$payloads"
-sed "s/proxy:8080/127.0.0.1:$P_PROXY/" "$DEPLOY/prometheus.yml" >"$work/prometheus.yml"
-grep -q "127.0.0.1:$P_PROXY" "$work/prometheus.yml" || { log "FAIL: deploy/prometheus.yml does not name proxy:8080"; exit 1; }
+head -c 32 /dev/urandom | base64 >"$work/secrets/server_api_key"
+chown 10001:10001 "$work/secrets/kvctl_key" "$work/secrets/server_api_key" "$payloads" \
+    && chmod 0400 "$work/secrets/kvctl_key" "$work/secrets/server_api_key" && chmod 0700 "$payloads"
+sed "s/proxy:9464/127.0.0.1:$P_METRICS/" "$DEPLOY/prometheus.yml" >"$work/prometheus.yml"
+grep -q "127.0.0.1:$P_METRICS" "$work/prometheus.yml" || { log "FAIL: deploy/prometheus.yml does not name proxy:9464"; exit 1; }
 chmod 0644 "$work/prometheus.yml"
 # The payload volume as a bind of a host tmpfs directory, so what is left in it can be seen
 # after the stack is down (the stack's own volume is tmpfs as well).
@@ -150,12 +152,13 @@ declare -A settings=(
     [COMPOSE_FILE]=docker-compose.yml:compose.hostnet.yml
     [RADIX_BASE_IMAGE]=$BASE [RADIX_RUNTIME_BASE_IMAGE]=$BASE [RADIX_PROXY_BASE_IMAGE]=$BASE
     [RADIX_LISTEN_ADDR]=127.0.0.1 [RADIX_BIND_ADDR]=127.0.0.1
-    [PROXY_PORT]=$P_PROXY [LLAMA_PORT]=$P_LLAMA [LLAMA_PORT_2]=$P_LLAMA2 [PROMETHEUS_PORT]=$P_PROM [WORKBENCH_PORT]=$P_WB
+    [PROXY_PORT]=$P_PROXY [PROXY_METRICS_PORT]=$P_METRICS [LLAMA_PORT]=$P_LLAMA [LLAMA_PORT_2]=$P_LLAMA2 [PROMETHEUS_PORT]=$P_PROM [WORKBENCH_PORT]=$P_WB
     [RADIX_BACKENDS]="http://127.0.0.1:$P_LLAMA http://127.0.0.1:$P_LLAMA2"
     [RADIX_PROXY_HOST]=127.0.0.1 [RADIX_PROMETHEUS_URL]=http://127.0.0.1:$P_PROM
     [RADIX_PARALLEL]=2 [RADIX_CTX_SIZE]=4096 [RADIX_THREADS]=1 [RADIX_CACHE_RAM]=512
     [RADIX_PAYLOAD_TMPFS_SIZE]=256m [RADIX_RESTART]=no
     [RADIX_KVCTL_KEY_FILE]=$work/secrets/kvctl_key
+    [RADIX_SERVER_API_KEY_FILE]=$work/secrets/server_api_key
     [GRAFANA_ADMIN_PASSWORD_FILE]=$work/secrets/kvctl_key
     [RADIX_PROMETHEUS_CONFIG]=$work/prometheus.yml
 )

@@ -41,7 +41,11 @@ SERVER_FLAGS = " ".join(
 
 
 async def check_server(
-    url: str, kvctl_key: str | None, shm_dir: Path | None, tokenizer_cache: Path
+    url: str,
+    kvctl_key: str | None,
+    shm_dir: Path | None,
+    tokenizer_cache: Path,
+    api_key: str | None = None,
 ) -> list[Check]:
     """Check one llama-server for use behind the proxy; every problem comes with its fix."""
     import aiohttp
@@ -50,7 +54,7 @@ async def check_server(
 
     timeout = aiohttp.ClientTimeout(total=60, sock_connect=5)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        backend = Backend(url, session, kvctl_key)
+        backend = Backend(url, session, kvctl_key, api_key=api_key)
         return await _doctor(backend, kvctl_key, shm_dir, tokenizer_cache)
 
 
@@ -410,6 +414,11 @@ def format_doctor(url: str, checks: list[Check]) -> str:
 )
 @click.option("--kvctl-key", envvar="RADIX_KVCTL_KEY", help="Key for the server's /kvctl API.")
 @click.option(
+    "--server-api-key",
+    envvar="RADIX_SERVER_API_KEY",
+    help="The server's own API key (llama-server --api-key), if it has one.",
+)
+@click.option(
     "--shm-dir",
     type=click.Path(file_okay=False, path_type=Path),
     envvar="RADIX_SHM_DIR",
@@ -417,7 +426,13 @@ def format_doctor(url: str, checks: list[Check]) -> str:
 )
 @json_option
 @fail_cleanly
-def doctor(backends: tuple[str, ...], kvctl_key: str | None, shm_dir: Path | None, as_json: bool) -> None:
+def doctor(
+    backends: tuple[str, ...],
+    kvctl_key: str | None,
+    server_api_key: str | None,
+    shm_dir: Path | None,
+    as_json: bool,
+) -> None:
     """Check llama-servers for use behind the proxy: flags, /kvctl capabilities, tokenizer parity.
 
     Every problem is printed with what to change. Exit status 1 when any check fails."""
@@ -425,7 +440,9 @@ def doctor(backends: tuple[str, ...], kvctl_key: str | None, shm_dir: Path | Non
 
     results = {}
     for url in backends:
-        results[url] = asyncio.run(check_server(url, kvctl_key, shm_dir, cache_root() / "tokenizers"))
+        results[url] = asyncio.run(
+            check_server(url, kvctl_key, shm_dir, cache_root() / "tokenizers", server_api_key)
+        )
     failed = any(c.status == "fail" for checks in results.values() for c in checks)
     if as_json:
         click.echo(

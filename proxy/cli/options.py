@@ -99,25 +99,44 @@ kvctl_key_file_option = click.option(
 )
 
 
+server_api_key_option = click.option(
+    "--server-api-key",
+    envvar="RADIX_SERVER_API_KEY",
+    help="The servers' own API key (llama-server --api-key): sent on every call but /kvctl.",
+)
+server_api_key_file_option = click.option(
+    "--server-api-key-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="RADIX_SERVER_API_KEY_FILE",
+    help="Read the servers' API key from the first line of this file (as llama-server's --api-key-file).",
+)
+
+
 def take_kvctl_key_file(kw: dict[str, Any]) -> None:
-    """Replace ``kw["kvctl_key_file"]`` by the key it holds, in ``kw["kvctl_key"]``.
+    """Replace ``kw["kvctl_key_file"]`` by the key it holds, in ``kw["kvctl_key"]`` (and the
+    same for ``server_api_key_file``, when the command has it).
 
     Same reading as llama-server's --kvctl-key-file: the first line, trailing whitespace off."""
-    path: Path | None = kw.pop("kvctl_key_file", None)
+    _take_key_file(kw, "kvctl_key")
+    if "server_api_key_file" in kw:
+        _take_key_file(kw, "server_api_key")
+
+
+def _take_key_file(kw: dict[str, Any], name: str) -> None:
+    path: Path | None = kw.pop(f"{name}_file", None)
+    flag = "--" + name.replace("_", "-")
     if path is None:
         return
-    if kw.get("kvctl_key"):
-        raise click.UsageError("give --kvctl-key or --kvctl-key-file, not both")
+    if kw.get(name):
+        raise click.UsageError(f"give {flag} or {flag}-file, not both")
     try:
         lines = path.read_text().splitlines()
     except OSError as exc:
-        raise click.BadParameter(
-            f"cannot read {path}: {exc.strerror}", param_hint="--kvctl-key-file"
-        ) from exc
+        raise click.BadParameter(f"cannot read {path}: {exc.strerror}", param_hint=f"{flag}-file") from exc
     key = lines[0].rstrip() if lines else ""
     if not key:
-        raise click.BadParameter(f"{path} holds an empty key", param_hint="--kvctl-key-file")
-    kw["kvctl_key"] = key
+        raise click.BadParameter(f"{path} holds an empty key", param_hint=f"{flag}-file")
+    kw[name] = key
 
 
 kv_share_option = _on_off_option(
@@ -182,6 +201,15 @@ admin_key_option = click.option(
     envvar="RADIX_ADMIN_KEY",
     help="Key for the proxy's /radix admin API.",
 )
+metrics_port_option = click.option(
+    "--metrics-port",
+    default=0,
+    show_default=True,
+    envvar="RADIX_METRICS_PORT",
+    type=click.IntRange(0, 65535),
+    help="Also serve /metrics, with no key, on this port of --host (for a scraper elsewhere; "
+    "0: none). On the client port /metrics answers local clients or --admin-key only.",
+)
 record_option = click.option(
     "--record",
     "record_path",
@@ -197,6 +225,96 @@ max_body_option = click.option(
     envvar="RADIX_MAX_BODY",
     type=click.IntRange(1, 1024),
     help="Largest request body in MiB (larger ones get 413).",
+)
+
+
+def _times(factor: int) -> Callable[[click.Context, click.Parameter, int], int]:
+    """A size given in KiB or MiB on the command line, in bytes in the config."""
+    return lambda ctx, param, value: value * factor
+
+
+idle_timeout_option = click.option(
+    "--idle-timeout",
+    "idle_timeout_s",
+    default=30.0,
+    show_default=True,
+    envvar="RADIX_IDLE_TIMEOUT",
+    type=click.FloatRange(0.1),
+    help="Seconds a client connection may be idle, or take to send a request's head; then it is closed.",
+)
+body_timeout_option = click.option(
+    "--body-timeout",
+    "body_timeout_s",
+    default=60.0,
+    show_default=True,
+    envvar="RADIX_BODY_TIMEOUT",
+    type=click.FloatRange(0.1),
+    help="Seconds a client may take to send a request's body; then 408 and the connection is closed.",
+)
+max_connections_option = click.option(
+    "--max-connections",
+    default=4096,
+    show_default=True,
+    envvar="RADIX_MAX_CONNECTIONS",
+    type=click.IntRange(0),
+    help="Client connections open at once; more are closed as they are accepted (0: no cap). "
+    "The open-file limit is raised to fit them at start.",
+)
+max_connections_per_client_option = click.option(
+    "--max-connections-per-client",
+    default=256,
+    show_default=True,
+    envvar="RADIX_MAX_CONNECTIONS_PER_CLIENT",
+    type=click.IntRange(0),
+    help="Client connections open at once from one address (0: no cap; behind a balancer every "
+    "client has its address: raise it or use 0 there).",
+)
+max_answer_option = click.option(
+    "--max-answer",
+    "max_answer_bytes",
+    default=64,
+    show_default=True,
+    envvar="RADIX_MAX_ANSWER",
+    type=click.IntRange(1),
+    callback=_times(1 << 20),
+    help="Largest answer the proxy holds for a client, MiB: a non-streamed or pass-through answer, "
+    "one event of a stream (a larger one is cut with a 502).",
+)
+max_logprobs_option = click.option(
+    "--max-logprobs",
+    default=20,
+    show_default=True,
+    envvar="RADIX_MAX_LOGPROBS",
+    type=click.IntRange(0),
+    help="Most log-probabilities per token a request may ask for (n_probs, top_logprobs, logprobs); "
+    "more get 400. 20 is OpenAI's limit.",
+)
+max_grammar_option = click.option(
+    "--max-grammar",
+    "max_grammar_bytes",
+    default=256,
+    show_default=True,
+    envvar="RADIX_MAX_GRAMMAR",
+    type=click.IntRange(1),
+    callback=_times(1 << 10),
+    help="Largest grammar or JSON schema (json_schema, response_format) in KiB; larger get 400.",
+)
+max_grammar_depth_option = click.option(
+    "--max-grammar-depth",
+    default=128,
+    show_default=True,
+    envvar="RADIX_MAX_GRAMMAR_DEPTH",
+    type=click.IntRange(1),
+    help="Deepest nesting of a grammar's groups or of a JSON schema (json_schema, response_format, "
+    "tools); deeper get 400 (the server's parsers recurse).",
+)
+max_grammar_rules_option = click.option(
+    "--max-grammar-rules",
+    default=4096,
+    show_default=True,
+    envvar="RADIX_MAX_GRAMMAR_RULES",
+    type=click.IntRange(1),
+    help="Most rules in a grammar; more get 400 (a long chain of rules overflows the server's stack).",
 )
 
 
@@ -333,6 +451,8 @@ PROXY_OPTIONS = [
     min_restore_tokens_option,
     kvctl_key_option,
     kvctl_key_file_option,
+    server_api_key_option,
+    server_api_key_file_option,
     kv_share_option,
     idle_release_option,
     kv_share_min_tokens_option,
@@ -342,9 +462,19 @@ PROXY_OPTIONS = [
     kv_share_route_option,
     admin_key_option,
     admin_show_text_option,
+    metrics_port_option,
     cache_isolation_option,
     cache_info_option,
     max_body_option,
+    idle_timeout_option,
+    body_timeout_option,
+    max_connections_option,
+    max_connections_per_client_option,
+    max_answer_option,
+    max_logprobs_option,
+    max_grammar_option,
+    max_grammar_depth_option,
+    max_grammar_rules_option,
     max_queue_option,
     queue_timeout_option,
     backend_read_timeout_option,

@@ -25,6 +25,7 @@ from proxy.native.launch import ServerProcess, ServerSpec, check_port_free, free
 from proxy.native.model import resolve_model
 from proxy.server import eventloop
 from proxy.server.app import RUNTIME, build_app, start_site
+from proxy.server.paydir import check_private_dir, make_private_dir, remove_payloads
 from proxy.server.runtime import Runtime
 
 
@@ -168,11 +169,13 @@ def up_forever(
     check_port_free(host, port, "proxy")
     model = resolve_model(model_arg)
     binary = build_server(BuildSpec(variant="patched", backend=build_backend))
-    shm_dir = proxy_kw.pop("shm_dir", None) or _default_shm_dir(port)
-    _remove_payloads(shm_dir)  # left by an earlier run that was killed
-    # A /kvctl key per run unless one was given: to the server in a 0600 file, to the proxy in memory.
-    if not proxy_kw.get("kvctl_key"):
-        proxy_kw["kvctl_key"] = secrets.token_urlsafe(32)
+    shm_dir = _payload_dir(proxy_kw.pop("shm_dir", None), port)
+    remove_payloads(shm_dir)  # left by an earlier run that was killed
+    # A /kvctl key and an API key per run unless given: to the server in 0600 files, to the proxy
+    # in memory. With the API key only the proxy can use the server's port (docs/security.md).
+    for key in ("kvctl_key", "server_api_key"):
+        if not proxy_kw.get(key):
+            proxy_kw[key] = secrets.token_urlsafe(32)
     spec = ServerSpec(
         binary=binary,
         model=model,
@@ -182,6 +185,7 @@ def up_forever(
         threads=threads,
         kvctl_dir=shm_dir,
         kvctl_key=proxy_kw.get("kvctl_key"),
+        api_key=proxy_kw.get("server_api_key"),
         extra_args=server_args,
     )
     server = ServerProcess(spec, cache_root() / "logs" / f"llama-server-{spec.port}.log")
@@ -189,7 +193,7 @@ def up_forever(
     try:
         _start_server(server)
     except BaseException:
-        _remove_payload_dir(shm_dir)  # the server made it; nothing else will
+        _remove_payload_dir(shm_dir)  # made for this run: nothing else will remove it
         raise
     config = Config(
         backends=(spec.url,), shm_dir=shm_dir, tokenizer_cache=cache_root() / "tokenizers", **proxy_kw
@@ -236,7 +240,7 @@ def _start_server(server: ServerProcess) -> None:
 
 
 def _remove_payload_dir(shm_dir: Path) -> None:
-    _remove_payloads(shm_dir)
+    remove_payloads(shm_dir)
     with contextlib.suppress(OSError):
         shm_dir.rmdir()
 
@@ -282,12 +286,13 @@ async def _until_healthy(server: ServerProcess, timeout_s: float) -> None:
     server.ready()
 
 
-def _remove_payloads(shm_dir: Path) -> None:
-    with contextlib.suppress(OSError):
-        for leftover in shm_dir.glob("*.kv"):
-            leftover.unlink()
-
-
-def _default_shm_dir(port: int) -> Path:
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return base / f"radix-{os.getuid()}-{port}"
+def _payload_dir(given: Path | None, port: int) -> Path:
+    """The operator's --shm-dir (created 0700 if missing), or a new one of ours; either checked
+    (proxy/server/paydir.py)."""
+    if given is None:
+        base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        return make_private_dir(base, f"radix-{os.getuid()}-{port}-")
+    with contextlib.suppress(FileExistsError):
+        given.mkdir(mode=0o700, parents=True)
+    check_private_dir(given)
+    return given

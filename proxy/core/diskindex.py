@@ -56,6 +56,9 @@ class DropCause(StrEnum):
     CHECKSUM = "checksum"  # the KV bytes do not match their checksum
     PARTIAL = "partial"  # a temporary file left by a writer that did not finish
     IO = "io_error"  # the file could not be read
+    UNTRUSTED = (
+        "untrusted"  # a link, not a regular file, or a file not ours or writable by others (kept, unused)
+    )
 
 
 class DemoteFailure(StrEnum):

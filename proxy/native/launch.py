@@ -28,6 +28,11 @@ from proxy.errors import ConfigError
 # prompt cache and its idle-slot clearing, similarity-based slot swaps).
 PROXY_SERVER_ARGS = ["-kvu", "--cache-ram", "0", "-sps", "0"]
 
+# Stock llama-server has no flag that turns its CORS grant off (its default echoes any Origin,
+# with credentials). An empty allowed origin is the nearest: it sends
+# `Access-Control-Allow-Origin:` with no value, which matches no origin, and no credentials.
+NO_CORS_ARGS = ["--cors-origins", "", "--no-cors-credentials"]
+
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -47,6 +52,9 @@ class ServerSpec:
     # (--kvctl-insecure: only for a server nothing but the proxy can reach).
     kvctl_key: str | None = None
     insecure: bool = False
+    # The key of the server's own HTTP API (--api-key-file, same 0600 file treatment): without
+    # it /completion, /slots and /tokenize answer anyone who reaches the port (docs/security.md).
+    api_key: str | None = None
     proxy_flags: bool = True
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
@@ -54,8 +62,9 @@ class ServerSpec:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def argv(self, key_file: Path | None = None) -> list[str]:
-        """The command line; ``key_file`` holds ``kvctl_key`` (written by ServerProcess.start)."""
+    def argv(self, key_file: Path | None = None, api_key_file: Path | None = None) -> list[str]:
+        """The command line; ``key_file`` holds ``kvctl_key`` and ``api_key_file`` ``api_key``
+        (written by ServerProcess.start)."""
         argv = [
             str(self.binary),
             "-m",
@@ -82,6 +91,9 @@ class ServerSpec:
                 argv += ["--kvctl-key-file", str(key_file) if key_file else "(key file)"]
             if self.insecure:
                 argv.append("--kvctl-insecure")
+        if self.api_key:
+            argv += ["--api-key-file", str(api_key_file) if api_key_file else "(key file)"]
+            argv += NO_CORS_ARGS
         return argv + list(self.extra_args)
 
 
@@ -138,11 +150,12 @@ class ServerProcess:
             self.spec.kvctl_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
-        key_file = self._write_key() if self.spec.kvctl and self.spec.kvctl_key else None
+        key_file = self._write_key("key", self.spec.kvctl_key) if self.spec.kvctl else None
+        api_key_file = self._write_key("api-key", self.spec.api_key)
         try:
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(
-                    self.spec.argv(key_file),
+                    self.spec.argv(key_file, api_key_file),
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
@@ -174,13 +187,16 @@ class ServerProcess:
             raise
         self._remove_key()  # read at startup: the file is not needed any more
 
-    def _write_key(self) -> Path:
-        assert self.spec.kvctl_key
-        self._key_dir = Path(tempfile.mkdtemp(prefix="radix-kvctl-key-"))  # mode 0700
-        path = self._key_dir / "key"
+    def _write_key(self, name: str, key: str | None) -> Path | None:
+        """``key`` in a 0600 file of a private 0700 directory (shared by the server's keys)."""
+        if not key:
+            return None
+        if self._key_dir is None:
+            self._key_dir = Path(tempfile.mkdtemp(prefix="radix-kvctl-key-"))  # mode 0700
+        path = self._key_dir / name
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as handle:
-            handle.write(self.spec.kvctl_key + "\n")
+            handle.write(key + "\n")
         return path
 
     def _remove_key(self) -> None:

@@ -48,7 +48,7 @@ def add_admin_routes(app: web.Application) -> None:
         async def handler(request: web.Request) -> web.Response:
             runtime = request.app[RUNTIME]
             # Answered here, not raised: an admin poll is not a failed completion request.
-            refused = _refuse(request, runtime.config.admin_key)
+            refused = refuse_admin(request, runtime.config.admin_key)
             if refused is not None:
                 return web.json_response(refused.to_body(), status=refused.status)
             try:
@@ -64,8 +64,9 @@ def add_admin_routes(app: web.Application) -> None:
     app.router.add_get("/radix/stats", guarded(_stats))
 
 
-def _refuse(request: web.Request, key: str | None) -> RadixError | None:
-    """With --admin-key, the key; without, only clients on this host (loopback)."""
+def refuse_admin(request: web.Request, key: str | None) -> RadixError | None:
+    """With --admin-key, the key; without, only clients on this host (loopback) that name it by a
+    loopback name in ``Host``."""
     if key:
         sent = request.headers.get("Authorization", "")
         if not hmac.compare_digest(sent.encode(), f"Bearer {key}".encode()):
@@ -80,7 +81,25 @@ def _refuse(request: web.Request, key: str | None) -> RadixError | None:
             "the admin API answers only clients on this host; start the proxy with --admin-key "
             "to reach it from elsewhere"
         )
+    if not loopback_host(request.host):
+        # DNS rebinding: a page whose name now resolves to 127.0.0.1 is "local" by address, but
+        # the browser still names the page's host.
+        return Forbidden(
+            "the admin API answers only requests for this host by a loopback name (Host: "
+            "localhost or a loopback address); start the proxy with --admin-key to use another name"
+        )
     return None
+
+
+def loopback_host(host: str) -> bool:
+    """Whether a Host header (with or without its port) names this host by a loopback name."""
+    name = host.rsplit("]", 1)[0].lstrip("[") if host.startswith("[") else host.rsplit(":", 1)[0]
+    if name.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 def _query_number(request: web.Request, name: str, default: float, lo: float, hi: float) -> float:

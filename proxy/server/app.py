@@ -20,13 +20,14 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.config import Config
-from proxy.errors import BackendError, ConfigError, RadixError, TooLarge
+from proxy.errors import BackendError, ConfigError, RadixError, RequestTimeout, TooLarge
 from proxy.server.admin import add_admin_routes
 from proxy.server.apis import add_api_routes
+from proxy.server.connections import ConnectionLimits, GuardedSite, raise_file_limit
 from proxy.server.health import HealthMonitor
 from proxy.server.observe import summary_loop
 from proxy.server.recorder import Recorder
-from proxy.server.routes import add_catch_all, add_routes
+from proxy.server.routes import add_catch_all, add_routes, metrics_port_only, plain_paths_only
 from proxy.server.runtime import RUNTIME, Runtime
 from proxy.server.startup import connect_pending, create_runtime
 
@@ -55,7 +56,16 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         runtime: Runtime | None = request.app.get(RUNTIME)
         if runtime is not None:
             runtime.metrics.request_errors.labels("4xx" if exc.status < 500 else "5xx").inc()
-        return error_response(exc)
+        response = error_response(exc)
+        if isinstance(exc, RequestTimeout):
+            # Sent now and the connection closed: aiohttp would otherwise keep reading the rest of
+            # a body that comes too slowly (its lingering close) before it lets go.
+            response.force_close()
+            await response.prepare(request)
+            await response.write_eof()
+            if request.transport is not None:
+                request.transport.close()
+        return response
     except web.HTTPRequestEntityTooLarge as exc:
         return error_response(TooLarge(f"request body too large: {exc.text}"))
     except web.HTTPException:
@@ -66,7 +76,10 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 def build_app(config: Config, registry: CollectorRegistry | None = None) -> web.Application:
     """The proxy as an aiohttp application; its resources open when a runner sets it up."""
-    app = web.Application(middlewares=[errors_middleware], client_max_size=config.max_body_mib * 1024 * 1024)
+    app = web.Application(
+        middlewares=[errors_middleware, plain_paths_only, metrics_port_only],
+        client_max_size=config.max_body_mib * 1024 * 1024,
+    )
     app[CONFIG] = config
     app[REGISTRY] = registry if registry is not None else CollectorRegistry()
     app.cleanup_ctx.extend([_session_ctx, _recorder_ctx, _runtime_ctx, _health_ctx, _summary_ctx])
@@ -149,21 +162,35 @@ async def start_site(
 ) -> web.AppRunner:
     """Open the app's resources and listen; the caller owns ``runner.cleanup()``, which stops
     listening, gives in-flight requests ``shutdown_timeout`` seconds, then closes everything."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
+    config = app[CONFIG]
+    # aiohttp's keep-alive timer runs from the connection's start and from each answer's end, and
+    # closes a connection whose next request head is not complete by then: an idle timeout and a
+    # header read deadline in one (its default is an hour).
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=shutdown_timeout,
+        keepalive_timeout=config.idle_timeout_s,
+    )
     try:
         await runner.setup()
     except BaseException:
         await runner.cleanup()  # closes what the startup contexts opened before the failure
         raise
-    site = web.TCPSite(runner, host, port)
-    try:
-        await site.start()
-    except OSError as exc:
-        await runner.cleanup()
-        raise ConfigError(
-            f"cannot listen on {host}:{port}: {exc.strerror}",
-            fix="choose another --port, or stop what listens there",
-        ) from exc
+    raise_file_limit(config.max_connections)
+    limits = ConnectionLimits(config.max_connections, config.max_connections_per_client)
+    for listen, flag in ((port, "--port"), (config.metrics_port, "--metrics-port")):
+        if flag == "--metrics-port" and not listen:
+            continue
+        try:
+            await GuardedSite(runner, host, listen, limits).start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise ConfigError(
+                f"cannot listen on {host}:{listen}: {exc.strerror}",
+                fix=f"choose another {flag}, or stop what listens there",
+            ) from exc
     return runner
 
 

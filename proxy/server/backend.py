@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import logging
@@ -14,7 +15,7 @@ import numpy as np
 import orjson
 
 from proxy.core.payload import tokens_sha256
-from proxy.errors import BackendError, FallbackCause, KvMoveError
+from proxy.errors import BackendError, FallbackCause, KvMoveError, RadixError
 
 log = logging.getLogger("radix")
 
@@ -22,6 +23,9 @@ log = logging.getLogger("radix")
 # 100 requests; a request sent on such a connection fails before the server read it, so
 # one retry on a fresh connection is safe.
 _STALE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+
+# Request headers llama-server reads as its API key.
+_CREDENTIALS = {"authorization", "x-api-key"}
 
 # Deadlines (invariant 8: every wait has a bound). Template, tokenize and /props are answered
 # by the server's HTTP threads; /kvctl reads wait for its main loop (a decode step); a KV move
@@ -46,8 +50,12 @@ class Backend:
         kvctl_key: str | None = None,
         read_timeout_s: float = 600.0,
         total_timeout_s: float | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        # The server's own API key (its --api-key-file): sent on every call but /kvctl, which
+        # has its own; it replaces whatever credentials a client's request carried.
+        self._api_key = api_key
         self.session = session
         # A completion: no byte for read_timeout_s (a long prefill sends none) or the whole
         # answer past total_timeout_s ends it.
@@ -63,25 +71,38 @@ class Backend:
     # ---- plain server API -------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def request(self, method: str, path: str, **kw: Any) -> AsyncIterator[aiohttp.ClientResponse]:
-        """One request, retried once if a pooled connection turned out to be closed."""
+    async def request(
+        self, method: str, path: str, retry_stale: bool = True, **kw: Any
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """One request, retried once if a pooled connection turned out to be closed (unless
+        ``retry_stale`` is off: the caller decides whether sending it again is safe)."""
         kw.setdefault("timeout", PLAIN_TIMEOUT)
+        if self._api_key and not path.startswith("/kvctl/"):
+            kw["headers"] = self.with_api_key(kw.get("headers"))
         for attempt in (0, 1):
             try:
                 resp = await self.session.request(method, self.url + path, **kw)
                 break
             except _STALE:
-                if attempt:
+                if attempt or not retry_stale:
                     raise
         try:
             yield resp
         finally:
             resp.release()
 
+    def with_api_key(self, headers: Mapping[str, str] | None) -> dict[str, str]:
+        kept = {k: v for k, v in (headers or {}).items() if k.lower() not in _CREDENTIALS}
+        return {**kept, "Authorization": f"Bearer {self._api_key}"}
+
     def post_stream(
         self, path: str, data: bytes, headers: Mapping[str, str]
     ) -> contextlib.AbstractAsyncContextManager[aiohttp.ClientResponse]:
-        return self.request("POST", path, data=data, headers=headers, timeout=self.completion_timeout)
+        # Not retried here: a completion after which the server died must not be sent again
+        # (routes._steered asks whether the server survived it).
+        return self.request(
+            "POST", path, retry_stale=False, data=data, headers=headers, timeout=self.completion_timeout
+        )
 
     async def get_json(self, path: str) -> Any:
         async with self.request("GET", path) as resp:
@@ -218,6 +239,15 @@ class Backend:
             )
             raise KvMoveError(cause, f"/kvctl/{route} answered {status}: {message}")
         return reply
+
+    async def survived(self, instance: str | None, timeout_s: float = 5.0) -> bool:
+        """Whether the server process ``instance`` still answers here (not dead, not replaced)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.kv_get("caps")
+        except (RadixError, TimeoutError):
+            return False
+        return instance is None or self.instance == instance
 
     async def caps(self) -> dict[str, Any]:
         """The server's capabilities; a new instance id is adopted here (see check_instance)."""

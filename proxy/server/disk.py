@@ -26,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 
@@ -326,6 +326,7 @@ def _scan(
     """Entries in the directory, oldest first (by mtime), with their checked headers and
     token ids. Temporary files and broken entries are deleted; foreign ones are left alone."""
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_directory(directory)
     mode = stat.S_IMODE(directory.stat().st_mode)
     if mode & 0o077:
         log.warning("disk tier: %s is readable by others (mode %o); chmod 700 it", directory, mode)
@@ -338,8 +339,8 @@ def _scan(
         if not path.name.endswith(SUFFIX):
             continue
         try:
-            st = path.stat()
-            with open(path, "rb") as f:
+            with _open_entry(path) as f:
+                st = os.fstat(f.fileno())
                 head = f.read(HEADER_BYTES)
                 header = decode_header(head)
                 if header.key != key:
@@ -356,6 +357,9 @@ def _scan(
             if sha(raw) != header.tokens:
                 raise DiskEntryError(DropCause.TOKENS, "token ids do not match their checksum")
         except DiskEntryError as exc:
+            if exc.cause == DropCause.UNTRUSTED:  # not ours: counted, neither used nor deleted
+                drops[exc.cause] = drops.get(exc.cause, 0) + 1
+                continue
             _drop(path, exc.cause, drops)
             continue
         except OSError:
@@ -364,6 +368,43 @@ def _scan(
         found.append((st.st_mtime, header, tokens))
     found.sort(key=lambda x: x[0])
     return [(h, t) for _, h, t in found], drops
+
+
+class UnsafeDirectory(OSError):
+    """The tier's directory is a link, not ours, or writable by others: entries in it could be
+    another user's forgeries (their sums are not keyed), so the tier is not used."""
+
+
+def _check_directory(directory: Path) -> None:
+    st = os.lstat(directory)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise UnsafeDirectory(f"{directory} is a link or not a directory")
+    if st.st_uid != os.geteuid():
+        raise UnsafeDirectory(f"{directory} is owned by uid {st.st_uid}, not by us")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeDirectory(f"{directory} is writable by group or others (chmod go-w)")
+
+
+def _open_entry(path: Path) -> BinaryIO:
+    """An entry opened without following a link, and only if it is a regular file of ours that
+    nobody else may write (DiskEntryError UNTRUSTED otherwise)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise DiskEntryError(DropCause.UNTRUSTED, f"{path.name} is a symbolic link") from exc
+        raise
+    st = os.fstat(fd)
+    if (
+        not stat.S_ISREG(st.st_mode)
+        or st.st_uid != os.geteuid()
+        or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    ):
+        os.close(fd)
+        raise DiskEntryError(
+            DropCause.UNTRUSTED, f"{path.name} is not a regular file of ours, writable by us only"
+        )
+    return os.fdopen(fd, "rb")
 
 
 def _drop(path: Path, cause: DropCause, drops: dict[str, int]) -> None:
@@ -414,7 +455,7 @@ def _read_pieces(directory: Path, key: bytes, found: DiskMatch, tokens: np.ndarr
     for piece in found.pieces:
         entry = piece.entry
         try:
-            with open(directory / entry.name, "rb") as f:
+            with _open_entry(directory / entry.name) as f:
                 raw = f.read(entry.header.size + 1)
             _, toks, rows = verify_entry(raw, key, entry.header)
             if not np.array_equal(toks, entry.tokens):

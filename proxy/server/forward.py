@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
 
+from proxy.errors import BackendError
 from proxy.server.coordinator import Lease
 from proxy.server.shapes import AnswerShape
 
@@ -30,7 +31,39 @@ HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "kee
 
 
 class NotStarted(Exception):
-    """The server failed before any byte of the answer reached the client."""
+    """The server failed before any byte of the answer reached the client. ``delivered``: the
+    request reached the server (it did not fail to connect), so it may be what broke it."""
+
+    def __init__(self, message: str, *, delivered: bool) -> None:
+        super().__init__(message)
+        self.delivered = delivered
+
+
+# Failures before the request was sent: it cannot have harmed the server.
+_NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+
+
+class AnswerTooLarge(BackendError):
+    """The server's answer is larger than the proxy holds for a client (--max-answer)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"llama-server's answer is larger than {limit} bytes, the most the proxy holds for one "
+            "answer (--max-answer): ask for fewer tokens or log-probabilities"
+        )
+
+
+async def read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body of an answer, refused past ``limit`` bytes (the connection is then closed
+    before the rest is read, and the server stops)."""
+    if resp.content_length is not None and resp.content_length > limit:
+        raise AnswerTooLarge(limit)
+    buf = bytearray()
+    async for chunk in resp.content.iter_any():
+        buf += chunk
+        if len(buf) > limit:
+            raise AnswerTooLarge(limit)
+    return bytes(buf)
 
 
 class NoRoom(Exception):
@@ -49,11 +82,18 @@ class Outcome:
     ttft_s: float | None = None
     timings: dict[str, Any] | None = None
     broken: str = ""  # why the stream ended early (server gone, client too slow)
-    _partial: bytes = b""
+    _partial: bytearray = field(default_factory=bytearray)
+
+    longest_line: int = 0  # of the last chunk fed, the line not ended yet included
 
     def feed_sse(self, chunk: bytes) -> None:
-        lines = (self._partial + chunk).split(b"\n")
-        self._partial = lines.pop()
+        if b"\n" not in chunk:  # appended in place: a long line costs its length, not its square
+            self._partial += chunk
+            self.longest_line = len(self._partial)
+            return
+        lines = (bytes(self._partial) + chunk).split(b"\n")
+        self._partial = bytearray(lines.pop())
+        self.longest_line = max(len(self._partial), *(len(line) for line in lines))
         for line in lines:
             if line.startswith(b"data: ") and b'"timings"' in line:
                 self.timings = timings_of(line[6:]) or self.timings
@@ -100,6 +140,7 @@ async def forward_completion(
     show: bool,
     retry_no_room: bool = False,
     buffer_bytes: int,
+    max_answer_bytes: int,
     on_upstream_done: Callable[[], None],
     path: str | None = None,
     shape: AnswerShape | None = None,
@@ -115,7 +156,11 @@ async def forward_completion(
             outcome.status = up.status
             extra = radix_headers(lease, show)
             if "text/event-stream" not in up.headers.get("Content-Type", ""):
-                raw = await up.read()
+                try:
+                    raw = await read_capped(up, max_answer_bytes)
+                except AnswerTooLarge:
+                    outcome.status = 502
+                    raise
                 if retry_no_room and up.status >= 500 and NO_ROOM_MARK in raw:
                     raise NoRoom(raw[:200].decode(errors="replace"))
                 outcome.ttft_s = time.monotonic() - arrived
@@ -135,11 +180,13 @@ async def forward_completion(
             )
             await stream.prepare(request)
             started = True
-            await _relay(request, up, stream, lease, arrived, outcome, shape, buffer_bytes, on_upstream_done)
+            limits = (buffer_bytes, max_answer_bytes)
+            await _relay(request, up, stream, lease, arrived, outcome, shape, limits, on_upstream_done)
             return stream
     except (aiohttp.ClientError, TimeoutError) as exc:
         if not started:
-            raise NotStarted(f"{type(exc).__name__}: {exc}") from exc
+            delivered = not isinstance(exc, _NOT_SENT)
+            raise NotStarted(f"{type(exc).__name__}: {exc}", delivered=delivered) from exc
         raise
 
 
@@ -151,10 +198,12 @@ async def _relay(
     arrived: float,
     outcome: Outcome,
     shape: AnswerShape,
-    buffer_bytes: int,
+    limits: tuple[int, int],
     on_upstream_done: Callable[[], None],
 ) -> None:
-    """Server -> bounded buffer -> client, the two sides at their own pace."""
+    """Server -> bounded buffer -> client, the two sides at their own pace. ``limits``: the
+    bytes a client may fall behind, and the longest SSE line held before its end comes."""
+    buffer_bytes, max_line = limits
     queue: asyncio.Queue[bytes | None] = asyncio.Queue()
     buffered = 0
 
@@ -166,6 +215,10 @@ async def _relay(
                     outcome.ttft_s = time.monotonic() - arrived
                     lease.prompt_computed()
                 outcome.feed_sse(chunk)
+                if outcome.longest_line > max_line:
+                    outcome.broken = f"an event of the answer is larger than {max_line} bytes (--max-answer)"
+                    queue.put_nowait(b"\n" + sse_error(outcome.broken))  # ends the cut line first
+                    return
                 buffered += len(chunk)
                 if buffered > buffer_bytes:
                     outcome.broken = f"the client fell more than {buffer_bytes} bytes behind and was cut"

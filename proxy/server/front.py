@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ import orjson
 
 from proxy.config import Config
 from proxy.errors import BadRequest
+from proxy.server.limits import check_json_depth, maybe_deep
 
 # Read-only paths passed to the first server unchanged (method, path).
 READ_ONLY = {
@@ -68,11 +70,18 @@ def refusal(method: str, path: str) -> str | None:
 
 async def parse_json(raw: bytes) -> dict[str, Any]:
     try:
-        body = orjson.loads(raw) if len(raw) <= OFF_LOOP_BYTES else await asyncio.to_thread(orjson.loads, raw)
+        body = _loads(raw) if len(raw) <= OFF_LOOP_BYTES else await asyncio.to_thread(_loads, raw)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def _loads(raw: bytes) -> Any:
+    body = orjson.loads(raw)
+    if maybe_deep(raw):
+        check_json_depth(body)
     return body
 
 
@@ -96,30 +105,43 @@ def prompt_token_ids(prompt: list[Any], n_vocab: int, n_ctx_slot: int) -> np.nda
         )
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         raise BadRequest("'prompt' must be a string or an array of token ids")
-    ids = np.asarray(prompt, dtype=np.int64)
-    if ids.size and (ids.min() < 0 or ids.max() >= n_vocab):
-        bad = int(ids[(ids < 0) | (ids >= n_vocab)][0])
+    # Checked on Python ints: an id of 2**63 or more does not fit numpy's int64 (it overflows).
+    if prompt and (min(prompt) < 0 or max(prompt) >= n_vocab):
+        bad = next(t for t in prompt if t < 0 or t >= n_vocab)
         raise BadRequest(f"invalid token id {bad} in 'prompt' (the vocabulary has {n_vocab} tokens)")
-    return ids.astype(np.int32)
+    return np.asarray(prompt, dtype=np.int32)
 
 
 def cache_namespace(config: Config, body: dict[str, Any], headers: Any) -> str:
-    """The request's cache-isolation namespace ("" when it names no key); pops ``cache_salt``."""
+    """The request's cache-isolation namespace ("" when it names no key); pops ``cache_salt``.
+
+    The parts are encoded as a JSON array of (source, value) pairs: no value can pose as two
+    parts (joined by a separator, salt ``"a\nheader:b"`` equalled salt ``a`` plus header ``b``).
+    Control characters in a key are refused outright: no real key has them."""
     parts = []
     salt = body.pop(SALT_FIELD, None)
     if salt is not None and not isinstance(salt, str):
         raise BadRequest(f"'{SALT_FIELD}' must be a string")
     sources = config.cache_isolation
     if "field" in sources and salt:
-        parts.append(f"salt:{salt}")
+        parts.append(("salt", _key_text(salt, f"'{SALT_FIELD}'")))
     if "header" in sources and headers.get(SALT_HEADER):
-        parts.append(f"header:{headers[SALT_HEADER]}")
-    key = api_key(headers)
+        parts.append(("header", _key_text(headers[SALT_HEADER], SALT_HEADER)))
+    key = api_key(headers)  # Authorization: Bearer, else Anthropic's x-api-key
     if "api-key" in sources and key:
-        parts.append(f"key:{key}")
+        parts.append(("key", _key_text(key, "the API key")))
     if not parts:
         return ""
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+    return hashlib.sha256(orjson.dumps(parts)).hexdigest()[:32]
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _key_text(value: str, what: str) -> str:
+    if _CONTROL.search(value):
+        raise BadRequest(f"{what} must not contain control characters")
+    return value
 
 
 def api_key(headers: Any) -> str:
@@ -166,15 +188,18 @@ class SseStripper:
     """Rewrites an SSE stream line by line, dropping cache information from each event."""
 
     def __init__(self) -> None:
-        self._partial = b""
+        self._partial = bytearray()
 
     def feed(self, chunk: bytes) -> bytes:
-        lines = (self._partial + chunk).split(b"\n")
-        self._partial = lines.pop()
+        if b"\n" not in chunk:  # appended in place: a long line costs its length, not its square
+            self._partial += chunk
+            return b""
+        lines = (bytes(self._partial) + chunk).split(b"\n")
+        self._partial = bytearray(lines.pop())
         return b"".join(self._line(line) + b"\n" for line in lines)
 
     def flush(self) -> bytes:
-        rest, self._partial = self._partial, b""
+        rest, self._partial = bytes(self._partial), bytearray()
         return self._line(rest) if rest else b""
 
     @staticmethod

@@ -110,6 +110,12 @@ class Metrics:
             ["status"],
             registry=registry,
         )
+        self.poison_requests = Counter(
+            f"{ns}_poison_requests",
+            "Requests after which their server died before answering (not retried)",
+            ["server"],
+            registry=registry,
+        )
         self.ttft = Histogram(
             f"{ns}_ttft_seconds",
             "Time from arrival to the first byte of the answer (whole answer when not streamed)",
@@ -311,6 +317,7 @@ class Metrics:
 
         for server in servers:
             self.queue_wait.labels(server)
+            self.poison_requests.labels(server)
             self.resident_entries.labels(server)
             self.resident_cells.labels(server)
             self.resident_pinned.labels(server)

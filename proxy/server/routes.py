@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
-import itertools
 import logging
+import re
+import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -15,10 +17,20 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from proxy.errors import BackendError, BadRequest, NotFound
+from proxy.config import Config
+from proxy.errors import BackendError, BadRequest, NotFound, RequestTimeout
+from proxy.server.admin import refuse_admin
 from proxy.server.backend import Backend
 from proxy.server.coordinator import Lease, RestoreAbandoned
-from proxy.server.forward import HOP_HEADERS, NoRoom, NotStarted, Outcome, forward_completion, forward_headers
+from proxy.server.forward import (
+    HOP_HEADERS,
+    NoRoom,
+    NotStarted,
+    Outcome,
+    forward_completion,
+    forward_headers,
+    read_capped,
+)
 from proxy.server.front import (
     cache_namespace,
     check_one_answer,
@@ -27,6 +39,7 @@ from proxy.server.front import (
     prompt_token_ids,
     refusal,
 )
+from proxy.server.limits import check_request
 from proxy.server.models import ModelEntry, models_listing, pick_model, with_model
 from proxy.server.observe import refresh_metrics
 from proxy.server.runtime import RUNTIME, Runtime
@@ -34,7 +47,7 @@ from proxy.server.shapes import AnswerShape, check_prompt_count
 
 log = logging.getLogger("radix")
 
-_ids = itertools.count(1)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SESSION_HEADER = "X-Session-Id"  # the session-affinity key (a routing tie-break only)
 
 
@@ -49,19 +62,60 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/metrics", metrics)
 
 
+def on_metrics_port(request: web.Request, config: Config) -> bool:
+    """Whether the request came in on ``--metrics-port`` (the socket it arrived on says)."""
+    if not config.metrics_port or request.transport is None:
+        return False
+    sockname = request.transport.get_extra_info("sockname")
+    return isinstance(sockname, tuple) and len(sockname) >= 2 and sockname[1] == config.metrics_port
+
+
+_NOT_PLAIN = re.compile(r"%|//|(^|/)\.\.?(/|$)")
+
+
+@web.middleware
+async def plain_paths_only(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A path with percent-encoding, ``//`` or dot segments is refused before any route matches:
+    aiohttp matches the decoded path, so ``/%72adix/routes`` was the admin API to the proxy but
+    not to a balancer in front that blocks ``/radix/`` by its raw text."""
+    if _NOT_PLAIN.search(request.raw_path.split("?", 1)[0]):
+        raise NotFound("no such path (paths must be plain: no percent-encoding, '//' or dot segments)")
+    return await handler(request)
+
+
+@web.middleware
+async def metrics_port_only(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The metrics port serves /metrics and nothing else."""
+    if request.path != "/metrics" and on_metrics_port(request, request.app[RUNTIME].config):
+        raise NotFound(f"{request.path} is not served on the metrics port")
+    return await handler(request)
+
+
 def add_catch_all(app: web.Application) -> None:
     """Last: the read-only allowlist goes to the first server unchanged; the rest is 404."""
     app.router.add_route("*", "/{tail:.*}", forward_plain)
 
 
+async def read_body(request: web.Request) -> bytes:
+    """The request body, within --body-timeout (a client sending a byte now and then would hold
+    its connection and its buffer for ever)."""
+    limit = request.app[RUNTIME].config.body_timeout_s
+    try:
+        async with asyncio.timeout(limit):
+            return await request.read()
+    except TimeoutError as exc:
+        raise RequestTimeout(f"the request body did not arrive within {limit:g} s (--body-timeout)") from exc
+
+
 async def _read_json(request: web.Request) -> dict[str, Any]:
-    body = await parse_json(await request.read())
+    body = await parse_json(await read_body(request))
     recorder = request.app[RUNTIME].recorder
     if recorder is not None:
         recorder.record(
             request.path, orjson.loads(orjson.dumps(body)), request.headers.get("X-Session-Id", "")
         )
     check_one_answer(body)
+    check_request(request.app[RUNTIME].config, body)
     return body
 
 
@@ -126,9 +180,10 @@ async def _steered(
     for attempt in (1, 2):
         body = dict(original)  # each attempt sets its own slot and cache_prompt
         lease = await coord.acquire(
-            f"r{next(_ids)}", tokens, ns, model=model.name, session=session, n_predict=_n_predict(body)
+            _request_id(), tokens, ns, model=model.name, session=session, n_predict=_n_predict(body)
         )
         outcome = Outcome()
+        instance = lease.server.backend.instance  # the process this attempt is sent to
         done = _once(functools.partial(_finish, runtime, lease, outcome, api))
         try:
             await coord.restore(lease, _n_predict(body))
@@ -145,6 +200,7 @@ async def _steered(
                 outcome,
                 show=config.cache_info,
                 buffer_bytes=config.stream_buffer_bytes,
+                max_answer_bytes=config.max_answer_bytes,
                 on_upstream_done=done,
                 retry_no_room=attempt == 1,
                 path=path,
@@ -161,6 +217,19 @@ async def _steered(
         except (NotStarted, RestoreAbandoned) as exc:
             outcome.status = 502
             coord.server_down(lease.server, str(exc))
+            if isinstance(exc, NotStarted) and await _killed_by(lease, instance, exc):
+                runtime.metrics.poison_requests.labels(lease.server.name).inc()
+                log.error(
+                    "request %s: %s died while it ran the request (%s); suspected poison request, "
+                    "not retried",
+                    lease.request_id,
+                    lease.server.name,
+                    exc,
+                )
+                raise BackendError(
+                    "llama-server died while running this request; it is not retried (a request "
+                    "that kills its server would kill the next one too)"
+                ) from exc
             if attempt == 2:
                 raise BackendError(f"llama-server failed before answering, twice: {exc}") from exc
             log.warning(
@@ -172,6 +241,12 @@ async def _steered(
         finally:
             done()
     raise AssertionError("unreachable")
+
+
+async def _killed_by(lease: Lease, instance: str | None, exc: NotStarted) -> bool:
+    """Whether the server died (or was replaced) after it took this request: then the request
+    may be what killed it. A request that never reached it (connection refused) is not."""
+    return exc.delivered and not await lease.server.backend.survived(instance)
 
 
 def _finish(runtime: Runtime, lease: Lease, outcome: Outcome, api: str) -> None:
@@ -195,6 +270,12 @@ def _once(fn: Callable[[], None]) -> Callable[[], None]:
     return call
 
 
+def _request_id() -> str:
+    """Random, not a counter: a counter tells every client how many requests others sent
+    between two of its own (timing, load), even with --cache-info off."""
+    return f"r{secrets.token_hex(8)}"
+
+
 def _n_predict(body: dict[str, Any]) -> int:
     """Tokens the answer may add to the slot (for the free-cell headroom)."""
     for key in ("max_completion_tokens", "max_tokens", "n_predict"):
@@ -206,12 +287,12 @@ def _n_predict(body: dict[str, Any]) -> int:
 
 async def health(request: web.Request) -> web.Response:
     """200 while at least one server serves (the body names the others), 503 when none does;
-    from the health monitor's last round (a client cannot make the proxy probe its servers)."""
+    from the health monitor's last round (a client cannot make the proxy probe its servers).
+    Servers by name only: their URLs are inside the trust boundary (the admin API has them)."""
     runtime = request.app[RUNTIME]
     servers = [
         {
             "name": s.name,
-            "url": s.backend.url,
             "status": "ok" if s.healthy else "down",
             **({"reason": s.down_reason} if not s.healthy else {}),
             # Served, but with routes A and prefill only: say which moves are off and why.
@@ -230,7 +311,14 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """Under the admin rule (loopback, or --admin-key) on the client port: a cache-hit counter
+    moved by a client's own request tells it what others had cached, --cache-info off or not.
+    On --metrics-port it needs nothing (that port serves only this)."""
     runtime = request.app[RUNTIME]
+    if not on_metrics_port(request, runtime.config):
+        refused = refuse_admin(request, runtime.config.admin_key)
+        if refused is not None:
+            return web.json_response(refused.to_body(), status=refused.status)
     await refresh_metrics(runtime)
     return web.Response(
         body=generate_latest(runtime.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
@@ -243,11 +331,11 @@ async def forward_plain(request: web.Request) -> web.StreamResponse:
     if why is not None:
         raise NotFound(why)
     runtime = request.app[RUNTIME]
-    data, headers = await request.read(), forward_headers(request)
+    data, headers = await read_body(request), forward_headers(request)
 
     async def call(backend: Backend) -> web.Response:
         async with backend.request(request.method, request.path_qs, data=data, headers=headers) as up:
-            raw = await up.read()
+            raw = await read_capped(up, runtime.config.max_answer_bytes)
             # llama-server's permissive CORS headers are not passed on: the proxy grants no origin.
             kept = {
                 k: v

@@ -27,6 +27,7 @@ from proxy.server.metrics import Metrics
 from proxy.server.models import ModelEntry, compat_ns
 from proxy.server.mover import KvMover
 from proxy.server.netlocal import is_local_host
+from proxy.server.paydir import check_private_dir
 from proxy.server.recorder import Recorder
 from proxy.server.runtime import Runtime
 from proxy.server.sharing import Sharing
@@ -216,7 +217,13 @@ async def _connect(
 ) -> ServerState:
     spec = parse_backend(spec_text)
     url = spec.url
-    backend = Backend(url, session, config.kvctl_key, read_timeout_s=config.backend_read_timeout_s)
+    backend = Backend(
+        url,
+        session,
+        config.kvctl_key,
+        read_timeout_s=config.backend_read_timeout_s,
+        api_key=config.server_api_key,
+    )
     try:
         caps = await backend.caps()
     except aiohttp.ClientError as exc:
@@ -359,6 +366,8 @@ async def _payload_dir(mine: Path | None, theirs: str | None, spec: BackendSpec)
     ``auto``: files when the server names our directory and runs on this host."""
     if spec.payloads == "inline":
         return None
+    if mine is not None:
+        check_private_dir(mine)  # before any payload file is made in it
     same_dir = bool(mine and theirs and Path(theirs).resolve() == mine.resolve())
     if spec.payloads == "shared":
         if not same_dir or mine is None or not os.access(mine, os.W_OK):

@@ -19,6 +19,7 @@ from aiohttp.typedefs import Handler
 
 from proxy.bench.runner import ManifestEntry, base_url, replay_manifest
 from proxy.workbench.graph import RunContext, build_graph, run_turn
+from proxy.workbench.guard import JSON_TYPE, MANIFEST_TYPE, REPLAY_PATHS, check_content_type, host_guard
 from proxy.workbench.llm import OpenAIModel
 from proxy.workbench.protocol import AgentSettings, build_request, step_kind
 from proxy.workbench.scenarios import SCENARIOS
@@ -44,6 +45,8 @@ class WorkbenchConfig:
     db_path: str = "workbench.sqlite3"
     api_key: str = ""
     settings: AgentSettings = field(default_factory=AgentSettings)
+    # Host names the page is served for besides loopback ones (guard.py: DNS rebinding).
+    allowed_hosts: tuple[str, ...] = ()
 
 
 @dataclass
@@ -70,6 +73,7 @@ def _bad(message: str) -> web.HTTPBadRequest:
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
+    check_content_type(request, JSON_TYPE)
     try:
         body = await request.json()
     except ValueError as exc:
@@ -220,6 +224,7 @@ async def manifest(request: web.Request) -> web.Response:
 async def replay(request: web.Request) -> web.Response:
     """Replay a manifest (JSON lines in the body) against the proxy with its timing."""
     st = request.app[STATE]
+    check_content_type(request, MANIFEST_TYPE)
     try:
         speed = float(request.query.get("speed", "1"))
         entries = sorted(
@@ -228,6 +233,9 @@ async def replay(request: web.Request) -> web.Response:
         )
     except (ValueError, KeyError, TypeError) as exc:
         return _error(400, f"not a manifest (JSON lines with t, id and body): {exc}")
+    elsewhere = sorted({e.path for e in entries} - REPLAY_PATHS)
+    if elsewhere:
+        return _error(400, f"a replay only goes to the proxy's completion paths, not {elsewhere[0]!r}")
     if not entries or speed <= 0:
         return _error(400, "the manifest holds no requests" if not entries else "speed must be positive")
     started = time.monotonic()
@@ -268,7 +276,9 @@ async def _close(app: web.Application) -> None:
 
 
 def build_workbench_app(config: WorkbenchConfig) -> web.Application:
-    app = web.Application(middlewares=[not_found_shape], client_max_size=16 << 20)
+    app = web.Application(
+        middlewares=[host_guard(config.allowed_hosts), not_found_shape], client_max_size=16 << 20
+    )
     app[STATE] = State(config, Store(config.db_path), build_graph())
     app.on_startup.append(_open)
     app.on_cleanup.append(_close)

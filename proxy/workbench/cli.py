@@ -81,6 +81,13 @@ def _settings(model: str, max_steps: int, max_tokens: int, protocol: str) -> Any
 )
 @click.option("--max-tokens", default=256, show_default=True)
 @click.option("--tool-protocol", type=PROTOCOLS, default="auto", show_default=True)
+@click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    envvar="WORKBENCH_ALLOWED_HOSTS",
+    help="A Host name the page is served for besides loopback names (repeatable; env: space-separated).",
+)
 def serve(
     llm_base_url: str,
     llm_model: str,
@@ -93,6 +100,7 @@ def serve(
     max_steps: int,
     max_tokens: int,
     tool_protocol: str,
+    allowed_hosts: tuple[str, ...],
 ) -> None:
     """Serve the workbench page against a running proxy."""
     _need_extra()
@@ -108,6 +116,7 @@ def serve(
             db_path,
             llm_api_key,
             _settings(llm_model, max_steps, max_tokens, tool_protocol),
+            allowed_hosts=allowed_hosts,
         )
         click.echo(
             f"[workbench] http://{host}:{port}/ against {llm_base_url}; incident service {config.incident_url}"

@@ -366,8 +366,10 @@ def test_a_killed_proxy_leaves_no_server(patched_bin: Path, model_path: Path) ->
     finally:
         for pid in llama_server_pids(server_port):
             os.kill(pid, signal.SIGKILL)
-        # What the killed proxy could not remove: its payload directory (radixctl up's default).
-        shutil.rmtree(Path("/dev/shm") / f"radix-{os.getuid()}-{port}", ignore_errors=True)
+        # What the killed proxy could not remove: its payload directory (radixctl up's default,
+        # radix-<uid>-<port>- and a random suffix).
+        for left in Path("/dev/shm").glob(f"radix-{os.getuid()}-{port}-*"):
+            shutil.rmtree(left, ignore_errors=True)
 
 
 def test_a_server_back_with_another_kv_type_is_kept_out(lone_server: ServerProcess, work_dir: Path) -> None:

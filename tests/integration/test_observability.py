@@ -129,7 +129,7 @@ def live(backend: ServerProcess) -> Iterator[Live]:
         replies = [complete(thread, p) for p in (P1, P1, P2, P3, P1)]
         assert thread.runtime is not None
         thread.run(refresh_metrics(thread.runtime))  # also done by /metrics once app.py calls it
-        metrics = parse_metrics(get(f"{thread.url}/metrics").body)
+        metrics = parse_metrics(scrape(thread.url).body)
         caps = request(
             f"{backend.url}/kvctl/caps", headers={"Authorization": f"Bearer {backend.spec.kvctl_key}"}
         ).body
@@ -252,7 +252,7 @@ def test_exact_metrics_after_scripted_sequence(live: Live) -> None:
 def test_metrics_scrape_reads_the_pool(live: Live) -> None:
     complete(live.proxy, text("Delta", 4, 30))
     held = live.proxy.call(lambda rt: sum(len(s.tokens) for s in rt.coordinator.servers[0].slots))
-    m = parse_metrics(get(f"{live.proxy.url}/metrics").body)
+    m = parse_metrics(scrape(live.proxy.url).body)
     assert sample(m, "kv_cache_used_cells", server="s0") == held
     tree = live.proxy.call(lambda rt: rt.coordinator.tree.stats())
     assert sample(m, "radix_host_tree_leaves") == tree.leaves
@@ -282,12 +282,19 @@ def test_admin_api_needs_the_key(live: Live) -> None:
     for path in ("routes", "tree", "slots", "stats"):
         denied = get(f"{live.proxy.url}/radix/{path}")
         assert denied.status == 401 and denied.body["error"]["type"] == "authentication_error"
-    assert get(f"{live.proxy.url}/metrics").status == 200  # scrapes need no key
+    # Under the admin rule too: a cache-hit counter is an oracle for other clients' prompts.
+    assert get(f"{live.proxy.url}/metrics").status == 401
+    assert scrape(live.proxy.url).status == 200
     bad = run_cli("stats", "--url", live.proxy.url)
     assert bad.exit_code == 1 and "--admin-key" in bad.output
     assert get_admin(live, "/radix/routes?limit=zero").status == 400
-    m = parse_metrics(get(f"{live.proxy.url}/metrics").body)
+    m = parse_metrics(scrape(live.proxy.url).body)
     assert sample(m, "radix_request_errors_total", status="4xx") == 0  # admin refusals are not request errors
+
+
+def scrape(url: str) -> Reply:
+    """GET /metrics with the admin key (the proxy under test has one)."""
+    return request(f"{url}/metrics", headers=AUTH)
 
 
 def get_admin(live: Live, path: str) -> Reply:
@@ -334,7 +341,7 @@ def test_radixctl_routes(live: Live) -> None:
         "ttft",
         "server/slot",
     ]
-    assert len(lines) == 5 and all(re.match(r"\d\d:\d\d:\d\d\s+r\d+\s", line) for line in lines)
+    assert len(lines) == 5 and all(re.match(r"\d\d:\d\d:\d\d\s+r[0-9a-f]{16}\s", line) for line in lines)
 
 
 def test_radixctl_routes_shows_where_the_prompt_diverged(live: Live) -> None:
@@ -402,7 +409,7 @@ def test_radixctl_slots(live: Live) -> None:
 
 def test_radixctl_stats(live: Live) -> None:
     data = json.loads(cli(live, "stats", "--json").stdout)
-    m = parse_metrics(get(f"{live.proxy.url}/metrics").body)
+    m = parse_metrics(scrape(live.proxy.url).body)
     assert data["requests"] == sum(sample(m, "radix_requests_total", route=r, server="s0") for r in ROUTES)
     assert data["by_route"]["H"] == 1 and data["by_route"]["prefill"] >= 3
     assert data["cached_tokens"] == sample(m, "radix_cached_tokens_total")
@@ -477,7 +484,7 @@ def _queries(node: Any) -> Iterator[str]:
 
 def test_dashboard_uses_only_exported_metrics(live: Live) -> None:
     dashboard = json.loads((ROOT / "deploy/grafana/llama-radix-proxy.json").read_text())
-    exported = {name for name, _ in parse_metrics(get(f"{live.proxy.url}/metrics").body)}
+    exported = {name for name, _ in parse_metrics(scrape(live.proxy.url).body)}
     used: set[str] = set()
     for panel in dashboard["panels"]:
         exprs = [t["expr"] for t in panel["targets"]]
@@ -514,4 +521,7 @@ def test_prometheus_scrape_config_points_at_metrics() -> None:
     config = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())
     (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "llama-radix-proxy"]
     assert job.get("metrics_path", "/metrics") == "/metrics"
-    assert job["static_configs"][0]["targets"] == ["proxy:8080"]  # the compose stack's proxy service
+    # The compose stack's proxy service, on its metrics port (the client port needs the admin rule).
+    assert job["static_configs"][0]["targets"] == ["proxy:9464"]
+    compose = yaml.safe_load((ROOT / "deploy/docker-compose.yml").read_text())
+    assert compose["services"]["proxy"]["environment"]["RADIX_METRICS_PORT"] == "${PROXY_METRICS_PORT:-9464}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,8 @@ SECRET = (
 
 @pytest.fixture(scope="module")
 def backend(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
-    return start_server(patched_bin)
+    # Keyed as `radixctl up` starts it: every call the proxy makes below carries the key.
+    return start_server(patched_bin, api_key=secrets.token_hex(16))
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +144,51 @@ def test_cors_preflight_to_the_control_api_is_not_granted(proxy: ProxyThread) ->
     assert resp.getheader("Access-Control-Allow-Credentials") is None
 
 
+SIDE_DOOR = [
+    ("POST", "/completion", {"prompt": "hi", "n_predict": 0, "id_slot": 0}),
+    ("GET", "/slots", None),
+    ("POST", "/tokenize", {"content": "hi"}),
+    ("GET", "/props", None),
+]
+
+
+def test_the_servers_own_port_is_keyed_and_grants_no_origin(backend: ServerProcess) -> None:
+    # Before, anyone who reached the port read timings.cache_n of any slot (a cross-tenant
+    # oracle) and could break the proxy's saves.
+    evil = {"Origin": "http://evil.example"}
+    for method, path, body in SIDE_DOOR:
+        reply = request(f"{backend.url}{path}", method, body, headers=evil)
+        assert reply.status == 401, (method, path, reply.status, reply.body)
+        assert reply.headers.get("Access-Control-Allow-Origin", "") in ("",)
+        assert reply.headers.get("Access-Control-Allow-Credentials") != "true"
+    conn = http.client.HTTPConnection("127.0.0.1", backend.spec.port, timeout=30)
+    conn.request("OPTIONS", "/completion", headers={**evil, "Access-Control-Request-Method": "POST"})
+    resp = conn.getresponse()
+    resp.read()
+    assert resp.getheader("Access-Control-Allow-Origin", "") == ""
+    assert resp.getheader("Access-Control-Allow-Credentials") != "true"
+
+
+def test_health_on_the_client_port_names_no_server_url(proxy: ProxyThread, backend: ServerProcess) -> None:
+    reply = request(f"{proxy.url}/health")
+    assert reply.status == 200 and reply.body["servers"][0]["name"] == "s0"
+    assert str(backend.spec.port) not in json.dumps(reply.body)
+
+
+def test_admin_api_and_metrics_refuse_a_rebound_host_and_unplain_paths(proxy: ProxyThread) -> None:
+    for path in ("/radix/routes", "/metrics"):
+        assert request(f"{proxy.url}{path}").status == 200  # loopback, by a loopback name
+        # A page whose name was rebound to 127.0.0.1: local by address, not by name.
+        rebound = request(f"{proxy.url}{path}", headers={"Host": "evil.example:8080"})
+        assert_error_shape(rebound, 403, path)
+    for path in ("/%72adix/routes", "//radix/routes", "/v1/../radix/routes", "/%6bvctl/caps"):
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.config.port, timeout=30)
+        conn.request("GET", path)  # sent as written (urllib would not normalize either)
+        resp = conn.getresponse()
+        body = json.loads(resp.read())
+        assert resp.status == 404 and body["error"]["code"] == 404, (path, resp.status, body)
+
+
 def test_read_only_paths_still_pass(proxy: ProxyThread) -> None:
     assert request(f"{proxy.url}/v1/models").status == 200
     tok = post(f"{proxy.url}/tokenize", {"content": "hello world"})
@@ -158,6 +205,7 @@ BAD_COMPLETIONS = [
     ("/completion", {"prompt": list(range(100_000)), "n_predict": 2}, 400),
     ("/v1/completions", {"prompt": {"a": 1}, "max_tokens": 2}, 400),
     ("/v1/chat/completions", {**chat_body(CANARY, 4), "cache_salt": 7}, 400),
+    ("/v1/chat/completions", {**chat_body(CANARY, 4), "cache_salt": "a\nheader:b"}, 400),
 ]
 
 
@@ -166,6 +214,61 @@ def test_bad_completion_requests_are_refused(proxy: ProxyThread, unchanged: None
         assert_error_shape(post(f"{proxy.url}{path}", body), status, f"{path} {str(body)[:80]}")
     reply = post(f"{proxy.url}/v1/chat/completions", None, raw=b'{"messages": "' + b"x" * (2 << 20) + b'"}')
     assert_error_shape(reply, 413)
+
+
+def nested_grammar(depth: int) -> str:
+    return "root ::= " + "(" * depth + '"a"' + ")" * depth
+
+
+def nested_schema(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"x": schema}}
+    return schema
+
+
+PROMPT = "The sky is"
+# Each was forwarded before: an answer of tens of MiB, a server killed by its grammar parser, or a 500.
+BOMBS = [
+    ("/v1/chat/completions", {**chat_body(CANARY, 2), "logprobs": True, "top_logprobs": 1000}),
+    ("/v1/chat/completions", {**chat_body(CANARY, 2), "n_probs": 49152}),
+    ("/completion", {"prompt": PROMPT, "n_predict": 2, "n_probs": 49152}),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "logprobs": 100}),
+    ("/completion", {"prompt": PROMPT, "n_predict": 2, "grammar": nested_grammar(100_000)}),
+    ("/completion", {"prompt": PROMPT, "n_predict": 2, "grammar": nested_grammar(1_000)}),
+    (
+        "/completion",
+        {"prompt": PROMPT, "n_predict": 2, "grammar": "".join(f"r{i} ::= r{i + 1}\n" for i in range(50_000))},
+    ),
+    ("/completion", {"prompt": PROMPT, "n_predict": 2, "json_schema": nested_schema(100)}),
+    (
+        "/v1/chat/completions",
+        {**chat_body(CANARY, 2), "response_format": {"type": "json_object", "schema": nested_schema(100)}},
+    ),
+    ("/completion", {"prompt": [1, 2, 2**63], "n_predict": 2}),
+]
+
+
+def test_amplifiers_and_parser_bombs_are_refused(proxy: ProxyThread, unchanged: None) -> None:
+    for path, body in BOMBS:
+        assert_error_shape(post(f"{proxy.url}{path}", body), 400, f"{path} {str(body)[:80]}")
+    for depth in (255, 600, 1024):  # orjson reads 1,024 levels; the proxy writes 254 at most
+        raw = b'{"messages": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+        assert_error_shape(post(f"{proxy.url}/v1/chat/completions", None, raw=raw), 400, f"depth {depth}")
+
+
+def test_twenty_logprobs_and_a_small_grammar_still_pass(proxy: ProxyThread) -> None:
+    body = {**chat_body(CANARY, 4), "top_logprobs": 20}
+    reply = post(f"{proxy.url}/v1/chat/completions", body)
+    assert (
+        reply.status == 200 and len(reply.body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
+    )
+    grammar = 'root ::= ("red" | "blue") ", " ("green" | "violet")'
+    reply = post(f"{proxy.url}/completion", {"prompt": PROMPT, "n_predict": 8, "grammar": grammar})
+    assert reply.status == 200 and reply.body["content"] in {
+        f"{a}, {b}" for a in ("red", "blue") for b in ("green", "violet")
+    }
+    proxy.settle()
 
 
 def test_llama_cpp_completion_endpoint_is_steered(proxy: ProxyThread) -> None:

@@ -30,7 +30,7 @@ from proxy.workbench.launch import IncidentProcess  # noqa: E402
 from proxy.workbench.protocol import AgentSettings  # noqa: E402
 from proxy.workbench.scenarios import SCENARIOS  # noqa: E402
 from proxy.workbench.verify import verify_scenarios  # noqa: E402
-from tests.helpers import ProxyThread, ServerFactory, get, post, proxy_config  # noqa: E402
+from tests.helpers import ProxyThread, ServerFactory, get, post, proxy_config, request  # noqa: E402
 
 
 class AppThread:
@@ -177,13 +177,35 @@ def test_a_session_exports_a_manifest_that_replays_through_the_proxy(
     text = raw if isinstance(raw, str) else json.dumps(raw)
     lines = [json.loads(x) for x in text.splitlines() if x.strip()]
     assert lines and all(x["path"] == "/v1/chat/completions" and x["body"]["messages"] for x in lines)
-    replay = post(workbench.url + "/api/replay?speed=50", None, raw=text.encode())
+    ndjson = {"Content-Type": "application/x-ndjson"}
+    replay = post(workbench.url + "/api/replay?speed=50", None, raw=text.encode(), headers=ndjson)
     assert replay.status == 200, replay.body
     results = replay.body["results"]
     assert len(results) == len(lines) and all(r["status"] == 200 for r in results)
     assert max(r["cache_n"] or 0 for r in results) > 0  # replayed prompts are found in the cache
-    bad = post(workbench.url + "/api/replay", None, raw=b"not json")
+    bad = post(workbench.url + "/api/replay", None, raw=b"not json", headers=ndjson)
     assert bad.status == 400 and bad.body["error"]["type"] == "invalid_request_error"
+    # A target elsewhere: "@evil.example/x" after the proxy's base URL names another host.
+    away = json.dumps({**lines[0], "path": "@evil.example/x"}).encode()
+    refused = post(workbench.url + "/api/replay", None, raw=away, headers=ndjson)
+    assert refused.status == 400 and "completion paths" in refused.body["error"]["message"]
+
+
+def test_a_page_elsewhere_cannot_drive_the_workbench(workbench: AppThread) -> None:
+    # A cross-site page may post text/plain without a preflight: the body is not read as JSON.
+    plain = post(
+        workbench.url + "/api/sessions",
+        None,
+        raw=b'{"scenario": "edge_incident"}',
+        headers={"Content-Type": "text/plain"},
+    )
+    assert plain.status == 415 and plain.body["error"]["code"] == 415
+    replay = post(workbench.url + "/api/replay", None, raw=b"{}", headers={"Content-Type": "text/plain"})
+    assert replay.status == 415
+    # DNS rebinding: local by address, but the browser names the page's own host.
+    rebound = request(workbench.url + "/api/sessions", headers={"Host": "evil.example"})
+    assert rebound.status == 403 and "--allowed-host" in rebound.body["error"]["message"]
+    assert get(workbench.url + "/api/sessions").status == 200
 
 
 def test_health_and_bad_input(workbench: AppThread) -> None:

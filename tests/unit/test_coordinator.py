@@ -826,6 +826,19 @@ async def test_session_affinity_breaks_ties_but_never_beats_a_longer_prefix() ->
     check(coord)
 
 
+async def test_the_affinity_map_keeps_a_digest_of_each_session_id() -> None:
+    coord = coordinator(server("s0", n_slots=2))
+    raw = "session-" + "x" * 8000  # a client may send up to 8 KB
+    lease = await coord.acquire("r1", toks(0, 40), session=raw)
+    coord.release(lease)
+    (kept,) = coord.leases._affinity
+    assert len(kept) == 32 and "session" not in kept
+    again = await coord.acquire("r2", toks(100, 40), session=raw)
+    assert list(coord.leases._affinity) == [kept]  # the same session finds its entry
+    coord.release(again)
+    check(coord)
+
+
 async def test_a_slot_saving_its_answer_is_not_counted_as_load() -> None:
     s0, s1 = server("s0", n_slots=2), server("s1", n_slots=2)
     coord = coordinator(s0, s1)

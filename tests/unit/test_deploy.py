@@ -152,7 +152,12 @@ def test_probes_hit_the_real_endpoints() -> None:
 def test_metrics_are_scraped() -> None:
     template = statefulset()["spec"]["template"]
     ann = template["metadata"]["annotations"]
-    port = next(p for p in template["spec"]["containers"][1]["ports"] if p["name"] == "http")["containerPort"]
+    # The metrics port (/metrics only, no key): on the client port /metrics needs the admin key.
+    port = next(p for p in template["spec"]["containers"][1]["ports"] if p["name"] == "metrics")[
+        "containerPort"
+    ]
+    env = {e["name"]: e.get("value") for e in template["spec"]["containers"][1]["env"]}
+    assert env["RADIX_METRICS_PORT"] == str(port)
     assert (ann["prometheus.io/scrape"], ann["prometheus.io/path"], ann["prometheus.io/port"]) == (
         "true",
         "/metrics",
@@ -198,3 +203,6 @@ def test_envoy_hashes_the_same_key_on_a_ring() -> None:
     assert all(p.get("terminal") for p in policies[:-1])
     blocked = {r["match"].get("prefix") or r["match"].get("path") for r in routes if "direct_response" in r}
     assert blocked == {"/radix/", "/metrics"}
+    # Matched on the normalized path, or /%72adix/routes would pass the block.
+    assert hcm["normalize_path"] is True and hcm["merge_slashes"] is True
+    assert hcm["path_with_escaped_slashes_action"] == "REJECT_REQUEST"

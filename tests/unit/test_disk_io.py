@@ -168,3 +168,41 @@ def test_a_directory_that_cannot_be_made_leaves_the_tier_unusable(tmp_path: Path
         await tier.close(tree, 10)
 
     asyncio.run(main())
+
+
+def test_a_directory_others_can_write_or_a_link_leaves_the_tier_unusable(tmp_path: Path) -> None:
+    # Entry sums are not keyed: in a directory another user can write, they could be forged
+    # (two entries' KV swapped gave one prompt the other's answer). Before: a warning only.
+    async def main() -> None:
+        loose = tmp_path / "loose"
+        loose.mkdir()
+        loose.chmod(0o777)
+        victim = tmp_path / "victim"
+        victim.mkdir(mode=0o700)
+        link = tmp_path / "link"
+        link.symlink_to(victim)
+        for directory in (loose, link):
+            tier = await opened(directory)
+            assert not tier.usable, directory
+            await tier.close(None, 10)
+
+    asyncio.run(main())
+
+
+def test_entries_that_are_links_or_others_are_neither_used_nor_deleted(tmp_path: Path) -> None:
+    async def main() -> None:
+        d, elsewhere = tmp_path / "tier", tmp_path / "elsewhere"
+        d.mkdir(mode=0o700)
+        elsewhere.mkdir(mode=0o700)
+        real = _write_entry(elsewhere, KEY, Spill("", toks(0, 20), seg(0, 20, 3)))
+        (d / real.name).symlink_to(elsewhere / real.name)  # a valid entry, but through a link
+        loose = _write_entry(d, KEY, Spill("", toks(500, 20), seg(0, 20, 4)))
+        (d / loose.name).chmod(0o666)  # one anybody could have rewritten
+        tier = await opened(d)
+        assert tier.index.stats().entries == 0
+        assert tier.metrics.dropped.labels("untrusted")._value.get() == 2
+        assert sorted(p.name for p in d.iterdir()) == sorted([real.name, loose.name])
+        assert (elsewhere / real.name).exists()
+        await tier.close(None, 10)
+
+    asyncio.run(main())

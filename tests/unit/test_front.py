@@ -77,6 +77,8 @@ def test_one_answer_passes() -> None:
     [
         ([1, 2, 70_000], "invalid token id 70000"),
         ([-1, 2], "invalid token id -1"),
+        ([1, 2**63], f"invalid token id {2**63}"),  # past int64: overflowed to a 500 before
+        ([-(2**63) - 1, 2], "invalid token id"),
         ([1, "a"], "array of token ids"),
         ([1, True], "array of token ids"),
         (list(range(100)), "exceeds the available context size"),
@@ -118,6 +120,17 @@ def test_cache_namespace_sources() -> None:
     assert front.cache_namespace(only_field, {}, {"Authorization": "Bearer k"}) == ""
     with pytest.raises(BadRequest):
         front.cache_namespace(CONFIG, {"cache_salt": 5}, headers)
+
+
+def test_a_composite_isolation_key_is_unambiguous() -> None:
+    # Joined by a newline, salt "a\nheader:b" was the same key as salt "a" and header "b".
+    both = front.cache_namespace(CONFIG, {"cache_salt": "a"}, {"X-Cache-Salt": "b"})
+    assert front.cache_namespace(CONFIG, {"cache_salt": 'a"],["header","b'}, {}) != both
+    for salt in ("a\nheader:b", "a\x00", "tab\there", "del\x7f"):
+        with pytest.raises(BadRequest, match="control characters"):
+            front.cache_namespace(CONFIG, {"cache_salt": salt}, {})
+    with pytest.raises(BadRequest, match="control characters"):
+        front.cache_namespace(CONFIG, {}, {"X-Cache-Salt": "a\tb"})
 
 
 def test_strip_cache_info() -> None:
@@ -171,3 +184,23 @@ def test_no_other_route_reveals_cache_hits_when_hidden() -> None:
         + stripper.flush()
     )
     assert b"cache" not in out
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1:8080", True),
+        ("localhost", True),
+        ("LOCALHOST:1", True),
+        ("[::1]:8080", True),
+        ("127.8.9.10", True),
+        ("evil.example:8080", False),
+        ("localhost.evil.example", False),
+        ("10.0.0.1:8080", False),
+        ("", False),
+    ],
+)
+def test_admin_rule_names_this_host_by_a_loopback_name(host: str, loopback: bool) -> None:
+    from proxy.server.admin import loopback_host
+
+    assert loopback_host(host) is loopback

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +55,12 @@ class _Want:
 
 
 AFFINITY_MAX = 65536  # sessions remembered for the affinity tie-break (least recent forgotten)
+
+
+def session_key(session: str) -> str:
+    """What the affinity map keeps of an ``X-Session-Id``: a 16-byte digest, so the map holds
+    32 characters per session whatever a client sends (up to 8 KB) and no client's raw id."""
+    return hashlib.blake2b(session.encode(), digest_size=16).hexdigest() if session else ""
 
 
 class Leases:
@@ -101,7 +108,7 @@ class Leases:
         """A leased slot and its plan; waits in a fair FIFO queue while every slot is busy.
         ``ns``: the request's cache-isolation namespace (see ``RadixTree``); ``model``: only
         servers of this model ("" = any); ``session``: the affinity tie-break."""
-        want = _Want(model, session, n_predict)
+        want = _Want(model, session_key(session), n_predict)
         limit = min((s.n_ctx_slot for s in self.servers if not model or s.model == model), default=0)
         if len(tokens) >= limit:
             raise BadRequest(

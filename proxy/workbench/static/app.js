@@ -254,7 +254,9 @@ async function replayFile(event) {
   const out = $("#preview-out");
   out.hidden = false;
   out.textContent = "replaying…";
-  const resp = await fetch("/api/replay", { method: "POST", body: await file.text() });
+  const resp = await fetch("/api/replay", {
+    method: "POST", headers: { "Content-Type": "application/x-ndjson" }, body: await file.text(),
+  });
   const data = await resp.json();
   out.textContent = resp.ok
     ? data.results.map((r) => `${r.id}: status ${r.status} route ${r.route} cached ${r.cache_n} prefilled ${r.prompt_n} ttft ${r.ttft_s}`).join("\n")

@@ -1,0 +1,61 @@
+"""The payload directory (``--shm-dir``): ours alone, checked without following links.
+
+Payload files hold tenants' KV and the server maps them, so the directory must be one no
+other local user can have made or can change: a real directory (not a symbolic link, which
+``lstat`` sees and ``stat`` would follow), owned by us, writable by nobody else. Under
+``/dev/shm`` (sticky) no one else can then rename, replace or write into it, so the names in
+it are ours. ``radixctl up`` creates its default one with an unpredictable name, atomically;
+a name another user created first (``radix-<uid>-<port>`` was predictable) or a link to a
+victim's directory is refused at startup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from proxy.errors import ConfigError
+
+PAYLOAD_SUFFIX = ".kv"
+
+
+def check_private_dir(path: Path) -> None:
+    """ConfigError unless ``path`` is a directory (not a link) owned by us, writable only by us."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise ConfigError(f"payload directory {path}: {exc.strerror}", fix="create it (mode 0700)") from exc
+    fix = f"remove {path} and let radixctl create its own, or give a directory of yours (mode 0700)"
+    if stat.S_ISLNK(st.st_mode):
+        raise ConfigError(f"payload directory {path} is a symbolic link", fix=fix)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"payload directory {path} is not a directory", fix=fix)
+    if st.st_uid != os.geteuid():
+        raise ConfigError(f"payload directory {path} is owned by uid {st.st_uid}, not by us", fix=fix)
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ConfigError(f"payload directory {path} is writable by group or others", fix=fix)
+
+
+def make_private_dir(base: Path, prefix: str) -> Path:
+    """A new directory under ``base`` with an unpredictable name, mode 0700 (``mkdtemp``: an
+    exclusive mkdir, so it can never be one that somebody else created)."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+
+
+def remove_payloads(path: Path) -> None:
+    """Remove the payload files left in our directory, by name relative to the directory opened
+    without following a link (a link in its place is not followed into another directory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        for entry in os.scandir(fd):
+            if entry.name.endswith(PAYLOAD_SUFFIX) and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.name, dir_fd=fd)
+    finally:
+        os.close(fd)
