@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 
+import aiohttp
 import numpy as np
 
 from proxy.core.payload import build_blob
-from proxy.errors import FallbackCause, KvMoveError
+from proxy.errors import FallbackCause, KvMoveError, RadixError
 from proxy.server.backend import Backend
 from proxy.server.mover import KvMover
 
@@ -30,6 +31,14 @@ async def check_layout(backend: Backend, mover: KvMover) -> tuple[str, ...]:
     """() when a round trip of a few tokens' KV through the mover is exact; else why moves are
     off. Uses an idle slot (an empty one if there is one) and erases it afterwards: read the
     slots after this check."""
+    try:
+        return await _round_trip(backend, mover)
+    except (RadixError, aiohttp.ClientError, TimeoutError) as exc:  # the check must never stop startup
+        message = exc.message if isinstance(exc, RadixError) else f"{type(exc).__name__}: {exc}"
+        return (f"the layout check could not run: {message}",)
+
+
+async def _round_trip(backend: Backend, mover: KvMover) -> tuple[str, ...]:
     slot_id = await _idle_slot(backend)
     if slot_id is None:
         return ("the layout check found no idle slot",)
@@ -53,7 +62,11 @@ async def check_layout(backend: Backend, mover: KvMover) -> tuple[str, ...]:
     except KvMoveError as exc:
         return (f"a test move of a few tokens failed: {exc.message}",)
     finally:
-        await backend.kv_post("erase", {"slot": slot_id}, cause=FallbackCause.ERASE)
+        try:
+            await backend.kv_post("erase", {"slot": slot_id}, cause=FallbackCause.ERASE)
+        except (RadixError, aiohttp.ClientError, TimeoutError) as exc:
+            # The slots are read after the check: one holding unknown KV is erased before reuse.
+            log.warning("%s: erasing the layout check's slot %d failed: %s", backend.url, slot_id, exc)
     if build_blob([first]) != build_blob([again]):
         return (f"a test move of {len(tokens)} tokens did not round-trip byte for byte",)
     log.info(
