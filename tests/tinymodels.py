@@ -9,6 +9,9 @@ by the tests that use them). A model is a few MB and is cached by the content of
 and of this file, like the native builds.
 
     path = tiny_model("qwen2vl")      # M-RoPE (Qwen2-VL's text path)
+
+`extra_kv` keys are written after the common ones and replace any of the same name (MLA's key and
+value lengths, a per-layer KV head count).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class Family:
     tensors: Callable[[Family, int], dict[str, Shape]] | None = None
     scale: float = 1.0  # layer weights' std times sqrt(fan-in)
     tied: bool = False  # the output reuses the token embedding (no output.weight tensor)
+    output_norm: str = "output_norm"  # lfm2 names its final norm token_embd_norm
 
     def spec(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "tensors"} | {
@@ -116,6 +120,95 @@ def mamba2_layer(f: Family, il: int) -> dict[str, Shape]:
     }
 
 
+_MOE = {"n_expert": 8, "n_expert_used": 2, "n_ff_exp": 64}
+
+
+def _moe(f: Family, il: int, n_expert: int, n_ff_exp: int) -> dict[str, Shape]:
+    return {
+        f"blk.{il}.ffn_norm.weight": (f.n_embd,),
+        f"blk.{il}.ffn_gate_inp.weight": (f.n_embd, n_expert),
+        f"blk.{il}.ffn_gate_exps.weight": (f.n_embd, n_ff_exp, n_expert),
+        f"blk.{il}.ffn_down_exps.weight": (n_ff_exp, f.n_embd, n_expert),
+        f"blk.{il}.ffn_up_exps.weight": (f.n_embd, n_ff_exp, n_expert),
+    }
+
+
+def qwen3moe_layer(f: Family, il: int) -> dict[str, Shape]:
+    """qwen3moe: qwen3's attention (q/k norms), a routed mixture of experts for the FFN."""
+    return (
+        _attn(f, il)
+        | {
+            f"blk.{il}.attn_q_norm.weight": (f.head_dim,),
+            f"blk.{il}.attn_k_norm.weight": (f.head_dim,),
+        }
+        | _moe(f, il, _MOE["n_expert"], _MOE["n_ff_exp"])
+    )
+
+
+def gemma3_layer(f: Family, il: int) -> dict[str, Shape]:
+    """gemma3: gemma2's layer plus per-head q/k norms."""
+    return gemma2_layer(f, il) | {
+        f"blk.{il}.attn_q_norm.weight": (f.head_dim,),
+        f"blk.{il}.attn_k_norm.weight": (f.head_dim,),
+    }
+
+
+# Multi-head latent attention without a q low-rank (q_lora_rank 0: one q projection): the cache
+# holds one compressed K row per token (kv_lora_rank + rope dims), V is a view of it.
+_MLA = {"kv_lora_rank": 32, "rope": 16, "nope": 32, "v_head": 32, "n_dense": 1}
+_MLA_MOE = {"n_expert": 4, "n_expert_used": 2, "n_ff_exp": 32, "n_shared": 1}
+
+
+def deepseek2_layer(f: Family, il: int) -> dict[str, Shape]:
+    """deepseek2: MLA attention; a dense FFN on the leading layer, experts plus a shared expert
+    after."""
+    rank, rope, k_head = _MLA["kv_lora_rank"], _MLA["rope"], _MLA["nope"] + _MLA["rope"]
+    layer = {
+        f"blk.{il}.attn_norm.weight": (f.n_embd,),
+        f"blk.{il}.attn_kv_a_norm.weight": (rank,),
+        f"blk.{il}.attn_q.weight": (f.n_embd, f.n_head * k_head),
+        f"blk.{il}.attn_kv_a_mqa.weight": (f.n_embd, rank + rope),
+        f"blk.{il}.attn_k_b.weight": (_MLA["nope"], rank, f.n_head),
+        f"blk.{il}.attn_v_b.weight": (rank, _MLA["v_head"], f.n_head),
+        f"blk.{il}.attn_output.weight": (f.n_head * _MLA["v_head"], f.n_embd),
+    }
+    if il < _MLA["n_dense"]:
+        return layer | _ffn(f, il)
+    shared = _MLA_MOE["n_ff_exp"] * _MLA_MOE["n_shared"]
+    return (
+        layer
+        | _moe(f, il, _MLA_MOE["n_expert"], _MLA_MOE["n_ff_exp"])
+        | {
+            f"blk.{il}.ffn_gate_shexp.weight": (f.n_embd, shared),
+            f"blk.{il}.ffn_down_shexp.weight": (shared, f.n_embd),
+            f"blk.{il}.ffn_up_shexp.weight": (f.n_embd, shared),
+        }
+    )
+
+
+# lfm2: which layers are attention is read from the per-layer KV head count (0: a short
+# convolution layer, recurrent memory).
+_LFM2_L_CACHE = 3
+_LFM2_HEAD_COUNT_KV = [0, 1]
+
+
+def lfm2_layer(f: Family, il: int) -> dict[str, Shape]:
+    """lfm2: a gated short convolution or attention (q/k norms, q of width n_embd), SwiGLU."""
+    if _LFM2_HEAD_COUNT_KV[il]:
+        layer = _attn(f, il) | {
+            f"blk.{il}.attn_q_norm.weight": (f.head_dim,),
+            f"blk.{il}.attn_k_norm.weight": (f.head_dim,),
+        }
+    else:
+        layer = {
+            f"blk.{il}.attn_norm.weight": (f.n_embd,),
+            f"blk.{il}.shortconv.conv.weight": (_LFM2_L_CACHE, f.n_embd),
+            f"blk.{il}.shortconv.in_proj.weight": (f.n_embd, 3 * f.n_embd),
+            f"blk.{il}.shortconv.out_proj.weight": (f.n_embd, f.n_embd),
+        }
+    return layer | _ffn(f, il)
+
+
 FAMILIES: dict[str, Family] = {
     # GQA at head dim 80 (2 query heads, 1 KV head) and 128.
     "llama-h80": Family("llama", 2, 64, 2, 1, 80, 192, tensors=dense_layer),
@@ -165,6 +258,74 @@ FAMILIES: dict[str, Family] = {
         },
         tensors=mamba2_layer,
     ),
+    # Mixture of experts: 8 experts, 2 routed per token, after qwen3's attention.
+    "qwen3moe": Family(
+        "qwen3moe",
+        2,
+        64,
+        2,
+        1,
+        64,
+        192,
+        extra_kv={
+            "expert_count": _MOE["n_expert"],
+            "expert_used_count": _MOE["n_expert_used"],
+            "expert_feed_forward_length": _MOE["n_ff_exp"],
+        },
+        tensors=qwen3moe_layer,
+    ),
+    # Multi-head latent attention (MQA over a compressed K, no V of its own), then experts.
+    "deepseek2": Family(
+        "deepseek2",
+        2,
+        64,
+        2,
+        1,
+        _MLA["kv_lora_rank"] + _MLA["rope"],
+        128,
+        extra_kv={
+            "attention.q_lora_rank": 0,
+            "attention.kv_lora_rank": _MLA["kv_lora_rank"],
+            "attention.value_length": _MLA["kv_lora_rank"],
+            "attention.key_length_mla": _MLA["nope"] + _MLA["rope"],
+            "attention.value_length_mla": _MLA["v_head"],
+            "rope.dimension_count": _MLA["rope"],
+            "leading_dense_block_count": _MLA["n_dense"],
+            "expert_count": _MLA_MOE["n_expert"],
+            "expert_used_count": _MLA_MOE["n_expert_used"],
+            "expert_feed_forward_length": _MLA_MOE["n_ff_exp"],
+            "expert_shared_count": _MLA_MOE["n_shared"],
+        },
+        tensors=deepseek2_layer,
+    ),
+    # Sliding window on layer 0, full attention on layer 1 (pattern 2).
+    "gemma3": Family(
+        "gemma3",
+        2,
+        64,
+        2,
+        1,
+        64,
+        192,
+        extra_kv={"attention.sliding_window": 32, "attention.sliding_window_pattern": 2},
+        tensors=gemma3_layer,
+        scale=3.0,
+    ),
+    # Hybrid: a short convolution layer (recurrent state) and an attention layer (KV cache).
+    "lfm2": Family(
+        "lfm2",
+        2,
+        64,
+        2,
+        1,
+        32,
+        192,
+        extra_kv={"shortconv.l_cache": _LFM2_L_CACHE, "attention.head_count_kv": _LFM2_HEAD_COUNT_KV},
+        tensors=lfm2_layer,
+        output_norm="token_embd_norm",
+    ),
+    # Mistral 3's text model: llama's layer under its own arch name.
+    "mistral3": Family("mistral3", 2, 64, 2, 1, 64, 192, tensors=dense_layer),
 }
 
 
@@ -199,21 +360,21 @@ def _write(fam: Family, out: Path) -> None:
     writer = gguf.GGUFWriter(str(out), fam.arch)
     vocab = _copy_tokenizer(gguf, writer)
     a = fam.arch
-    writer.add_uint32(f"{a}.block_count", fam.n_layer)
-    writer.add_uint32(f"{a}.context_length", 8192)
-    writer.add_uint32(f"{a}.embedding_length", fam.n_embd)
+    kv: dict[str, Any] = {"block_count": fam.n_layer, "context_length": 8192, "embedding_length": fam.n_embd}
     if fam.n_head:  # attention (a pure state-space model has none)
-        writer.add_uint32(f"{a}.feed_forward_length", fam.n_ff)
-        writer.add_uint32(f"{a}.attention.head_count", fam.n_head)
-        writer.add_uint32(f"{a}.attention.head_count_kv", fam.n_head_kv)
-        writer.add_uint32(f"{a}.attention.key_length", fam.head_dim)
-        writer.add_uint32(f"{a}.attention.value_length", fam.head_dim)
-        writer.add_uint32(f"{a}.rope.dimension_count", fam.head_dim)
-        writer.add_float32(f"{a}.rope.freq_base", 10000.0)
-    writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
-    writer.add_uint32("general.file_type", 1)  # mostly F16
-    for k, v in fam.extra_kv.items():
+        kv |= {
+            "feed_forward_length": fam.n_ff,
+            "attention.head_count": fam.n_head,
+            "attention.head_count_kv": fam.n_head_kv,
+            "attention.key_length": fam.head_dim,
+            "attention.value_length": fam.head_dim,
+            "rope.dimension_count": fam.head_dim,
+            "rope.freq_base": 10000.0,
+        }
+    kv["attention.layer_norm_rms_epsilon"] = 1e-5
+    for k, v in (kv | fam.extra_kv).items():
         _add(gguf, writer, f"{a}.{k}", v)
+    writer.add_uint32("general.file_type", 1)  # mostly F16
     rng = np.random.default_rng(int.from_bytes(hashlib.sha256(a.encode()).digest()[:4], "little"))
     for name, shape in _tensors(fam, vocab):
         writer.add_tensor(name, _weights(rng, name, shape, fam))
@@ -225,7 +386,7 @@ def _write(fam: Family, out: Path) -> None:
 
 def _tensors(fam: Family, n_vocab: int) -> Iterator[tuple[str, Shape]]:
     yield "token_embd.weight", (fam.n_embd, n_vocab)
-    yield "output_norm.weight", (fam.n_embd,)
+    yield f"{fam.output_norm}.weight", (fam.n_embd,)
     if not fam.tied:
         yield "output.weight", (fam.n_embd, n_vocab)
     assert fam.tensors is not None
@@ -241,9 +402,13 @@ def _weights(rng: np.random.Generator, name: str, shape: Shape, fam: Family) -> 
     np_shape = tuple(reversed(shape))
     if "norm" in name:
         return np.ones(np_shape, dtype=np.float32)
-    if name.endswith((".ssm_a", ".ssm_d")) or ".ssm_conv1d" in name or name.endswith(".bias"):
-        # State-space parameters stay f32 (ggml's scan and conv read them so); A < 0 keeps the
-        # recurrence stable.
+    if (
+        name.endswith((".ssm_a", ".ssm_d", ".shortconv.conv.weight"))
+        or ".ssm_conv1d" in name
+        or name.endswith(".bias")
+    ):
+        # State-space and convolution parameters stay f32 (ggml's scan and conv read them so);
+        # A < 0 keeps the recurrence stable.
         vals = rng.standard_normal(np_shape, dtype=np.float32) * 0.5
         return -np.abs(vals) - 0.5 if name.endswith(".ssm_a") else vals
     if name == "token_embd.weight":
