@@ -32,7 +32,7 @@ from tests.helpers import (
 from tests.integration.test_proxy import convo, document
 from tests.tinymodels import tiny_model
 
-MOVABLE = ["qwen2vl", "llama-h80", "llama-h128", "qwen3", "qwen3moe", "mistral3"]
+MOVABLE = ["qwen2vl", "llama-h80", "llama-h128", "qwen3", "qwen3moe", "mistral3", "deepseek2"]
 # K/V types and flash attention: f16 with V transposed (flash attention off), and q8_0 K and V
 # (quantized V needs flash attention, which stores V untransposed).
 KV_CONFIGS = {
@@ -40,14 +40,13 @@ KV_CONFIGS = {
     "q8_0-fa": ("-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0"),
 }
 # q8_0's 32-element blocks do not divide a head dim of 80: llama.cpp (stock too) refuses it.
-_NO_CONFIG = {("llama-h80", "q8_0-fa")}
+_NO_CONFIG = {("llama-h80", "q8_0-fa"), ("deepseek2", "q8_0-fa")}  # MLA key length 48 here
 # MLA (deepseek2) is a KV cache of K only: moves off, memory kind still kv.
 UNMOVABLE = {
     "gemma2": "kv_swa",
     "gemma3": "kv_swa",
     "mamba2": "recurrent",
     "lfm2": "hybrid",
-    "deepseek2": "kv",
 }
 
 
