@@ -10,13 +10,15 @@ instead of failing every save and restore.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import numpy as np
 
 from proxy.core.payload import build_blob
-from proxy.errors import FallbackCause, KvMoveError, RadixError
+from proxy.errors import BackendError, FallbackCause, KvMoveError, RadixError
 from proxy.server.backend import Backend
 from proxy.server.mover import KvMover
 
@@ -26,22 +28,87 @@ log = logging.getLogger("radix")
 _PROBE_PROMPT = "Check the KV layout: one, two, three."
 _PROBE_TOKENS = 8
 
+# Move failures that say nothing about the layout: the server was busy, restarting or slow.
+_TRANSIENT_CAUSES = frozenset(
+    {
+        FallbackCause.TRANSPORT,
+        FallbackCause.TIMEOUT,
+        FallbackCause.CONFLICT,
+        FallbackCause.INSTANCE,
+        FallbackCause.NO_SPACE,
+        FallbackCause.DOWN,
+    }
+)
+
+
+class LayoutCheckDeferred(RadixError):
+    """The check could not run to a verdict (no idle slot, the server busy or gone): it is
+    retried, and the server is not routed to until it has one. Never a reason to turn moves off
+    for good: a server restarted under load would otherwise lose its moves until the proxy
+    restarts."""
+
+
+class LayoutChecks:
+    """The verdicts of the layout check, one per server instance (``caps.instance``): a server
+    is checked once per start, a deferred check is retried a few times before the caller hears
+    of it."""
+
+    TRIES = 3
+
+    def __init__(self, pause: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        self._verdicts: dict[str, tuple[str, ...]] = {}
+        self._pause = pause  # between tries (a test passes one that does not wait)
+
+    async def verdict(self, instance: str, backend: Backend, mover: KvMover) -> tuple[str, ...]:
+        """() when moves are exact on this instance, else why they are off; raises
+        LayoutCheckDeferred when no verdict could be reached in TRIES attempts."""
+        known = self._verdicts.get(instance)
+        if known is not None:
+            return known
+        for attempt in range(1, self.TRIES + 1):
+            try:
+                verdict = await check_layout(backend, mover)
+                break
+            except LayoutCheckDeferred as exc:
+                if attempt == self.TRIES:
+                    raise
+                log.info("%s: layout check deferred (%s); trying again", backend.url, exc.message)
+                await self._pause(0.5 * attempt)
+        self._verdicts[instance] = verdict
+        return verdict
+
+    def forget(self, instance: str) -> None:
+        """Drop a verdict once the server is taken into routing (a restart gets a new instance)."""
+        self._verdicts.pop(instance, None)
+
 
 async def check_layout(backend: Backend, mover: KvMover) -> tuple[str, ...]:
     """() when a round trip of a few tokens' KV through the mover is exact; else why moves are
     off. Uses an idle slot (an empty one if there is one) and erases it afterwards: read the
-    slots after this check."""
+    slots after this check. Raises LayoutCheckDeferred when the server could not be checked
+    now (busy, restarting, unreachable): that is no verdict on the layout."""
     try:
         return await _round_trip(backend, mover)
-    except (RadixError, aiohttp.ClientError, TimeoutError) as exc:  # the check must never stop startup
-        message = exc.message if isinstance(exc, RadixError) else f"{type(exc).__name__}: {exc}"
-        return (f"the layout check could not run: {message}",)
+    except LayoutCheckDeferred:
+        raise
+    except KvMoveError as exc:
+        if exc.cause in _TRANSIENT_CAUSES:
+            raise LayoutCheckDeferred(f"a test move could not run: {exc.message}") from exc
+        return (f"a test move of a few tokens failed: {exc.message}",)
+    except BackendError as exc:
+        if exc.backend_status >= 500 or exc.backend_status in (0, 408, 429):
+            raise LayoutCheckDeferred(f"the server could not run the check: {exc.message}") from exc
+        return (f"the layout check could not run: {exc.message}",)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise LayoutCheckDeferred(f"the server could not be reached: {type(exc).__name__}: {exc}") from exc
+    except RadixError as exc:  # any other verdict must never stop startup
+        return (f"the layout check could not run: {exc.message}",)
 
 
 async def _round_trip(backend: Backend, mover: KvMover) -> tuple[str, ...]:
     slot_id = await _idle_slot(backend)
     if slot_id is None:
-        return ("the layout check found no idle slot",)
+        raise LayoutCheckDeferred("every slot is busy")
     try:
         await backend.post_json(
             "/completion",
@@ -59,8 +126,6 @@ async def _round_trip(backend: Backend, mover: KvMover) -> tuple[str, ...]:
         first = await mover.export({"slot": slot_id}, 0, tokens)
         await mover.import_(slot_id, 0, tokens.tolist(), [first])
         again = await mover.export({"slot": slot_id}, 0, tokens)
-    except KvMoveError as exc:
-        return (f"a test move of a few tokens failed: {exc.message}",)
     finally:
         try:
             await backend.kv_post("erase", {"slot": slot_id}, cause=FallbackCause.ERASE)

@@ -15,6 +15,7 @@ from proxy.errors import Unavailable
 from proxy.server.backend import Backend
 from proxy.server.coordinator import Coordinator, ServerState
 from proxy.server.health import HealthMonitor
+from proxy.server.layoutcheck import LayoutChecks
 from proxy.server.metrics import Metrics
 from proxy.server.models import ModelEntry
 from proxy.server.recorder import Recorder
@@ -49,6 +50,7 @@ class Runtime:
         self.n_vocab = 1 << 31  # the model's vocabulary size, read at startup
         self.health: HealthMonitor | None = None  # set by the app while it runs
         self.pending: list[tuple[str, str]] = []  # (name, url) of servers that did not answer yet
+        self.layout_checks = LayoutChecks()  # verdicts of servers still pending, by instance
         self.local_tokenizer: PromptTokenizer | None = None
         self.tokenizer_note = "server"
         # Served models by name (startup); the attributes above describe the first one.

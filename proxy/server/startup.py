@@ -22,7 +22,7 @@ from proxy.errors import ConfigError, FallbackCause, KvMoveError, PayloadError, 
 from proxy.server.backend import Backend
 from proxy.server.coordinator import Coordinator, ServerState, SlotState
 from proxy.server.disk import DiskTier, compat_key
-from proxy.server.layoutcheck import check_layout
+from proxy.server.layoutcheck import LayoutCheckDeferred, LayoutChecks
 from proxy.server.metrics import Metrics
 from proxy.server.models import ModelEntry, compat_ns
 from proxy.server.mover import KvMover
@@ -52,7 +52,10 @@ async def create_runtime(
         raise ConfigError(str(exc), fix="--backend-url [MODEL=]URL[#auto|#shared|#inline]") from exc
     names = tuple(f"s{i}" for i in range(len(config.backends)))
     metrics = Metrics(registry, names)
-    servers, pending = await _connect_answering(config, session, metrics, names)
+    checks = LayoutChecks()
+    servers, pending = await _connect_answering(config, session, metrics, names, checks)
+    for server in servers:
+        checks.forget(server.instance or "")
     models = await _models(servers)
     tree = RadixTree(config.cache_bytes)
     coordinator = Coordinator(config, servers, tree, metrics)
@@ -66,6 +69,7 @@ async def create_runtime(
         coordinator.disk = await _disk_tier(config, servers[0], tree, metrics)
     runtime = Runtime(config, session, coordinator, metrics, recorder)
     runtime.pending = pending
+    runtime.layout_checks = checks
     runtime.models = models
     for entry in models.values():
         backend = next(s.backend for s in servers if s.model == entry.name)
@@ -129,7 +133,11 @@ async def _disk_tier(config: Config, server: ServerState, tree: RadixTree, metri
 
 
 async def _connect_answering(
-    config: Config, session: aiohttp.ClientSession, metrics: Metrics, names: tuple[str, ...]
+    config: Config,
+    session: aiohttp.ClientSession,
+    metrics: Metrics,
+    names: tuple[str, ...],
+    checks: LayoutChecks,
 ) -> tuple[list[ServerState], list[tuple[str, str]]]:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + config.startup_timeout_s
@@ -138,7 +146,7 @@ async def _connect_answering(
         servers, pending = [], []
         for name, url in zip(names, config.backends, strict=True):
             try:
-                servers.append(await _connect(config, name, url, session, metrics))
+                servers.append(await _connect(config, name, url, session, metrics, checks))
             except _Unreachable as exc:
                 pending.append((name, url))  # url: the --backend-url value, spec and all
                 reason = exc.message
@@ -161,7 +169,9 @@ async def connect_pending(runtime: Runtime) -> None:
     coordinator = runtime.coordinator
     for name, url in list(runtime.pending):
         try:
-            server = await _connect(runtime.config, name, url, runtime.session, runtime.metrics)
+            server = await _connect(
+                runtime.config, name, url, runtime.session, runtime.metrics, runtime.layout_checks
+            )
         except _Unreachable:
             continue
         except RadixError as exc:
@@ -184,6 +194,7 @@ async def connect_pending(runtime: Runtime) -> None:
                 log.error("%s (%s): model %r not served yet: %s", name, url, server.model, exc)
                 continue
         runtime.pending.remove((name, url))
+        runtime.layout_checks.forget(server.instance or "")
         coordinator.add_server(server)
 
 
@@ -213,7 +224,12 @@ async def _n_vocab(backend: Backend) -> int:
 
 
 async def _connect(
-    config: Config, name: str, spec_text: str, session: aiohttp.ClientSession, metrics: Metrics
+    config: Config,
+    name: str,
+    spec_text: str,
+    session: aiohttp.ClientSession,
+    metrics: Metrics,
+    checks: LayoutChecks,
 ) -> ServerState:
     spec = parse_backend(spec_text)
     url = spec.url
@@ -244,11 +260,20 @@ async def _connect(
     layout, moves_off = _layout_or_why_not(caps)
     shm = await _payload_dir(config.shm_dir, caps.get("dir"), spec)
     mover = KvMover(backend, layout, compat, shm, metrics)
+    instance = str(caps.get("instance") or "")
+    if caps.get("sharing"):
+        # Owners left by an earlier proxy hold cells nobody accounts for (and the check's cells).
+        await _release_owners(backend, caps)
     if not moves_off:
         # Before the slots are read (it fills and erases one); its moves are not counted.
         check_mover = KvMover(backend, layout, compat, shm, Metrics(CollectorRegistry(), (name,)))
         try:
-            moves_off = await check_layout(backend, check_mover)
+            moves_off = await checks.verdict(instance, backend, check_mover)
+        except LayoutCheckDeferred as exc:
+            # No verdict yet (every slot busy, the server restarting): not routed to until it has one.
+            raise _Unreachable(
+                f"{url}: the KV layout check waits: {exc.message}", fix="it is retried on each health check"
+            ) from exc
         finally:
             check_mover.close()
     if moves_off:
@@ -284,6 +309,7 @@ async def _connect(
     state.model, state.model_ns, state.named = model, model_ns, bool(spec.model)
     state.n_cells = int(caps.get("n_cells", 0))
     state.moves_off = moves_off
+    state.instance = instance or None
     return state
 
 
@@ -345,9 +371,6 @@ async def _sharing(config: Config, name: str, backend: Backend, caps: dict[str, 
     index = ResidentIndex(range(int(first), int(end)), config.kv_share_max_entries)
     budget = config.kv_share_cells or n_cells // 2
     headroom = config.kv_share_headroom or min(n_ubatch, max(1, n_cells // 8))
-    # Owners left by an earlier proxy would hold cells nobody accounts for.
-    for owner in range(int(first), int(end)):
-        await backend.kv_post("release", {"owner": owner}, cause=FallbackCause.RELEASE)
     log.info(
         "%s: resident sharing: %d entries, budget %d cells, headroom %d cells",
         name,
@@ -358,6 +381,12 @@ async def _sharing(config: Config, name: str, backend: Backend, caps: dict[str, 
     return Sharing(
         backend, index, budget_cells=budget, headroom=headroom, min_tokens=config.kv_share_min_tokens
     )
+
+
+async def _release_owners(backend: Backend, caps: dict[str, Any]) -> None:
+    first, end = caps["owner_ids"]
+    for owner in range(int(first), int(end)):
+        await backend.kv_post("release", {"owner": owner}, cause=FallbackCause.RELEASE)
 
 
 async def _payload_dir(mine: Path | None, theirs: str | None, spec: BackendSpec) -> Path | None:

@@ -149,11 +149,13 @@ def test_moved_kv_answers_as_stock_from_scratch(
     assert proxy.call(lambda rt: rt.metrics.server_moves.labels("s0")._value.get()) == 1
 
 
-@pytest.mark.parametrize("family", sorted(UNMOVABLE))
+@pytest.mark.parametrize(
+    ("family", "kv"), [(f, kv) for f in sorted(UNMOVABLE) for kv in KV_CONFIGS], ids="-".join
+)
 def test_unmovable_memory_is_served_with_moves_off(
-    family: str, start_server: ServerFactory, patched_bin: Path, stock_bin: Path
+    family: str, kv: str, start_server: ServerFactory, patched_bin: Path, stock_bin: Path
 ) -> None:
-    patched, stock = _servers(start_server, patched_bin, stock_bin, family)
+    patched, stock = _servers(start_server, patched_bin, stock_bin, family, kv)
     try:
         caps = _kvctl(patched, "caps").body
         assert caps["moves"] is False and caps["moves_off"], caps
@@ -172,8 +174,12 @@ def test_unmovable_memory_is_served_with_moves_off(
             assert proxy.call(lambda rt: rt.metrics.server_moves.labels("s0")._value.get()) == 0
 
             first, second = _two_turns(proxy, stock, seed=11)
-            routes = {first.headers["X-Radix-Route"], second.headers["X-Radix-Route"]}
-            assert routes <= {"A", "prefill"}, routes  # never a host restore or an attach
+            # Never a host restore or an attach; the second turn reuses the slot's own memory
+            # (the server's checkpoints of its window or recurrent state): about 170-190 of the
+            # first turn's 191 tokens on these models.
+            assert first.headers["X-Radix-Route"] == "prefill", first.headers
+            assert second.headers["X-Radix-Route"] == "A", second.headers
+            assert int(second.headers["X-Radix-Cached-Tokens"]) > 100, second.headers
             assert second.headers["X-Radix-Slot"] == first.headers["X-Radix-Slot"]  # steered to its slot
             assert _fallbacks(proxy) == 0
             assert proxy.call(lambda rt: rt.coordinator.tree.stats().unique_tokens) == 0  # nothing saved
