@@ -190,6 +190,26 @@ def test_unmovable_memory_is_served_with_moves_off(
         stock.stop()
 
 
+def test_swa_full_is_served_with_moves_off_and_says_why(
+    start_server: ServerFactory, patched_bin: Path
+) -> None:
+    """--swa-full keeps every cell, but a sequence's state still holds only the window layers'
+    last window (docs/architectures.md): moves stay off, and the reason says so (not the plain
+    SWA reason, which would suggest --swa-full as the fix)."""
+    server = start_server(
+        patched_bin, model=tiny_model("gemma2"), ctx_size=4096, threads=1, extra_args=("--swa-full",)
+    )
+    try:
+        caps = _kvctl(server, "caps").body
+        assert caps["moves"] is False and caps["memory"]["swa_full"] is True, caps
+        assert caps["moves_off"] == [
+            "sliding-window attention: even with --swa-full a sequence's state keeps only the last"
+            " window of the window layers' cache"
+        ], caps
+    finally:
+        server.stop()
+
+
 def _ask_together(proxy: ProxyThread, conversations: list[list[dict[str, str]]]) -> list[Reply]:
     with concurrent.futures.ThreadPoolExecutor(len(conversations)) as pool:
         replies = list(pool.map(lambda m: _ask(proxy, m), conversations))
@@ -251,3 +271,40 @@ def test_mrope_kv_is_reused_exactly_on_every_route(
     finally:
         proxy.stop()
     assert {"A", "A+H", "H"} <= routes and routes & {"S", "S+H"}, routes
+
+
+def test_moe_burst_of_host_restores_answers_as_stock_from_scratch(
+    start_server: ServerFactory, patched_bin: Path, stock_bin: Path
+) -> None:
+    """qwen3moe (8 experts, 2 used): four second turns restored from the host tree at once
+    (route H, their suffixes computed in one batch) answer as stock computing each from
+    scratch alone. The study behind it (docs/results/2026-12-03-moe-burst) found the parts
+    seen earlier in such bursts in stock's own prompt cache too (flash attention on): batch and
+    cell-order numerics that expert routing amplifies, not the restored KV. With flash
+    attention off every answer of 300 was equal, so this runs there."""
+    patched, stock = _servers(start_server, patched_bin, stock_bin, "qwen3moe")
+    proxy = ProxyThread(proxy_config(patched)).start()
+    try:
+        doc = document(41, 120)
+        seconds = []
+        for question in (
+            "What is the first word?",
+            "Name three nouns.",
+            "Summarise it.",
+            "What is the last word?",
+        ):
+            messages = convo(doc, question)
+            first = _ask(proxy, messages)
+            assert_same_answer(first, _from_scratch(stock, messages))
+            seconds.append(
+                [*messages, {"role": "assistant", "content": first.body["choices"][0]["message"]["content"]}]
+                + [{"role": "user", "content": "And then?"}]
+            )
+        for reply, messages in zip(_ask_together(proxy, seconds), seconds, strict=True):
+            assert reply.headers["X-Radix-Route"] == "H", reply.headers
+            assert_same_answer(reply, _from_scratch(stock, messages))
+        assert _fallbacks(proxy) == 0
+    finally:
+        proxy.stop()
+        patched.stop()
+        stock.stop()
