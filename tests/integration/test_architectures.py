@@ -1,7 +1,7 @@
 """Other architectures through the proxy, on tiny random-weight models made here
 (tests/tinymodels.py), each against stock llama-server of the same commit computing from scratch.
 
-- Models whose KV the patch moves exactly (standard attention at other head dims, q/k norms,
+- Models whose KV the patch moves exactly (standard attention at other head dims, q/k norms, MoE, MLA,
   M-RoPE's 24-byte cells): every turn's answer equals stock's from scratch under the near-tie
   rule, the second turn is a host restore (idle release erased the slot), and no move fell back.
 - Models whose memory cannot be moved exactly (a sliding window, a recurrent state): the patched
@@ -37,6 +37,7 @@ MOVABLE = ["qwen2vl", "llama-h80", "llama-h128", "qwen3", "qwen3moe", "mistral3"
 # (quantized V needs flash attention, which stores V untransposed).
 KV_CONFIGS = {
     "f16": ("-fa", "off"),
+    "f16-fa": ("-fa", "on"),
     "q8_0-fa": ("-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0"),
 }
 # q8_0's 32-element blocks do not divide a head dim of 80: llama.cpp (stock too) refuses it.
@@ -217,12 +218,14 @@ def _ask_together(proxy: ProxyThread, conversations: list[list[dict[str, str]]])
     return replies
 
 
-def test_mrope_kv_is_reused_exactly_on_every_route(
-    start_server: ServerFactory, patched_bin: Path, stock_bin: Path, tmp_path: Path
+@pytest.mark.parametrize("family", MOVABLE)
+def test_kv_is_reused_exactly_on_every_route(
+    family: str, start_server: ServerFactory, patched_bin: Path, stock_bin: Path, tmp_path: Path
 ) -> None:
-    """M-RoPE (qwen2vl): A, A+H (an import at p0 > 0), S (resident sharing) and a restore from
-    the disk tier after a restart (H), each equal to stock from scratch, with no fallback."""
-    patched, stock = _servers(start_server, patched_bin, stock_bin, "qwen2vl")
+    """Every family whose KV moves (M-RoPE's 24-byte cells, MLA's K-only cache, MoE, other head
+    dims): A, A+H (an import at p0 > 0), S (resident sharing) and a restore from the disk tier
+    after a restart (H), each equal to stock from scratch, with no fallback."""
+    patched, stock = _servers(start_server, patched_bin, stock_bin, family)
     routes: set[str] = set()
 
     def check(proxy: ProxyThread, messages: list[dict[str, str]], reply: Reply | None = None) -> Reply:
