@@ -55,6 +55,8 @@ class Config:
     cache_disk_gib: float = 16.0
     cache_disk_queue_mib: int = 256
     cache_disk_timeout_s: float = 30.0
+    # The disk entries' MAC key (outside the directory). None: <cache_disk>.key, made on first use.
+    cache_disk_key_file: Path | None = None
     # Payload files live here when the server shares the host (normally under /dev/shm).
     shm_dir: Path | None = None
     # A host restore shorter than this is not worth a KV move (prefill it instead).

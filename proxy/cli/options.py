@@ -73,6 +73,13 @@ cache_disk_size_option = click.option(
     envvar="RADIX_CACHE_DISK_SIZE",
     help="Disk tier budget in GiB (segment files, headers included).",
 )
+cache_disk_key_file_option = click.option(
+    "--cache-disk-key-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="RADIX_CACHE_DISK_KEY_FILE",
+    help="The disk tier's MAC key, outside its directory (a 0600 file of ours; made with 32 "
+    "random bytes if missing). Default: <cache-disk>.key.",
+)
 shm_dir_option = click.option(
     "--shm-dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -447,6 +454,7 @@ PROXY_OPTIONS = [
     cache_ram_option,
     cache_disk_option,
     cache_disk_size_option,
+    cache_disk_key_file_option,
     shm_dir_option,
     min_restore_tokens_option,
     kvctl_key_option,

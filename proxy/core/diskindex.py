@@ -3,15 +3,18 @@
 A disk entry is one edge of the host tree demoted to disk: the KV of positions
 [start, start+n) of one token path, in one file. The file is
 
-    header   magic "RDXDISK1", u32 format version, u32 flags (0), key (32 bytes: sha256 of
+    header   magic "RDXDISK1", u32 format version (2), u32 flags (0), key (32 bytes: sha256 of
              the servers' compatibility key), ns (32: sha256 of the namespace), u64 start,
              u64 n, u64 row bytes, prefix (32: sha256 of tokens[0:start] as int32 LE),
              tokens (32: sha256 of the entry's n token ids), data (32: sha256 of the rows)
-    hsum     32 bytes: sha256 of the header above
+    hmac     32 bytes: HMAC-SHA256 of the header above, keyed by the tier's secret (a key
+             file outside the directory): the header holds the sums of the rest, so nobody
+             without the secret can write an entry that passes, even one who knows the
+             model and the prompts
     tokens   n int32 little-endian
     data     n * row bytes, opaque: whatever the tree's segment holds, row by row
 
-so every byte is checked before it is used: the header by its own sum, the token ids and
+so every byte is checked before it is used: the header by its keyed MAC, the token ids and
 the rows by theirs, the size by the header, the servers by the key, and the place in the
 tree by the prefix hash (the entry is bound to the whole path tokens[0:start+n]). No
 namespace text and no token text is needed to find an entry: both are hashed.
@@ -23,13 +26,14 @@ from where the RAM tree's match ends, the chain of entries that continues the re
 an entry starting at ``p`` applies when the request's tokens[0:p] hash to its prefix and
 its tokens go on matching. A prefix shared by many branches is one entry.
 
-Pure: numpy, struct and hashlib only. Not thread-safe: the proxy calls it from one loop.
+Pure: numpy, struct, hashlib and hmac only. Not thread-safe: the proxy calls it from one loop.
 """
 
 from __future__ import annotations
 
 import hashlib
 import heapq
+import hmac
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +42,7 @@ from enum import StrEnum
 import numpy as np
 
 MAGIC = b"RDXDISK1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the header's sum is an HMAC (version 1 entries are dropped once)
 SUFFIX = ".kv"
 _HEAD = struct.Struct("<8sII32s32sQQQ32s32s32s")
 HEADER_BYTES = _HEAD.size + 32
@@ -49,7 +53,7 @@ _MAX_ROW = 1 << 30
 class DropCause(StrEnum):
     """Why a disk entry was dropped instead of used (``radix_disk_dropped_total{cause}``)."""
 
-    HEADER = "header"  # bad magic, unknown version, header checksum mismatch
+    HEADER = "header"  # bad magic, unknown version, header MAC mismatch (corrupt, forged, another key)
     TRUNCATED = "truncated"  # the file is shorter (or longer) than its header says
     FOREIGN_KEY = "foreign_key"  # written for another model or KV layout (kept on disk, unused)
     TOKENS = "tokens"  # the token ids do not match their checksum or the index
@@ -134,20 +138,26 @@ class EntryHeader:
         return ident.hex()[:40] + SUFFIX
 
 
-def encode_header(h: EntryHeader) -> bytes:
+def header_mac(secret: bytes, head: bytes) -> bytes:
+    return hmac.new(secret, head, hashlib.sha256).digest()
+
+
+def encode_header(h: EntryHeader, secret: bytes) -> bytes:
     raw = _HEAD.pack(
         MAGIC, FORMAT_VERSION, 0, h.key, h.ns, h.start, h.n, h.row_bytes, h.prefix, h.tokens, h.data
     )
-    return raw + sha(raw)
+    return raw + header_mac(secret, raw)
 
 
-def decode_header(raw: bytes | memoryview) -> EntryHeader:
-    """Parse and check a header (its own checksum, magic, version, bounds)."""
+def decode_header(raw: bytes | memoryview, secret: bytes) -> EntryHeader:
+    """Parse and check a header (its MAC under ``secret``, magic, version, bounds)."""
     if len(raw) < HEADER_BYTES:
         raise DiskEntryError(DropCause.TRUNCATED, f"{len(raw)} bytes, a header needs {HEADER_BYTES}")
     head = bytes(raw[: _HEAD.size])
-    if sha(head) != bytes(raw[_HEAD.size : HEADER_BYTES]):
-        raise DiskEntryError(DropCause.HEADER, "header checksum mismatch")
+    if not hmac.compare_digest(header_mac(secret, head), bytes(raw[_HEAD.size : HEADER_BYTES])):
+        raise DiskEntryError(
+            DropCause.HEADER, "header MAC mismatch: corrupt, forged or written under another key"
+        )
     magic, version, flags, key, ns, start, n, row, prefix, toks, data = _HEAD.unpack(head)
     if magic != MAGIC or version != FORMAT_VERSION or flags != 0:
         raise DiskEntryError(DropCause.HEADER, f"magic {magic!r} version {version} flags {flags}")
@@ -178,12 +188,12 @@ def make_header(
 
 
 def verify_entry(
-    raw: bytes | memoryview, key: bytes, want: EntryHeader | None = None
+    raw: bytes | memoryview, key: bytes, secret: bytes, want: EntryHeader | None = None
 ) -> tuple[EntryHeader, np.ndarray, np.ndarray]:
     """Check a whole file's bytes; return (header, token ids, rows (n, row_bytes) uint8 view).
 
     With `want` (what the index knows of the entry), the header must be exactly that."""
-    h = decode_header(raw)
+    h = decode_header(raw, secret)
     if h.key != key:
         raise DiskEntryError(DropCause.FOREIGN_KEY, "written for another model or KV layout")
     if want is not None and h != want:

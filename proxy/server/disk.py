@@ -89,9 +89,14 @@ class DiskTier:
         min_tokens: int,
         queue_bytes: int,
         timeout_s: float,
+        key_file: Path | None = None,
     ) -> None:
         self.directory = directory
         self.key = key
+        # The entries' MAC key: outside the directory, so write access to the entries alone
+        # cannot forge one (docs/disk-tier.md).
+        self.key_file = key_file or default_key_file(directory)
+        self.secret = b""
         self.layout = layout
         self.metrics = metrics
         self.min_tokens = min_tokens
@@ -111,8 +116,9 @@ class DiskTier:
     async def open(self) -> None:
         """Create the directory (owner only), delete temporary files, index valid entries."""
         try:
+            self.secret = await self._io(load_secret, self.key_file, timeout=None)
             found, drops = await self._io(
-                _scan, self.directory, self.key, self.layout.bytes_per_token, timeout=None
+                _scan, self.directory, self.key, self.secret, self.layout.bytes_per_token, timeout=None
             )
         except OSError as exc:
             self.usable = False
@@ -221,7 +227,7 @@ class DiskTier:
         spill = rest
         await self._delete(self.index.evict_for(job.nbytes))
         try:
-            header = await self._io(_write_entry, self.directory, self.key, spill)
+            header = await self._io(_write_entry, self.directory, self.key, self.secret, spill)
         except OSError as exc:
             cause = _failure(exc)
             self.metrics.demotion_failures.labels(cause).inc()
@@ -277,7 +283,9 @@ class DiskTier:
 
     async def _read(self, found: DiskMatch, tokens: np.ndarray, p0: int) -> KvSegment | None:
         try:
-            return await self._io(_read_segment, self.directory, self.key, found, tokens, self.layout, p0)
+            return await self._io(
+                _read_segment, self.directory, self.key, self.secret, found, tokens, self.layout, p0
+            )
         except DiskEntryError as exc:
             self.metrics.dropped.labels(exc.cause).inc()
             log.warning("disk tier: entry dropped, the request is prefilled: %s", exc)
@@ -320,8 +328,52 @@ class DiskTier:
 # ---- on the tier's threads ---------------------------------------------------------------
 
 
+def default_key_file(directory: Path) -> Path:
+    """``<directory>.key``: next to the directory, not in it."""
+    return directory.with_name(directory.name + ".key")
+
+
+class UnsafeKeyFile(OSError):
+    """The MAC key file is a link, not ours, readable by others, or too short."""
+
+
+SECRET_BYTES = 32
+
+
+def load_secret(path: Path) -> bytes:
+    """The tier's MAC key: read from ``path``, or made there (32 random bytes, 0600) when it
+    does not exist. Refused unless it is a regular file of ours that only we can read."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(SECRET_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+        log.info("disk tier: made its MAC key %s", path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeKeyFile(f"the disk tier's key file {path} is a symbolic link") from exc
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise UnsafeKeyFile(
+                f"the disk tier's key file {path} must be a regular file of ours, mode 600 (chmod 600 it)"
+            )
+        secret = f.read(4096)
+    if len(secret) < 16:
+        raise UnsafeKeyFile(f"the disk tier's key file {path} holds {len(secret)} bytes; it needs 16 or more")
+    return secret
+
+
 def _scan(
-    directory: Path, key: bytes, row_bytes: int
+    directory: Path, key: bytes, secret: bytes, row_bytes: int
 ) -> tuple[list[tuple[EntryHeader, np.ndarray]], dict[str, int]]:
     """Entries in the directory, oldest first (by mtime), with their checked headers and
     token ids. Temporary files and broken entries are deleted; foreign ones are left alone."""
@@ -342,7 +394,7 @@ def _scan(
             with _open_entry(path) as f:
                 st = os.fstat(f.fileno())
                 head = f.read(HEADER_BYTES)
-                header = decode_header(head)
+                header = decode_header(head, secret)
                 if header.key != key:
                     drops[DropCause.FOREIGN_KEY] = drops.get(DropCause.FOREIGN_KEY, 0) + 1
                     continue  # another model's: not ours to delete
@@ -371,8 +423,9 @@ def _scan(
 
 
 class UnsafeDirectory(OSError):
-    """The tier's directory is a link, not ours, or writable by others: entries in it could be
-    another user's forgeries (their sums are not keyed), so the tier is not used."""
+    """The tier's directory is a link, not ours, or writable by others: another user could
+    delete, replace or fill entries (the MAC refuses forgeries, not those), so the tier is not
+    used."""
 
 
 def _check_directory(directory: Path) -> None:
@@ -413,7 +466,7 @@ def _drop(path: Path, cause: DropCause, drops: dict[str, int]) -> None:
         path.unlink()
 
 
-def _write_entry(directory: Path, key: bytes, spill: Spill) -> EntryHeader:
+def _write_entry(directory: Path, key: bytes, secret: bytes, spill: Spill) -> EntryHeader:
     """Write one entry atomically: temporary file, fsync, rename, fsync of the directory."""
     data = spill.segment.rows()  # the entry format keeps per-token rows (docs/disk-tier.md)
     header, tokens = make_header(key, spill.ns, spill.path, spill.start, data)
@@ -422,7 +475,7 @@ def _write_entry(directory: Path, key: bytes, spill: Spill) -> EntryHeader:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with os.fdopen(fd, "wb", closefd=True) as f:
-            f.write(encode_header(header))
+            f.write(encode_header(header, secret))
             f.write(tokens.tobytes())
             f.write(data.data)
             f.flush()
@@ -441,13 +494,21 @@ def _write_entry(directory: Path, key: bytes, spill: Spill) -> EntryHeader:
 
 
 def _read_segment(
-    directory: Path, key: bytes, found: DiskMatch, tokens: np.ndarray, layout: KvLayout, p0: int
+    directory: Path,
+    key: bytes,
+    secret: bytes,
+    found: DiskMatch,
+    tokens: np.ndarray,
+    layout: KvLayout,
+    p0: int,
 ) -> KvSegment:
     """The entries' KV in the tree's layout, in the I/O thread (the rows are copied into it)."""
-    return KvSegment.from_rows(p0, layout, _read_pieces(directory, key, found, tokens))
+    return KvSegment.from_rows(p0, layout, _read_pieces(directory, key, secret, found, tokens))
 
 
-def _read_pieces(directory: Path, key: bytes, found: DiskMatch, tokens: np.ndarray) -> np.ndarray:
+def _read_pieces(
+    directory: Path, key: bytes, secret: bytes, found: DiskMatch, tokens: np.ndarray
+) -> np.ndarray:
     """The rows of positions [found.start, found.reach), every entry checked whole first:
     its header as indexed, its size, its key, its token ids (against the index and the
     request), its bytes."""
@@ -457,7 +518,7 @@ def _read_pieces(directory: Path, key: bytes, found: DiskMatch, tokens: np.ndarr
         try:
             with _open_entry(directory / entry.name) as f:
                 raw = f.read(entry.header.size + 1)
-            _, toks, rows = verify_entry(raw, key, entry.header)
+            _, toks, rows = verify_entry(raw, key, secret, entry.header)
             if not np.array_equal(toks, entry.tokens):
                 raise DiskEntryError(DropCause.TOKENS, "token ids differ from the index")
             if not np.array_equal(

@@ -126,6 +126,7 @@ async def _disk_tier(config: Config, server: ServerState, tree: RadixTree, metri
         min_tokens=config.min_restore_tokens,
         queue_bytes=config.cache_disk_queue_mib * 1024 * 1024,
         timeout_s=config.cache_disk_timeout_s,
+        key_file=config.cache_disk_key_file,
     )
     await tier.open()
     tree.on_evict = tier.demote

@@ -25,9 +25,10 @@ from typing import Any
 
 import pytest
 
-from proxy.core.diskindex import HEADER_BYTES, SUFFIX, decode_header, encode_header
+from proxy.core.diskindex import HEADER_BYTES, SUFFIX, decode_header, encode_header, sha
 from proxy.native.launch import ServerProcess
 from proxy.server.admin import tiers as tiers_of
+from proxy.server.disk import default_key_file
 from tests.helpers import ProxyThread, Reply, ServerFactory, assert_same_answer, chat_body, post, proxy_config
 from tests.integration.test_proxy import convo, document
 
@@ -81,6 +82,11 @@ def entries(disk: Path) -> list[Path]:
     return sorted(p for p in disk.iterdir() if p.name.endswith(SUFFIX))
 
 
+def secret(disk: Path) -> bytes:
+    """The tier's MAC key, which the proxy made next to its directory."""
+    return default_key_file(disk).read_bytes()
+
+
 def test_a_restarted_proxy_restores_a_returning_prompt_from_disk(
     backend: ServerProcess, stock_server: ServerProcess, disk_dir: Path
 ) -> None:
@@ -116,7 +122,7 @@ def _children(disk: Path) -> list[Path]:
     """Entries that start past position 0 (each prompt's own part under the shared head)."""
     out = []
     for path in entries(disk):
-        header = decode_header(path.read_bytes()[:HEADER_BYTES])
+        header = decode_header(path.read_bytes()[:HEADER_BYTES], secret(disk))
         if header.start > 0 and header.n > 100:
             out.append(path)
     return out
@@ -141,8 +147,8 @@ def test_corrupted_truncated_and_foreign_entries_are_dropped_and_counted(
     with open(cut, "r+b") as f:
         f.truncate(cut.stat().st_size - 7)
     raw = bytearray(foreign.read_bytes())
-    header = decode_header(bytes(raw[:HEADER_BYTES]))
-    raw[:HEADER_BYTES] = encode_header(dataclasses.replace(header, key=b"\x01" * 32))
+    header = decode_header(bytes(raw[:HEADER_BYTES]), secret(disk_dir))
+    raw[:HEADER_BYTES] = encode_header(dataclasses.replace(header, key=b"\x01" * 32), secret(disk_dir))
     foreign.write_bytes(bytes(raw))
 
     again = start(backend, disk_dir)
@@ -167,6 +173,52 @@ def test_corrupted_truncated_and_foreign_entries_are_dropped_and_counted(
         again.stop()
 
 
+def test_an_entry_forged_with_another_prompts_kv_is_refused(
+    backend: ServerProcess, stock_server: ServerProcess, disk_dir: Path
+) -> None:
+    """Issue 31 item 8: one prompt's entry given another prompt's KV, every unkeyed sum
+    recomputed as anyone who can write the directory could. With sha256 sums it passed every
+    check and the prompt got the other prompt's answer; under the MAC it is dropped (cause
+    header) and the prompt is computed, equal to stock from scratch."""
+    docs = [document(s) for s in (76, 77)]
+    written: list[set[Path]] = []
+    for doc in docs:  # one proxy run each: the new entry is that document's
+        first = start(backend, disk_dir)
+        try:
+            ask(first, convo(doc, "Which words appear most often?"))
+        finally:
+            first.stop()
+        written.append(set(_children(disk_dir)))
+    ((victim,), (donor,)) = written[0], written[1] - written[0]
+    key = secret(disk_dir)
+    raw, other = bytearray(victim.read_bytes()), donor.read_bytes()
+    header, donor_header = (
+        decode_header(bytes(raw[:HEADER_BYTES]), key),
+        decode_header(other[:HEADER_BYTES], key),
+    )
+    n_data = len(raw) - HEADER_BYTES - 4 * header.n
+    donor_data = other[HEADER_BYTES + 4 * donor_header.n :]  # whole rows of the same row size
+    data = (donor_data * (n_data // len(donor_data) + 1))[:n_data]
+    raw[HEADER_BYTES + 4 * header.n :] = data
+    # The header with the new data sum, closed by the sum version 1 checked (sha256 of the
+    # header): everything the forger can compute without the secret.
+    head = encode_header(dataclasses.replace(header, data=sha(data)), key)[: HEADER_BYTES - 32]
+    raw[:HEADER_BYTES] = head + sha(head)
+    victim.write_bytes(bytes(raw))
+
+    again = start(backend, disk_dir)
+    try:
+        assert metric(again, "radix_disk_dropped_total", cause="header") == 1
+        assert not victim.exists()
+        messages = convo(docs[0], "Name two words that are rare.")
+        got = ask(again, messages)
+        assert got.body["timings"]["cache_n"] < 32, got.body["timings"]  # not restored from it
+        assert_same_answer(got, reference(stock_server, messages))
+        checked(again)
+    finally:
+        again.stop()
+
+
 _SLOW_WRITER = textwrap.dedent(
     """
     import os, sys, time
@@ -184,7 +236,8 @@ _SLOW_WRITER = textwrap.dedent(
     layout = KvLayout(1, (1,), (64,), (1,), False, (64,), (0,), (0,))
     path = np.arange(1000, dtype=np.int32)
     segment = KvSegment.from_rows(0, layout, np.full((1000, 128), 7, dtype=np.uint8))
-    disk._write_entry(Path(sys.argv[1]), bytes.fromhex(sys.argv[2]), Spill("", path, segment))
+    secret = bytes.fromhex(sys.argv[3])
+    disk._write_entry(Path(sys.argv[1]), bytes.fromhex(sys.argv[2]), secret, Spill("", path, segment))
     """
 )
 
@@ -199,7 +252,9 @@ def test_a_writer_killed_mid_write_leaves_nothing_that_is_used(
     finally:
         first.stop()
     proc = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_WRITER, str(disk_dir), key], stdout=subprocess.PIPE, cwd=os.getcwd()
+        [sys.executable, "-c", _SLOW_WRITER, str(disk_dir), key, secret(disk_dir).hex()],
+        stdout=subprocess.PIPE,
+        cwd=os.getcwd(),
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"writing"

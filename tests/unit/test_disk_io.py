@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from proxy.core.diskindex import SUFFIX
 from proxy.core.payload import KvLayout, KvSegment
 from proxy.core.radix import RadixTree, Spill
-from proxy.server.disk import DiskTier, _write_entry
+from proxy.server.disk import DiskTier, _write_entry, default_key_file, load_secret
 from proxy.server.disk_metrics import DiskMetrics
 
 LAYOUT = KvLayout(1, (1,), (8,), (1,), False, (8,), (0,), (0,))
@@ -127,7 +127,9 @@ def test_temporary_and_foreign_files_at_start(tmp_path: Path) -> None:
     async def main() -> None:
         d = tmp_path / "tier"
         d.mkdir(mode=0o700)
-        _write_entry(d, b"z" * 32, Spill("", toks(0, 20), seg(0, 20, 3)))  # another model's
+        _write_entry(
+            d, b"z" * 32, load_secret(default_key_file(d)), Spill("", toks(0, 20), seg(0, 20, 3))
+        )  # another model's
         (d / ".abc.kv.1234.tmp").write_bytes(b"half a segment")  # a writer killed mid-write
         tier = await opened(d)
         assert tier.index.stats().entries == 0
@@ -194,9 +196,10 @@ def test_entries_that_are_links_or_others_are_neither_used_nor_deleted(tmp_path:
         d, elsewhere = tmp_path / "tier", tmp_path / "elsewhere"
         d.mkdir(mode=0o700)
         elsewhere.mkdir(mode=0o700)
-        real = _write_entry(elsewhere, KEY, Spill("", toks(0, 20), seg(0, 20, 3)))
+        secret = load_secret(default_key_file(d))
+        real = _write_entry(elsewhere, KEY, secret, Spill("", toks(0, 20), seg(0, 20, 3)))
         (d / real.name).symlink_to(elsewhere / real.name)  # a valid entry, but through a link
-        loose = _write_entry(d, KEY, Spill("", toks(500, 20), seg(0, 20, 4)))
+        loose = _write_entry(d, KEY, secret, Spill("", toks(500, 20), seg(0, 20, 4)))
         (d / loose.name).chmod(0o666)  # one anybody could have rewritten
         tier = await opened(d)
         assert tier.index.stats().entries == 0
@@ -204,5 +207,65 @@ def test_entries_that_are_links_or_others_are_neither_used_nor_deleted(tmp_path:
         assert sorted(p.name for p in d.iterdir()) == sorted([real.name, loose.name])
         assert (elsewhere / real.name).exists()
         await tier.close(None, 10)
+
+    asyncio.run(main())
+
+
+def test_the_mac_key_is_made_once_outside_the_directory_and_kept(tmp_path: Path) -> None:
+    async def main() -> None:
+        d = tmp_path / "tier"
+        tier = await opened(d)
+        key_file = tmp_path / "tier.key"
+        assert tier.usable and key_file.is_file() and (key_file.stat().st_mode & 0o777) == 0o600
+        assert len(key_file.read_bytes()) == 32 and not any(p.name.endswith(".key") for p in d.iterdir())
+        _write_entry(d, KEY, tier.secret, Spill("", toks(0, 20), seg(0, 20, 3)))
+        await tier.close(None, 10)
+        again = await opened(d)  # the same key: the entry is used
+        assert again.secret == tier.secret and again.index.stats().entries == 1
+        await again.close(None, 10)
+
+    asyncio.run(main())
+
+
+def test_entries_signed_with_another_key_are_dropped(tmp_path: Path) -> None:
+    async def main() -> None:
+        d = tmp_path / "tier"
+        d.mkdir(mode=0o700)
+        _write_entry(d, KEY, b"not our secret, 32 bytes long...", Spill("", toks(0, 20), seg(0, 20, 3)))
+        tier = await opened(d)
+        assert tier.usable and tier.index.stats().entries == 0
+        assert tier.metrics.dropped.labels("header")._value.get() == 1
+        assert not any(p.name.endswith(SUFFIX) for p in d.iterdir())  # deleted: it cannot be ours
+        await tier.close(None, 10)
+
+    asyncio.run(main())
+
+
+def test_a_key_file_that_is_a_link_or_readable_by_others_leaves_the_tier_unusable(tmp_path: Path) -> None:
+    async def main() -> None:
+        loose, linked = tmp_path / "loose", tmp_path / "linked"
+        key = tmp_path / "loose.key"
+        key.write_bytes(b"k" * 32)
+        key.chmod(0o644)
+        (tmp_path / "elsewhere.key").write_bytes(b"k" * 32)
+        (tmp_path / "linked.key").symlink_to(tmp_path / "elsewhere.key")
+        short = tmp_path / "short.key"
+        short.write_bytes(b"k" * 8)
+        short.chmod(0o600)
+        for directory, key_file in ((loose, None), (linked, None), (tmp_path / "short", short)):
+            tier = DiskTier(
+                directory,
+                1 << 30,
+                KEY,
+                LAYOUT,
+                DiskMetrics(CollectorRegistry()),
+                min_tokens=4,
+                queue_bytes=1 << 20,
+                timeout_s=10,
+                key_file=key_file,
+            )
+            await tier.open()
+            assert not tier.usable, directory
+            await tier.close(None, 10)
 
     asyncio.run(main())

@@ -4,6 +4,7 @@ and the host tree's eviction hook that feeds it."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable
 
 import numpy as np
@@ -28,6 +29,7 @@ from proxy.core.payload import KvLayout, KvSegment
 from proxy.core.radix import RadixTree, Spill
 
 KEY = b"k" * 32
+SECRET = b"s" * 32
 ROW = 8
 
 
@@ -38,7 +40,7 @@ def rows(n: int, seed: int = 0) -> np.ndarray:
 def file_bytes(path: list[int], start: int, key: bytes = KEY, ns: str = "") -> bytes:
     data = rows(len(path) - start, seed=len(path))
     header, toks = make_header(key, ns, np.asarray(path, np.int32), start, data)
-    return encode_header(header) + toks.tobytes() + data.tobytes()
+    return encode_header(header, SECRET) + toks.tobytes() + data.tobytes()
 
 
 # ---- the file format -----------------------------------------------------------------------
@@ -47,12 +49,12 @@ def file_bytes(path: list[int], start: int, key: bytes = KEY, ns: str = "") -> b
 def test_a_file_round_trips() -> None:
     path = list(range(100, 140))
     raw = file_bytes(path, 10)
-    header, toks, data = verify_entry(raw, KEY)
+    header, toks, data = verify_entry(raw, KEY, SECRET)
     assert (header.start, header.n, header.row_bytes) == (10, 30, ROW)
     assert toks.tolist() == path[10:]
     assert np.array_equal(data, rows(30, seed=40))
     assert header.prefix == tokens_digest(path[:10]) and len(raw) == header.size
-    assert header.name == decode_header(raw[:HEADER_BYTES]).name  # the name follows the content
+    assert header.name == decode_header(raw[:HEADER_BYTES], SECRET).name  # the name follows the content
 
 
 def _flip(at: int) -> Callable[[bytes], bytes]:
@@ -69,7 +71,7 @@ def _flip(at: int) -> Callable[[bytes], bytes]:
     [
         ("magic byte", _flip(0), DropCause.HEADER),
         ("start field", _flip(80), DropCause.HEADER),
-        ("header checksum", _flip(HEADER_BYTES - 1), DropCause.HEADER),
+        ("header MAC", _flip(HEADER_BYTES - 1), DropCause.HEADER),
         ("a token id", _flip(HEADER_BYTES + 5), DropCause.TOKENS),
         ("a KV byte", _flip(-1), DropCause.CHECKSUM),
         ("cut inside the header", lambda r: r[: HEADER_BYTES - 3], DropCause.TRUNCATED),
@@ -83,18 +85,44 @@ def test_every_damage_is_found_with_its_cause(
 ) -> None:
     raw = mutate(file_bytes(list(range(50)), 20))
     with pytest.raises(DiskEntryError) as err:
-        verify_entry(raw, KEY)
+        verify_entry(raw, KEY, SECRET)
     assert err.value.cause == cause, what
+
+
+def test_an_entry_whose_sums_were_recomputed_without_the_secret_is_refused() -> None:
+    """Issue 31 item 8: with unkeyed sums, another entry's KV under this entry's tokens, with
+    every sum recomputed, passed every check (and answered another prompt's answer)."""
+    raw = file_bytes(list(range(50)), 20)
+    header = decode_header(raw[:HEADER_BYTES], SECRET)
+    other = rows(30, seed=999)  # some other prompt's KV, same size
+    forged_header = dataclasses.replace(header, data=hashlib.sha256(other.tobytes()).digest())
+    body = raw[HEADER_BYTES : HEADER_BYTES + 4 * header.n] + other.tobytes()
+    for guess in (b"", b"s" * 31, b"t" * 32):  # the forger does not know the secret
+        forged = encode_header(forged_header, guess) + body
+        with pytest.raises(DiskEntryError) as err:
+            verify_entry(forged, KEY, SECRET)
+        assert err.value.cause == DropCause.HEADER
+    verify_entry(encode_header(forged_header, SECRET) + body, KEY, SECRET)  # only the secret signs
+
+
+def test_a_version_1_entry_is_refused() -> None:
+    raw = bytearray(file_bytes(list(range(50)), 20))
+    raw[8:12] = (1).to_bytes(4, "little")
+    head = bytes(raw[: HEADER_BYTES - 32])
+    raw[HEADER_BYTES - 32 : HEADER_BYTES] = hashlib.sha256(head).digest()  # version 1's plain sum
+    with pytest.raises(DiskEntryError) as err:
+        verify_entry(bytes(raw), KEY, SECRET)
+    assert err.value.cause == DropCause.HEADER
 
 
 def test_another_key_is_foreign_and_another_header_is_refused() -> None:
     raw = file_bytes(list(range(50)), 20)
     with pytest.raises(DiskEntryError) as err:
-        verify_entry(raw, b"x" * 32)
+        verify_entry(raw, b"x" * 32, SECRET)
     assert err.value.cause == DropCause.FOREIGN_KEY
-    want = dataclasses.replace(decode_header(raw[:HEADER_BYTES]), start=21)
+    want = dataclasses.replace(decode_header(raw[:HEADER_BYTES], SECRET), start=21)
     with pytest.raises(DiskEntryError) as err:
-        verify_entry(raw, KEY, want)
+        verify_entry(raw, KEY, SECRET, want)
     assert err.value.cause == DropCause.HEADER
 
 
