@@ -181,15 +181,13 @@ def test_an_entry_forged_with_another_prompts_kv_is_refused(
     check and the prompt got the other prompt's answer; under the MAC it is dropped (cause
     header) and the prompt is computed, equal to stock from scratch."""
     docs = [document(s) for s in (76, 77)]
-    written: list[set[Path]] = []
-    for doc in docs:  # one proxy run each: the new entry is that document's
-        first = start(backend, disk_dir)
-        try:
+    first = start(backend, disk_dir)
+    try:
+        for doc in docs:
             ask(first, convo(doc, "Which words appear most often?"))
-        finally:
-            first.stop()
-        written.append(set(_children(disk_dir)))
-    ((victim,), (donor,)) = written[0], written[1] - written[0]
+    finally:
+        first.stop()
+    victim, donor = _children(disk_dir)  # each document's own part, under the shared head
     key = secret(disk_dir)
     raw, other = bytearray(victim.read_bytes()), donor.read_bytes()
     header, donor_header = (
@@ -210,10 +208,14 @@ def test_an_entry_forged_with_another_prompts_kv_is_refused(
     try:
         assert metric(again, "radix_disk_dropped_total", cause="header") == 1
         assert not victim.exists()
-        messages = convo(docs[0], "Name two words that are rare.")
-        got = ask(again, messages)
-        assert got.body["timings"]["cache_n"] < 32, got.body["timings"]  # not restored from it
-        assert_same_answer(got, reference(stock_server, messages))
+        cached = []
+        for doc in docs:
+            messages = convo(doc, "Name two words that are rare.")
+            got = ask(again, messages)
+            cached.append(got.body["timings"]["cache_n"])
+            assert_same_answer(got, reference(stock_server, messages))
+        # The intact document comes back from disk; the forged one only its shared head.
+        assert min(cached) < 32 and max(cached) > 300, cached
         checked(again)
     finally:
         again.stop()
