@@ -612,6 +612,15 @@ BAD_CASES: dict[str, Callable[[BadCtx], Case]] = {
         "invalid_request_error",
         ("does not hold",),
     ),
+    # Checked before the payload file is sized from it (it was made and fallocated first).
+    "export-p1-beyond-slot-context": lambda b: (
+        "POST",
+        "/kvctl/export",
+        {"slot": 0, "p0": 0, "p1": 10**9, "file": "huge.kv", "expect_sha256": "0" * 64},
+        400,
+        "invalid_request_error",
+        ("invalid range [0, 1000000000)",),
+    ),
     "import-p1-beyond-slot-context": lambda b: (
         "POST",
         "/kvctl/import",
@@ -908,6 +917,7 @@ def test_bad_input_is_refused_and_changes_nothing(bad: BadCtx, case: str) -> Non
     # nothing was written outside the directory, and no file appeared for a refused export
     assert (m.dir.parent / f"outside-{m.dir.name}.kv").read_bytes() == m.blob
     assert not (m.dir.parent / "y.kv").exists()
+    assert not (m.dir / "huge.kv").exists()
 
 
 def test_busy_slot_is_409(bad: BadCtx) -> None:
