@@ -104,6 +104,11 @@ class Config:
     # Largest answer the proxy holds for a client: a whole non-streamed answer, a pass-through
     # answer, one SSE event line. Past it the answer is cut with a 502.
     max_answer_bytes: int = 64 << 20
+    # The read-only pass-through (/tokenize, /apply-template, ...) runs on the server's few HTTP
+    # threads, which its /health shares: a body bound, and at most this many at once per
+    # server (the rest wait up to queue_timeout_s, then 503), so a flood cannot starve /health.
+    max_passthrough_body_bytes: int = 1 << 20
+    max_passthrough: int = 1
     # The server parses grammars and converts JSON schemas recursively: bound what reaches it.
     # Bytes of a grammar or schema, nesting (grammar parentheses, schema JSON levels), rules.
     max_grammar_bytes: int = 256 << 10

@@ -287,6 +287,26 @@ max_answer_option = click.option(
     help="Largest answer the proxy holds for a client, MiB: a non-streamed or pass-through answer, "
     "one event of a stream (a larger one is cut with a 502).",
 )
+max_passthrough_body_option = click.option(
+    "--max-passthrough-body",
+    "max_passthrough_body_bytes",
+    default=1024,
+    show_default=True,
+    envvar="RADIX_MAX_PASSTHROUGH_BODY",
+    type=click.IntRange(1),
+    callback=_times(1 << 10),
+    help="Largest body in KiB of a read-only pass-through request (/tokenize, /apply-template, "
+    "/detokenize, the token counters); larger ones get 413.",
+)
+max_passthrough_option = click.option(
+    "--max-passthrough",
+    default=1,
+    show_default=True,
+    envvar="RADIX_MAX_PASSTHROUGH",
+    type=click.IntRange(1),
+    help="Read-only pass-through requests at once per server (the rest wait, then 503): they "
+    "share the server's HTTP threads with its /health.",
+)
 max_logprobs_option = click.option(
     "--max-logprobs",
     default=20,
@@ -480,6 +500,8 @@ PROXY_OPTIONS = [
     max_connections_per_client_option,
     max_answer_option,
     max_logprobs_option,
+    max_passthrough_body_option,
+    max_passthrough_option,
     max_grammar_option,
     max_grammar_depth_option,
     max_grammar_rules_option,

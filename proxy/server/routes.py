@@ -18,7 +18,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from proxy.config import Config
-from proxy.errors import BackendError, BadRequest, NotFound, RequestTimeout
+from proxy.errors import BackendError, BadRequest, NotFound, RequestTimeout, TooLarge
 from proxy.server.admin import refuse_admin
 from proxy.server.backend import Backend
 from proxy.server.coordinator import Lease, RestoreAbandoned
@@ -334,9 +334,17 @@ async def forward_plain(request: web.Request) -> web.StreamResponse:
         raise NotFound(why)
     runtime = request.app[RUNTIME]
     data, headers = await read_body(request), forward_headers(request)
+    limit = runtime.config.max_passthrough_body_bytes
+    if len(data) > limit:
+        raise TooLarge(
+            f"the body is {len(data)} bytes; read-only requests take at most {limit} (--max-passthrough-body)"
+        )
 
     async def call(backend: Backend) -> web.Response:
-        async with backend.request(request.method, request.path_qs, data=data, headers=headers) as up:
+        async with (
+            runtime.passthrough.turn(backend.url),
+            backend.request(request.method, request.path_qs, data=data, headers=headers) as up,
+        ):
             raw = await read_capped(up, runtime.config.max_answer_bytes)
             # llama-server's permissive CORS headers are not passed on: the proxy grants no origin.
             kept = {

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import aiohttp
@@ -28,6 +29,32 @@ T = TypeVar("T")
 # own thread: for them the hop to a worker thread and back (two wake-ups), or to the tokenizer's
 # own thread pool, costs more than the tokenizing (piece cache, ~50 us).
 INLINE_TOKENIZE_CHARS = 4096
+
+
+class PassthroughTurns:
+    """At most ``limit`` read-only pass-through requests at once per server, each waiting up to
+    ``timeout_s`` for its turn (then 503). They run on the server's few HTTP threads, which its
+    /health shares: a flood of them must not take them all."""
+
+    def __init__(self, limit: int, timeout_s: float) -> None:
+        self.limit, self.timeout_s = limit, timeout_s
+        self._turns: dict[str, asyncio.Semaphore] = {}  # by server URL
+
+    @contextlib.asynccontextmanager
+    async def turn(self, url: str) -> AsyncIterator[None]:
+        turns = self._turns.setdefault(url, asyncio.Semaphore(self.limit))
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await turns.acquire()
+        except TimeoutError as exc:
+            raise Unavailable(
+                f"too many read-only requests are waiting for the server (--max-passthrough {self.limit}); "
+                "try again"
+            ) from exc
+        try:
+            yield
+        finally:
+            turns.release()
 
 
 class Runtime:
@@ -58,6 +85,7 @@ class Runtime:
         self.template: ChatTemplate | None = None  # the first model's, where it renders as the server's
         self.template_note = "server"
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.passthrough = PassthroughTurns(config.max_passthrough, config.queue_timeout_s)
 
     async def render(
         self, body: dict[str, Any], headers: dict[str, str], model: ModelEntry | None = None

@@ -192,3 +192,13 @@ def test_slow_idle_and_too_many_connections_are_cut(backend: ServerProcess) -> N
         assert soft == hard or soft >= config.max_connections + 256  # raised at start
     finally:
         proxy.stop()
+
+
+def test_a_read_only_body_over_the_bound_is_413(backend: ServerProcess) -> None:
+    proxy = ProxyThread(proxy_config(backend)).start()  # the default bound: 1 MiB
+    try:
+        reply = post(f"{proxy.url}/tokenize", {"content": "x" * (1 << 20)})
+        assert reply.status == 413 and "--max-passthrough-body" in reply.body["error"]["message"], reply.body
+        assert post(f"{proxy.url}/tokenize", {"content": "x" * 1000}).status == 200
+    finally:
+        proxy.stop()
