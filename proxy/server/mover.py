@@ -36,6 +36,7 @@ from proxy.core.payload import KvLayout, KvSegment, blob_size, parse_blob, write
 from proxy.errors import FallbackCause, KvMoveError, PayloadError
 from proxy.server.backend import Backend, move_timeout_s
 from proxy.server.metrics import Metrics
+from proxy.server.paydir import private_dir_fd
 
 _names = itertools.count()
 log = logging.getLogger("radix")
@@ -55,6 +56,8 @@ class KvMover:
         self.layout = layout  # None: KV moves are off for this server (ServerState.moves_off)
         self.compat = compat
         self.shm_dir = shm_dir
+        # Payload files are made, opened and removed relative to this (never by path).
+        self._dir_fd = private_dir_fd(shm_dir) if shm_dir is not None else -1
         self.metrics = metrics
         self._idle: _PayloadFile | None = None  # the import file waiting for the next import
         self._idle_out: _PayloadFile | None = None  # the export file waiting for the next export
@@ -120,7 +123,7 @@ class KvMover:
             else:
                 # A server without in-place exports wrote a new file under the name: our mapping
                 # is stale, read the new file and drop both.
-                segment = await asyncio.to_thread(self._read_file, file.path)
+                segment = await asyncio.to_thread(self._read_file, file.name)
         except PayloadError as exc:
             raise KvMoveError(FallbackCause.PAYLOAD, str(exc)) from exc
         except (OSError, KeyError) as exc:
@@ -200,16 +203,16 @@ class KvMover:
         self.metrics.kv_move_bytes.labels("import").inc(size)
         self.metrics.kv_move_seconds.labels("import").inc(time.perf_counter() - started)
 
-    def _path(self, name: str) -> Path:
+    def _new_file(self, size: int) -> _PayloadFile:
         assert self.shm_dir is not None
-        return self.shm_dir / name
+        return _PayloadFile.create(self._dir_fd, self._new_name(), size)  # removes itself if it fails
 
     def _out_file(self, file: _PayloadFile | None, size: int) -> _PayloadFile:
         """The export file: ``file`` (the idle one, grown if it is too small), else a new one."""
         if file is not None:
             file.grow(size)  # closes the file if it fails
             return file
-        return _PayloadFile.create(self._path(self._new_name()), size)  # removes itself if it fails
+        return self._new_file(size)
 
     def _read_mapped(self, file: _PayloadFile, size: int) -> KvSegment:
         with memoryview(file.mm) as view, view[:size] as blob:
@@ -221,8 +224,9 @@ class KvMover:
         else:
             file.close()
 
-    def _read_file(self, path: Path) -> KvSegment:
-        with open(path, "rb") as handle:
+    def _read_file(self, name: str) -> KvSegment:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=self._dir_fd)
+        with open(fd, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
             # MAP_POPULATE: the pages are mapped in one call, not one fault at a time.
             with mmap.mmap(
@@ -235,7 +239,7 @@ class KvMover:
     ) -> _PayloadFile:
         """The import payload written into ``file`` (the idle one, grown if it is too small), else a new one."""
         if file is None:
-            file = _PayloadFile.create(self._path(self._new_name()), size)
+            file = self._new_file(size)
         else:
             file.grow(size)  # closes the file if it fails
         try:
@@ -282,29 +286,25 @@ def _close_made_file(future: asyncio.Future[_PayloadFile]) -> None:
 class _PayloadFile:
     """An import payload file in the shared-memory directory, pages allocated, kept mapped."""
 
-    def __init__(self, path: Path, mm: mmap.mmap) -> None:
-        self.path = path
+    def __init__(self, dir_fd: int, name: str, mm: mmap.mmap) -> None:
+        self.dir_fd, self.name = dir_fd, name  # the file is ``name`` in the directory ``dir_fd``
         self.mm = mm
-
-    @property
-    def name(self) -> str:
-        return self.path.name
 
     @property
     def capacity(self) -> int:
         return len(self.mm)
 
     @classmethod
-    def create(cls, path: Path, size: int) -> _PayloadFile:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    def create(cls, dir_fd: int, name: str, size: int) -> _PayloadFile:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
         try:
             mm = _map_allocated(fd, size)
         except BaseException:
-            _unlink(path)
+            _unlink(dir_fd, name)
             raise
         finally:
             os.close(fd)
-        return cls(path, mm)
+        return cls(dir_fd, name, mm)
 
     def grow(self, size: int) -> None:
         """At least ``size`` bytes, the same file grown in place: the server keeps its mapping
@@ -313,7 +313,7 @@ class _PayloadFile:
         if self.capacity >= size:
             return
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
+            fd = os.open(self.name, os.O_RDWR | os.O_NOFOLLOW, dir_fd=self.dir_fd)
             try:
                 mm = _map_allocated(fd, size)
             finally:
@@ -326,7 +326,7 @@ class _PayloadFile:
             old.close()
 
     def close(self) -> None:
-        _unlink(self.path)
+        _unlink(self.dir_fd, self.name)
         with contextlib.suppress(BufferError):  # a view still alive: the mapping goes with it
             self.mm.close()
 
@@ -338,5 +338,6 @@ def _map_allocated(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
 
 
-def _unlink(path: Path) -> None:
-    path.unlink(missing_ok=True)
+def _unlink(dir_fd: int, name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=dir_fd)

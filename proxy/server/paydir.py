@@ -39,6 +39,31 @@ def check_private_dir(path: Path) -> None:
         raise ConfigError(f"payload directory {path} is writable by group or others", fix=fix)
 
 
+_DIR_FDS: dict[str, int] = {}  # by path; kept open for the process (a handful at most)
+
+
+def private_dir_fd(path: Path) -> int:
+    """A descriptor of our payload directory, opened without following a link and checked on
+    the descriptor itself (owner, mode): every payload file is then made, opened and removed
+    relative to it, so a directory renamed or replaced by a link later is never written
+    through. Opened once per path and never closed (a payload file being removed after its
+    move must not find the number reused by another directory)."""
+    key = str(path)
+    fd = _DIR_FDS.get(key)
+    if fd is not None:
+        return fd
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        os.close(fd)
+        raise ConfigError(
+            f"payload directory {path} is not ours alone (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})",
+            fix="give a directory of yours (mode 0700)",
+        )
+    _DIR_FDS[key] = fd
+    return fd
+
+
 def make_private_dir(base: Path, prefix: str) -> Path:
     """A new directory under ``base`` with an unpredictable name, mode 0700 (``mkdtemp``: an
     exclusive mkdir, so it can never be one that somebody else created)."""

@@ -1,0 +1,47 @@
+"""Payload files are made, grown and removed relative to the directory the proxy opened and
+checked, never by path (issue 31 item 7): a payload directory renamed and replaced by a link
+to another user's directory afterwards is never written through."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proxy.errors import ConfigError
+from proxy.server.mover import _PayloadFile
+from proxy.server.paydir import private_dir_fd
+
+
+def test_a_directory_replaced_by_a_link_after_it_was_opened_is_not_written_through(tmp_path: Path) -> None:
+    ours, victim = tmp_path / "payloads", tmp_path / "victim"
+    ours.mkdir(mode=0o700)
+    victim.mkdir(mode=0o700)
+    (victim / "keep.kv").write_bytes(b"the victim's file")
+    fd = private_dir_fd(ours)
+    first = _PayloadFile.create(fd, "radix-1.kv", 4096)
+    # Another user swaps the directory for a link to the victim's.
+    moved = tmp_path / "moved"
+    ours.rename(moved)
+    ours.symlink_to(victim)
+    second = _PayloadFile.create(fd, "radix-2.kv", 4096)
+    second.mm[:5] = b"KV!!!"
+    first.grow(8192)
+    assert sorted(p.name for p in moved.iterdir()) == ["radix-1.kv", "radix-2.kv"]
+    assert (moved / "radix-2.kv").read_bytes()[:5] == b"KV!!!"
+    first.close()
+    second.close()
+    assert list(moved.iterdir()) == []
+    assert sorted(p.name for p in victim.iterdir()) == ["keep.kv"]  # nothing made or removed there
+
+
+def test_a_directory_others_can_write_is_refused_on_its_descriptor(tmp_path: Path) -> None:
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o777)
+    with pytest.raises(ConfigError, match="not ours alone"):
+        private_dir_fd(loose)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    with pytest.raises(OSError):
+        private_dir_fd(link)
