@@ -128,17 +128,23 @@ def _children(disk: Path) -> list[Path]:
     return out
 
 
-def test_corrupted_truncated_and_foreign_entries_are_dropped_and_counted(
-    backend: ServerProcess, stock_server: ServerProcess, disk_dir: Path
-) -> None:
-    docs = [document(s) for s in (72, 73, 74)]
-    first = start(backend, disk_dir)
+def _asked_once(backend: ServerProcess, disk: Path, docs: list[str]) -> list[Path]:
+    """One proxy run asks about each document and writes its tree to disk at shutdown: the
+    entries of each document's own part, under the shared head."""
+    first = start(backend, disk)
     try:
         for doc in docs:
             ask(first, convo(doc, "Which words appear most often?"))
     finally:
         first.stop()
-    kids = _children(disk_dir)
+    return _children(disk)
+
+
+def test_corrupted_truncated_and_foreign_entries_are_dropped_and_counted(
+    backend: ServerProcess, stock_server: ServerProcess, disk_dir: Path
+) -> None:
+    docs = [document(s) for s in (72, 73, 74)]
+    kids = _asked_once(backend, disk_dir, docs)
     assert len(kids) == 3, [p.name for p in entries(disk_dir)]
     flipped, cut, foreign = kids
     raw = bytearray(flipped.read_bytes())
@@ -178,16 +184,10 @@ def test_an_entry_forged_with_another_prompts_kv_is_refused(
 ) -> None:
     """Issue 31 item 8: one prompt's entry given another prompt's KV, every unkeyed sum
     recomputed as anyone who can write the directory could. With sha256 sums it passed every
-    check and the prompt got the other prompt's answer; under the MAC it is dropped (cause
+    check (the review saw the prompt answer with the other prompt's answer); under the MAC it is dropped (cause
     header) and the prompt is computed, equal to stock from scratch."""
     docs = [document(s) for s in (76, 77)]
-    first = start(backend, disk_dir)
-    try:
-        for doc in docs:
-            ask(first, convo(doc, "Which words appear most often?"))
-    finally:
-        first.stop()
-    victim, donor = _children(disk_dir)  # each document's own part, under the shared head
+    victim, donor = _asked_once(backend, disk_dir, docs)  # each document's own part
     key = secret(disk_dir)
     raw, other = bytearray(victim.read_bytes()), donor.read_bytes()
     header, donor_header = (

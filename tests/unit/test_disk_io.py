@@ -28,7 +28,9 @@ def toks(first: int, n: int) -> np.ndarray:
     return np.arange(first, first + n, dtype=np.int32)
 
 
-async def opened(directory: Path, budget: int = 1 << 30, key: bytes = KEY) -> DiskTier:
+async def opened(
+    directory: Path, budget: int = 1 << 30, key: bytes = KEY, key_file: Path | None = None
+) -> DiskTier:
     tier = DiskTier(
         directory,
         budget,
@@ -38,6 +40,7 @@ async def opened(directory: Path, budget: int = 1 << 30, key: bytes = KEY) -> Di
         min_tokens=4,
         queue_bytes=1 << 20,
         timeout_s=10,
+        key_file=key_file,
     )
     await tier.open()
     return tier
@@ -253,18 +256,7 @@ def test_a_key_file_that_is_a_link_or_readable_by_others_leaves_the_tier_unusabl
         short.write_bytes(b"k" * 8)
         short.chmod(0o600)
         for directory, key_file in ((loose, None), (linked, None), (tmp_path / "short", short)):
-            tier = DiskTier(
-                directory,
-                1 << 30,
-                KEY,
-                LAYOUT,
-                DiskMetrics(CollectorRegistry()),
-                min_tokens=4,
-                queue_bytes=1 << 20,
-                timeout_s=10,
-                key_file=key_file,
-            )
-            await tier.open()
+            tier = await opened(directory, key_file=key_file)
             assert not tier.usable, directory
             await tier.close(None, 10)
 
