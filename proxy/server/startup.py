@@ -27,7 +27,7 @@ from proxy.server.metrics import Metrics
 from proxy.server.models import ModelEntry, compat_ns
 from proxy.server.mover import KvMover
 from proxy.server.netlocal import is_local_host
-from proxy.server.paydir import check_private_dir
+from proxy.server.paydir import check_private_dir, private_dir_fd
 from proxy.server.recorder import Recorder
 from proxy.server.runtime import Runtime
 from proxy.server.sharing import Sharing
@@ -259,7 +259,7 @@ async def _connect(
         ) from exc
     compat = dict(caps["compat"])
     layout, moves_off = _layout_or_why_not(caps)
-    shm = await _payload_dir(config.shm_dir, caps.get("dir"), spec)
+    shm = await _payload_dir(config.shm_dir, caps.get("dir"), spec, caps.get("dir_id"))
     mover = KvMover(backend, layout, compat, shm, metrics)
     instance = str(caps.get("instance") or "")
     if caps.get("sharing"):
@@ -390,15 +390,31 @@ async def _release_owners(backend: Backend, caps: dict[str, Any]) -> None:
         await backend.kv_post("release", {"owner": owner}, cause=FallbackCause.RELEASE)
 
 
-async def _payload_dir(mine: Path | None, theirs: str | None, spec: BackendSpec) -> Path | None:
+async def _payload_dir(
+    mine: Path | None, theirs: str | None, spec: BackendSpec, their_id: object = None
+) -> Path | None:
     """The directory payload files go through, or None (inline: KV in the HTTP bodies).
     ``inline``: never files; ``shared``: files, and the server must name our directory;
-    ``auto``: files when the server names our directory and runs on this host."""
+    ``auto``: files when the server names our directory and runs on this host. Our directory
+    is the one our mover holds open; a server that reports the device and inode of the one it
+    holds (``dir_id``) must hold the same."""
     if spec.payloads == "inline":
         return None
     if mine is not None:
         check_private_dir(mine)  # before any payload file is made in it
     same_dir = bool(mine and theirs and Path(theirs).resolve() == mine.resolve())
+    if same_dir and mine is not None and isinstance(their_id, str) and their_id:
+        st = os.fstat(private_dir_fd(mine))
+        if their_id != f"{st.st_dev}:{st.st_ino}":
+            log.warning(
+                "%s holds another directory than %s under its name (device:inode %s, ours %d:%d)",
+                spec.url,
+                mine,
+                their_id,
+                st.st_dev,
+                st.st_ino,
+            )
+            same_dir = False
     if spec.payloads == "shared":
         if not same_dir or mine is None or not os.access(mine, os.W_OK):
             raise ConfigError(

@@ -4,6 +4,8 @@ to another user's directory afterwards is never written through."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -45,3 +47,25 @@ def test_a_directory_others_can_write_is_refused_on_its_descriptor(tmp_path: Pat
     link.symlink_to(tmp_path)
     with pytest.raises(OSError):
         private_dir_fd(link)
+
+
+@pytest.mark.parametrize("mode", ["auto", "shared"])
+def test_a_server_holding_another_directory_under_our_name_gets_no_payload_files(
+    tmp_path: Path, mode: str
+) -> None:
+    """caps' dir_id (device:inode of the directory the server holds open) must be the one our
+    mover holds: the same name is not enough (it may have been swapped between the two opens)."""
+    from proxy.config import parse_backend
+    from proxy.server.startup import _payload_dir
+
+    ours = tmp_path / "payloads"
+    ours.mkdir(mode=0o700)
+    st = os.fstat(private_dir_fd(ours))
+    spec = parse_backend(f"http://127.0.0.1:1#{mode}")
+    same = asyncio.run(_payload_dir(ours, str(ours), spec, f"{st.st_dev}:{st.st_ino}"))
+    assert same == ours
+    if mode == "auto":
+        assert asyncio.run(_payload_dir(ours, str(ours), spec, f"{st.st_dev}:{st.st_ino + 1}")) is None
+    else:
+        with pytest.raises(ConfigError, match="#shared"):
+            asyncio.run(_payload_dir(ours, str(ours), spec, f"{st.st_dev}:{st.st_ino + 1}"))
