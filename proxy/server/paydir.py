@@ -46,11 +46,12 @@ def private_dir_fd(path: Path) -> int:
     """A descriptor of our payload directory, opened without following a link and checked on
     the descriptor itself (owner, mode): every payload file is then made, opened and removed
     relative to it, so a directory renamed or replaced by a link later is never written
-    through. Opened once per path and never closed (a payload file being removed after its
-    move must not find the number reused by another directory)."""
+    through. Opened once per directory at that path and never closed (a payload file being
+    removed after its move must not find the number reused by another directory); a directory
+    made again at the same path gets a descriptor of its own."""
     key = str(path)
     fd = _DIR_FDS.get(key)
-    if fd is not None:
+    if fd is not None and _same_file(os.fstat(fd), path):
         return fd
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     st = os.fstat(fd)
@@ -62,6 +63,14 @@ def private_dir_fd(path: Path) -> int:
         )
     _DIR_FDS[key] = fd
     return fd
+
+
+def _same_file(st: os.stat_result, path: Path) -> bool:
+    try:
+        now = os.lstat(path)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
 
 
 def make_private_dir(base: Path, prefix: str) -> Path:

@@ -295,10 +295,15 @@ async def health(request: web.Request) -> web.Response:
             "name": s.name,
             "status": "ok" if s.healthy else "down",
             **({"reason": s.down_reason} if not s.healthy else {}),
-            # Served, but with routes A and prefill only: say which moves are off and why.
-            **({"kv_moves": "off", "kv_moves_off": list(s.moves_off)} if s.moves_off else {}),
-            # "on" only once a server is connected and its layout check passed.
-            **({"kv_moves": "on"} if s.healthy and not s.moves_off else {}),
+            # Served, but with routes A and prefill only: say which moves are off and why;
+            # "on" only for a connected server whose layout check passed.
+            **(
+                {"kv_moves": "off", "kv_moves_off": list(s.moves_off)}
+                if s.moves_off
+                else {"kv_moves": "on"}
+                if s.healthy
+                else {}
+            ),
         }
         for s in runtime.coordinator.servers
     ]

@@ -69,3 +69,14 @@ def test_a_server_holding_another_directory_under_our_name_gets_no_payload_files
     else:
         with pytest.raises(ConfigError, match="#shared"):
             asyncio.run(_payload_dir(ours, str(ours), spec, f"{st.st_dev}:{st.st_ino + 1}"))
+
+
+def test_a_directory_made_again_at_the_same_path_gets_its_own_descriptor(tmp_path: Path) -> None:
+    d = tmp_path / "payloads"
+    d.mkdir(mode=0o700)
+    first = private_dir_fd(d)
+    assert private_dir_fd(d) == first  # the same directory: the same descriptor
+    d.rmdir()
+    d.mkdir(mode=0o700)
+    again = private_dir_fd(d)
+    assert again != first and os.fstat(again).st_ino == os.lstat(d).st_ino
