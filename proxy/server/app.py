@@ -25,6 +25,7 @@ from proxy.server.admin import add_admin_routes
 from proxy.server.apis import add_api_routes
 from proxy.server.connections import ConnectionLimits, GuardedSite, raise_file_limit
 from proxy.server.health import HealthMonitor
+from proxy.server.infill import add_infill_routes
 from proxy.server.observe import summary_loop
 from proxy.server.recorder import Recorder
 from proxy.server.routes import add_catch_all, add_routes, metrics_port_only, plain_paths_only
@@ -85,6 +86,7 @@ def build_app(config: Config, registry: CollectorRegistry | None = None) -> web.
     app.cleanup_ctx.extend([_session_ctx, _recorder_ctx, _runtime_ctx, _health_ctx, _summary_ctx])
     add_routes(app)
     add_api_routes(app)
+    add_infill_routes(app)
     add_admin_routes(app)
     add_catch_all(app)
     return app

@@ -124,7 +124,10 @@ class Backend:
         data = await self.post_json("/apply-template", body, headers)
         return str(data["prompt"])
 
-    async def tokenize(self, text: str, add_special: bool, parse_special: bool = True) -> list[int]:
+    async def tokenize(
+        self, text: str | list[str | int], add_special: bool, parse_special: bool = True
+    ) -> list[int]:
+        """``text``: a string, or strings and token ids (the server's tokenize_mixed)."""
         data = await self.post_json(
             "/tokenize", {"content": text, "add_special": add_special, "parse_special": parse_special}
         )

@@ -49,7 +49,6 @@ _EMBED = (
 )
 # Paths llama-server serves that the proxy refuses, and why (the rest get a plain 404).
 REFUSED = {
-    "/infill": "/infill is not steered by the proxy; use /completion with the infill prompt",
     **{p: f"{p} {_EMBED}" for p in ("/embedding", "/embeddings", "/v1/embeddings")},
     **{p: f"{p} {_EMBED}" for p in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking")},
     "/v1/chat/completions/control": "the control endpoint is not available through the proxy",

@@ -12,6 +12,7 @@ import numpy as np
 from aiohttp import web
 
 from proxy.config import Config
+from proxy.core.infill import PieceCache
 from proxy.errors import Unavailable
 from proxy.server.backend import Backend
 from proxy.server.coordinator import Coordinator, ServerState
@@ -86,6 +87,7 @@ class Runtime:
         self.template_note = "server"
         self._tasks: set[asyncio.Task[Any]] = set()
         self.passthrough = PassthroughTurns(config.max_passthrough, config.queue_timeout_s)
+        self.infill_pieces: dict[str, PieceCache] = {}  # /infill's tokenized pieces, by model namespace
 
     async def render(
         self, body: dict[str, Any], headers: dict[str, str], model: ModelEntry | None = None

@@ -15,6 +15,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from proxy.config import BackendSpec, Config, parse_backend
+from proxy.core.infill import InfillParams
 from proxy.core.payload import KvLayout
 from proxy.core.radix import RadixTree
 from proxy.core.resident import ResidentIndex
@@ -310,6 +311,7 @@ async def _connect(
     state.model, state.model_ns, state.named = model, model_ns, bool(spec.model)
     state.n_cells = int(caps.get("n_cells", 0))
     state.moves_off = moves_off
+    state.infill = InfillParams.from_caps(caps, n_ctx_slot)
     state.instance = instance or None
     return state
 

@@ -233,7 +233,7 @@ def test_exact_metrics_after_scripted_sequence(live: Live) -> None:
         assert sample(m, "radix_fallbacks_total", cause=cause) == 0
     for status in ("4xx", "5xx"):
         assert sample(m, "radix_request_errors_total", status=status) == 0
-    for api in ("chat", "completions", "messages", "responses"):
+    for api in ("chat", "completions", "messages", "responses", "infill"):
         assert sample(m, "radix_api_requests_total", api=api) == (5 if api == "completions" else 0), api
         assert sample(m, "radix_prompt_mismatch_total", api=api) == 0, api
     assert sample(m, "radix_tokenizer_server_fallback") == 0

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from proxy.core.admission import CellNeed
+from proxy.core.infill import InfillParams
 from proxy.core.planner import Plan, Route
 from proxy.core.radix import HostMatch, RadixTree
 from proxy.errors import FallbackCause
@@ -135,6 +136,7 @@ class ServerState:
     # Why KV moves are off for this server ((): on). Off, it is served with routes A and prefill
     # only: the server's own prefix reuse, no host restore, save or sharing (invariant 9).
     moves_off: tuple[str, ...] = ()
+    infill: InfillParams | None = None  # what /infill builds its prompt from (caps; None: not reported)
     # Set (and replaced) when a reservation ends: requests waiting for room look again.
     room_freed: asyncio.Event = field(default_factory=asyncio.Event)
     # Set when the health checks take the server out of routing, replaced when it is back: a
