@@ -24,6 +24,7 @@ from proxy.errors import BackendError, ConfigError, RadixError, RequestTimeout, 
 from proxy.server.admin import add_admin_routes
 from proxy.server.apis import add_api_routes
 from proxy.server.connections import ConnectionLimits, GuardedSite, raise_file_limit
+from proxy.server.embeddings import add_embedding_routes
 from proxy.server.health import HealthMonitor
 from proxy.server.infill import add_infill_routes
 from proxy.server.observe import summary_loop
@@ -87,6 +88,7 @@ def build_app(config: Config, registry: CollectorRegistry | None = None) -> web.
     add_routes(app)
     add_api_routes(app)
     add_infill_routes(app)
+    add_embedding_routes(app)
     add_admin_routes(app)
     add_catch_all(app)
     return app

@@ -39,7 +39,14 @@ SHARE_PATHS = {
 FALLBACK_CAUSES = tuple(c.value for c in FallbackCause)
 DIRECTIONS = ("export", "import")
 REJECT_REASONS = ("queue_full", "queue_timeout", "shutting_down", "no_room")
-APIS = ("chat", "completions", "messages", "responses", "infill")  # the client APIs of steered requests
+APIS = (
+    "chat",
+    "completions",
+    "messages",
+    "responses",
+    "infill",
+    "embeddings",
+)  # the client APIs of steered requests
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 
 # GET /kvctl/cells field -> pool gauge (all per server, in KV cells).

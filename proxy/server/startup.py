@@ -312,6 +312,8 @@ async def _connect(
     state.n_cells = int(caps.get("n_cells", 0))
     state.moves_off = moves_off
     state.infill = InfillParams.from_caps(caps, n_ctx_slot)
+    embedding = caps.get("embedding")
+    state.embeddings = isinstance(embedding, dict) and embedding.get("on") is True
     state.instance = instance or None
     return state
 

@@ -55,10 +55,11 @@ def test_only_the_read_only_allowlist_passes(method: str, path: str, passes: boo
 
 
 def test_unsteered_slot_endpoints_say_why() -> None:
-    for path in ("/v1/embeddings", "/embeddings", "/v1/rerank", "/reranking"):
+    for path in ("/v1/rerank", "/rerank", "/reranking", "/v1/reranking"):
         why = front.refusal("POST", path)
-        assert why is not None and "--embeddings" in why and "slot" in why
-    assert "/infill" not in front.REFUSED  # steered (proxy/server/infill.py)
+        assert why is not None and "--reranking" in why and "own" in why
+    for steered in ("/infill", "/v1/embeddings", "/embeddings", "/embedding"):
+        assert steered not in front.REFUSED  # proxy/server/infill.py, proxy/server/embeddings.py
 
 
 @pytest.mark.parametrize("body", [{"n": 2}, {"n_cmpl": 3}, {"n": 0}, {"n": "2"}, {"n": True}, {"n": 1.5}])

@@ -95,6 +95,12 @@ class Coordinator:
     def release(self, lease: Lease) -> None:
         self.leases.release(lease)
 
+    def release_unknown(self, lease: Lease) -> None:
+        """Release a slot whose KV the request replaced with something the tree does not track
+        (embedding inputs): it is erased before anyone's prefix is reused from it."""
+        lease.slot.tokens, lease.slot.ns = EMPTY, None
+        self.leases.release(lease)
+
     # ---- servers going and coming (see health.py) ------------------------------------------
 
     def server_down(self, server: ServerState, reason: str) -> None:

@@ -137,6 +137,7 @@ class ServerState:
     # only: the server's own prefix reuse, no host restore, save or sharing (invariant 9).
     moves_off: tuple[str, ...] = ()
     infill: InfillParams | None = None  # what /infill builds its prompt from (caps; None: not reported)
+    embeddings: bool = False  # started with --embeddings (caps embedding.on): serves /v1/embeddings
     # Set (and replaced) when a reservation ends: requests waiting for room look again.
     room_freed: asyncio.Event = field(default_factory=asyncio.Event)
     # Set when the health checks take the server out of routing, replaced when it is back: a

@@ -1,0 +1,132 @@
+"""``POST /v1/embeddings``, ``/embeddings``, ``/embedding``: leased like completions.
+
+llama-server runs each input of an embeddings request on a slot, which replaces that slot's
+KV. So the proxy leases a slot for the request (queueing, admission and the model's servers
+as for a completion), pins every input to it (``id_slot``, honoured with ``--kvctl`` by patch
+0014; the inputs run one after another), and afterwards records the slot's content as
+unknown, to be erased before anyone's prefix is reused from it. The server's answer is passed
+on as it is. An embeddings server (``--embeddings``) serves with KV moves off: its slots
+hold pooled inputs, not prefixes worth moving.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import numpy as np
+import orjson
+from aiohttp import web
+
+from proxy.errors import BackendError, BadRequest, NotSupported, Unavailable
+from proxy.server.backend import Backend
+from proxy.server.forward import forward_headers, radix_headers
+from proxy.server.front import cache_namespace, prompt_token_ids
+from proxy.server.models import ModelEntry, pick_model, with_model
+from proxy.server.routes import SESSION_HEADER, _read_json, _request_id
+from proxy.server.runtime import RUNTIME, Runtime
+
+EMBEDDING_PATHS = ("/v1/embeddings", "/embeddings", "/embedding")
+NOT_SERVED = "This server does not support embeddings. Start it with `--embeddings`"
+
+
+def add_embedding_routes(app: web.Application) -> None:
+    for path in EMBEDDING_PATHS:
+        app.router.add_post(path, embeddings)
+
+
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    runtime = request.app[RUNTIME]
+    body = await _read_json(request)
+    model = pick_model(runtime.models, body)
+    n_ctx = serving_embeddings(runtime, model)
+    longest = await _longest_input(runtime, model, _inputs(body), n_ctx)
+    runtime.metrics.api_requests.labels("embeddings").inc()
+    coord, config = runtime.coordinator, runtime.config
+    ns = with_model(model.ns, cache_namespace(config, body, request.headers))
+    lease = await coord.acquire(
+        _request_id(), longest, ns, model=model.name, session=request.headers.get(SESSION_HEADER, "")
+    )
+    try:
+        await coord.restore(lease, 0)  # erases another namespace's KV first (isolation)
+        body["id_slot"] = lease.slot.slot_id
+        raw, status = await _forward(lease.server.backend, request, body)
+    finally:
+        coord.release_unknown(lease)
+    return web.Response(
+        body=raw,
+        status=status,
+        content_type="application/json",
+        headers=radix_headers(lease, config.cache_info),
+    )
+
+
+async def _forward(backend: Backend, request: web.Request, body: dict[str, Any]) -> tuple[bytes, int]:
+    headers = {**forward_headers(request), "Content-Type": "application/json"}
+    try:
+        async with backend.request(
+            "POST", request.path, data=orjson.dumps(body), headers=headers, timeout=backend.completion_timeout
+        ) as up:
+            return await up.read(), up.status
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise BackendError(
+            f"llama-server failed to answer the embeddings request: {exc or 'timeout'}"
+        ) from exc
+
+
+def serving_embeddings(runtime: Runtime, model: ModelEntry) -> int:
+    """The smallest slot context of the model's servers, which must all serve embeddings (the
+    lease may pick any of them); a clear refusal otherwise."""
+    servers = [s for s in runtime.coordinator.servers if s.model == model.name and s.healthy]
+    if not servers:
+        raise Unavailable("no llama-server of this model is serving")
+    serving = [s.embeddings for s in servers]
+    if not any(serving):
+        raise NotSupported(NOT_SERVED)
+    if not all(serving):
+        raise NotSupported(
+            "embeddings: only some of this model's servers were started with `--embeddings`; start them alike"
+        )
+    return min(s.n_ctx_slot for s in servers)
+
+
+def _inputs(body: dict[str, Any]) -> list[Any]:
+    """The request's inputs, split as the server splits them (``input``, or ``content``)."""
+    key = "input" if "input" in body else "content" if "content" in body else None
+    if key is None:
+        raise BadRequest('"input" or "content" must be provided')
+    value = body[key]
+    if isinstance(value, list) and value and not any(isinstance(v, int) for v in value):
+        return value  # several inputs
+    if isinstance(value, list) and not value:
+        raise BadRequest('"input" must not be empty')
+    return [value]
+
+
+async def _longest_input(runtime: Runtime, model: ModelEntry, inputs: list[Any], n_ctx: int) -> np.ndarray:
+    """The tokens of the longest input: what the slot must hold (the lease checks it against
+    the slot context and reserves its cells)."""
+    longest = np.zeros(0, dtype=np.int32)
+    for item in inputs:
+        tokens = await _tokens(runtime, model, item, n_ctx)
+        if len(tokens) == 0:
+            raise BadRequest("Input content cannot be empty")
+        if len(tokens) > len(longest):
+            longest = tokens
+    return longest
+
+
+async def _tokens(runtime: Runtime, model: ModelEntry, item: Any, n_ctx: int) -> np.ndarray:
+    if isinstance(item, str):
+        return await runtime.tokenize(item, model)
+    if isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+        return prompt_token_ids(item, model.n_vocab, n_ctx)
+    if isinstance(item, list) and all(isinstance(t, str | int) and not isinstance(t, bool) for t in item):
+        ids = await runtime.on_any_server(
+            lambda b: b.tokenize(item, add_special=True, parse_special=True), model.name
+        )
+        return prompt_token_ids(ids, model.n_vocab, n_ctx)
+    raise BadRequest(
+        "each embeddings input must be a string, an array of token ids, or strings and token ids "
+        "mixed (multimodal inputs are not served through the proxy)"
+    )
