@@ -1,10 +1,12 @@
 """Docs that cannot drift from the code: the metric tables of docs/observability.md against
-the families the proxy registers, and the Grafana dashboard's queries against the same families."""
+the families the proxy registers, the Grafana dashboard's queries against the same families,
+and the repository paths the docs, the README, pyproject.toml and the code's comments cite."""
 
 from __future__ import annotations
 
 import json
 import re
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -129,3 +131,53 @@ def test_dashboard_queries_only_metrics_that_exist(path: Path) -> None:
     used = set().union(*(metric_names(q) for q in found))
     unknown = sorted(used - exposed() - SERVER_METRICS)
     assert not unknown, f"{path.name} queries metrics nobody exports: {unknown}"
+
+
+# ---- cited paths ----------------------------------------------------------------------------------
+
+TOP = ("proxy", "tests", "docs", "deploy", "native", ".ci")
+# A token that starts at a top-level folder; kept only when it ends in a file extension or "/".
+TOPS = "|".join(re.escape(t) for t in TOP)
+PATH_TOKEN = re.compile(rf"(?<![\w./-])((?:{TOPS})/[\w./*-]+)")
+ROOT_DOC = re.compile(r"(?<![\w./-])([A-Z][A-Z_]*\.md)\b")  # README.md, CHANGELOG.md
+
+
+def cited_in(text: str) -> Iterator[tuple[int, str]]:
+    for number, line in enumerate(text.splitlines(), 1):
+        for match in PATH_TOKEN.finditer(line):
+            path = match.group(1).rstrip(".,;:")
+            if "*" not in path and (path.endswith("/") or Path(path).suffix):
+                yield number, path
+        for match in ROOT_DOC.finditer(line):
+            yield number, match.group(1)
+
+
+def citing_files() -> list[Path]:
+    files = [ROOT / "README.md", ROOT / "pyproject.toml", *sorted((ROOT / "docs").glob("*.md"))]
+    return files + sorted((ROOT / "proxy").rglob("*.py"))
+
+
+def test_cited_paths_are_found() -> None:
+    text = (ROOT / "README.md").read_text()
+    assert len(list(cited_in(text))) > 20
+    assert list(cited_in("see `docs/a.md`, deploy/k8s/ and proxy/core/radix.py.")) == [
+        (1, "docs/a.md"),
+        (1, "deploy/k8s/"),
+        (1, "proxy/core/radix.py"),
+    ]
+
+
+def test_cited_repository_paths_exist() -> None:
+    broken = []
+    for path in citing_files():
+        for number, cited in cited_in(path.read_text()):
+            if not (ROOT / cited).exists() and not (path.parent / cited).exists():
+                broken.append(f"{path.relative_to(ROOT)}:{number}: {cited}")
+    assert not broken, "cited but not in the repository:\n" + "\n".join(broken)
+
+
+def test_package_data_globs_match_files() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    for package, globs in project["tool"]["setuptools"]["package-data"].items():
+        for pattern in globs:
+            assert list((ROOT / package).glob(pattern)), f"package-data {package}: {pattern} matches nothing"
