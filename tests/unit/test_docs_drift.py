@@ -181,3 +181,21 @@ def test_package_data_globs_match_files() -> None:
     for package, globs in project["tool"]["setuptools"]["package-data"].items():
         for pattern in globs:
             assert list((ROOT / package).glob(pattern)), f"package-data {package}: {pattern} matches nothing"
+
+
+# ---- the module map -----------------------------------------------------------------------------
+
+
+def layers_block() -> str:
+    """The code block under "## Layers" of docs/design.md (the README points there)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text.split("## Layers", 1)[1]
+    return section.split("```", 2)[1]
+
+
+def test_the_layers_list_every_package_and_top_level_module() -> None:
+    proxy = ROOT / "proxy"
+    names = [f"proxy/{p.parent.name}/" for p in sorted(proxy.glob("*/__init__.py"))]
+    names += [f"proxy/{p.name}" for p in sorted(proxy.glob("*.py")) if p.name != "__init__.py"]
+    missing = [n for n in names if n not in layers_block()]
+    assert not missing, f"not in docs/design.md's Layers: {missing}"
