@@ -1,8 +1,9 @@
 """Route choice on pure data: which idle slot, and where its prefix KV comes from.
 
-Routes (see ARCHITECTURE.md): A = the slot already holds the prefix; S = attach a
-resident prefix (shared cells, no copy); H = import KV from the host radix tree;
-PREFILL = compute everything; A+H / S+H = A or S for [0, base) plus H for [base, host).
+Routes (where the planner sits on a request's path: docs/design.md, "From a request to a
+KV move"): A = the slot already holds the prefix; S = attach a resident prefix (shared
+cells, no copy); H = import KV from the host radix tree; PREFILL = compute everything;
+A+H / S+H = A or S for [0, base) plus H for [base, host).
 
 Rules, in order:
 1. Every usable length is capped at n_prompt - 1: the server always recomputes the last

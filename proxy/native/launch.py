@@ -16,7 +16,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -318,12 +317,3 @@ def stop_process_group(proc: subprocess.Popen[bytes], grace: float = 10.0) -> No
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-
-
-@contextlib.contextmanager
-def running_server(spec: ServerSpec, log_path: Path, timeout: float = 120.0) -> Iterator[ServerProcess]:
-    server = ServerProcess(spec, log_path).start(timeout)
-    try:
-        yield server
-    finally:
-        server.stop()

@@ -246,9 +246,6 @@ class DiskTier:
 
     # ---- promotion ---------------------------------------------------------------------
 
-    def lookup(self, tree: RadixTree, tokens: np.ndarray, ns: str) -> DiskMatch:
-        return self.index.walk(tokens, ns, tree.match(tokens, touch=False, ns=ns).length)
-
     async def promote(self, tree: RadixTree, tokens: np.ndarray, ns: str, floor: int = 0) -> int:
         """When the disk carries the request's match past both the RAM tree and `floor` (what a
         slot or a resident prefix already offers) by at least `min_tokens`, read those entries,

@@ -54,7 +54,6 @@ REFUSED = {
 OFF_LOOP_BYTES = 1 << 20  # bodies larger than this are parsed in a worker thread
 SALT_FIELD = "cache_salt"
 SALT_HEADER = "X-Cache-Salt"
-ISOLATION_SOURCES = ("field", "header", "api-key")
 
 
 def refusal(method: str, path: str) -> str | None:

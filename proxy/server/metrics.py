@@ -247,7 +247,7 @@ class Metrics:
         self.tree_evicted_tokens = SyncedCounter(
             Counter(f"{ns}_host_evicted_tokens", "Tokens evicted from the host tree", registry=registry)
         )
-        # ---- resident prefixes (route S; filled by the resident index when it lands) ----------
+        # ---- resident prefixes (route S; mirrored from each server's index on scrape) ----------
         self.resident_entries = Gauge(
             f"{ns}_resident_entries",
             "Resident prefixes held by owner sequences",

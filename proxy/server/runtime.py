@@ -74,7 +74,6 @@ class Runtime:
         self.coordinator = coordinator
         self.metrics = metrics
         self.recorder = recorder
-        self.primary = coordinator.servers[0].backend
         self.n_vocab = 1 << 31  # the model's vocabulary size, read at startup
         self.health: HealthMonitor | None = None  # set by the app while it runs
         self.pending: list[tuple[str, str]] = []  # (name, url) of servers that did not answer yet

@@ -31,7 +31,6 @@ class Sharing:
         self.budget_cells = budget_cells
         self.headroom = headroom
         self.min_tokens = min_tokens
-        self.releases = 0
         self.last_cells: dict[str, Any] = {}
 
     async def cells(self) -> dict[str, Any]:
@@ -121,4 +120,3 @@ class Sharing:
             log.warning("resident: release of owner %d failed: %s", owner_id, exc)
         finally:  # cancelled too: the owner may be gone, so it is no longer offered
             self.index.remove(owner_id)
-        self.releases += 1

@@ -18,7 +18,7 @@ class Calibration:
     ``(n - c) / prefill_tok_s * (1 + (n + c) / 2 / prefill_ctx_tokens)``: a rate that falls
     as the context grows (attention reads the whole context)."""
 
-    # Two cold prefills measured on a quiet machine (ARCHITECTURE.md, docs/results): 1,533
+    # Two cold prefills measured on a quiet machine (docs/scale.md, Calibration): 1,533
     # tokens in 7.1 s and 2,000 in 9.5 s; the per-token time grows with the mean context.
     prefill_tok_s: float = 236.0
     prefill_ctx_tokens: float = 8_260.0

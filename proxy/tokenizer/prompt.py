@@ -135,11 +135,6 @@ class _PieceCache:
             s.cached_tokens = self._tokens
             return s
 
-    def clear(self) -> None:
-        with self._lock:
-            self._d.clear()
-            self._tokens = 0
-
 
 def _tokenizer_meta(tok: Tokenizer) -> tuple[int | None, int | None, int | None]:
     """(BOS id, EOS id) that the tokenizer's TemplateProcessing adds around ``$A``, and the id of
@@ -280,9 +275,6 @@ class PromptTokenizer:
     # -- cache --------------------------------------------------------------------------------------
     def cache_stats(self) -> CacheStats:
         return self._cache.snapshot()
-
-    def clear_cache(self) -> None:
-        self._cache.clear()
 
     def probe_texts(self) -> list[str]:
         """Texts that exercise every special token and every text llama.cpp may promote to one."""

@@ -56,10 +56,6 @@ class RunContext:
     hints: dict[str, bool] = field(default_factory=dict)
 
 
-async def _no_emit(_event: dict[str, Any]) -> None:
-    return None
-
-
 def trace_entry(
     step: int, kind: StepKind, body: dict[str, Any], reply: Reply, sent_at: float
 ) -> dict[str, Any]:
@@ -198,9 +194,3 @@ async def run_turn(
     return TurnResult(
         out["messages"][len(history) :], out["calls"], out["tools"], out.get("final", ""), out.get("error")
     )
-
-
-def default_run(
-    scenario: Scenario, settings: AgentSettings, model: ChatModel, tool_ctx: ToolContext
-) -> RunContext:
-    return RunContext(scenario, settings, model, tool_ctx, _no_emit)

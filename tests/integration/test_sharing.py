@@ -138,7 +138,7 @@ def test_pool_near_full_releases_owners_instead_of_failing(
         big = ask(thread, convo(document(50, n_words=900), "Summarize."), n=64)
         assert big.body["choices"][0]["message"]["content"]
         thread.settle()
-        released = thread.call(lambda rt: rt.coordinator.servers[0].sharing.releases)  # type: ignore[union-attr]
+        released = thread.call(lambda rt: rt.coordinator.servers[0].sharing.index.stats().evicted)  # type: ignore[union-attr]
         assert released >= 1
         fallbacks = thread.call(lambda rt: rt.metrics.fallbacks.labels("import")._value.get())
         assert fallbacks == 0
