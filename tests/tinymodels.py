@@ -52,6 +52,7 @@ class Family:
     scale: float = 1.0  # layer weights' std times sqrt(fan-in)
     tied: bool = False  # the output reuses the token embedding (no output.weight tensor)
     output_norm: str = "output_norm"  # lfm2 names its final norm token_embd_norm
+    classifier: bool = False  # a two-label classification head (cls.output): a reranker
 
     def spec(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "tensors"} | {
@@ -324,6 +325,20 @@ FAMILIES: dict[str, Family] = {
         tensors=lfm2_layer,
         output_norm="token_embd_norm",
     ),
+    # A reranker (--reranking): qwen3 with a yes/no head on the last token; the server's score
+    # is the softmax of "yes" (one label would always score 1).
+    "qwen3-rerank": Family(
+        "qwen3",
+        2,
+        64,
+        2,
+        1,
+        64,
+        192,
+        extra_kv={"classifier.output_labels": ["yes", "no"]},
+        tensors=qk_norm_layer,
+        classifier=True,
+    ),
     # Mistral 3's text model: llama's layer under its own arch name.
     "mistral3": Family("mistral3", 2, 64, 2, 1, 64, 192, tensors=dense_layer),
 }
@@ -389,6 +404,8 @@ def _tensors(fam: Family, n_vocab: int) -> Iterator[tuple[str, Shape]]:
     yield f"{fam.output_norm}.weight", (fam.n_embd,)
     if not fam.tied:
         yield "output.weight", (fam.n_embd, n_vocab)
+    if fam.classifier:
+        yield "cls.output.weight", (fam.n_embd, 2)
     assert fam.tensors is not None
     for il in range(fam.n_layer):
         yield from fam.tensors(fam, il).items()

@@ -1,6 +1,7 @@
-"""``POST /v1/embeddings``, ``/embeddings``, ``/embedding``: leased like completions.
+"""``POST /v1/embeddings``, ``/embeddings``, ``/embedding`` and ``/v1/rerank`` (``/rerank``,
+``/reranking``, ``/v1/reranking``): leased like completions.
 
-llama-server runs each input of an embeddings request on a slot, which replaces that slot's
+llama-server runs each input of an embeddings request (each document of a rerank) on a slot, which replaces that slot's
 KV. So the proxy leases a slot for the request (queueing, admission and the model's servers
 as for a completion), pins every input to it (``id_slot``, honoured with ``--kvctl`` by patch
 0014; the inputs run one after another), and afterwards records the slot's content as
@@ -27,21 +28,55 @@ from proxy.server.routes import SESSION_HEADER, _read_json, _request_id
 from proxy.server.runtime import RUNTIME, Runtime
 
 EMBEDDING_PATHS = ("/v1/embeddings", "/embeddings", "/embedding")
+RERANK_PATHS = ("/v1/rerank", "/rerank", "/v1/reranking", "/reranking")
 NOT_SERVED = "This server does not support embeddings. Start it with `--embeddings`"
+NOT_RERANKING = "This server does not support reranking. Start it with `--reranking`"
+POOLING_RANK = 4  # LLAMA_POOLING_TYPE_RANK: what --reranking sets
+RERANK_TOKENS = 4  # BOS, EOS, SEP, EOS around the query and a document (an estimate: sizing only)
 
 
 def add_embedding_routes(app: web.Application) -> None:
     for path in EMBEDDING_PATHS:
         app.router.add_post(path, embeddings)
+    for path in RERANK_PATHS:
+        app.router.add_post(path, rerank)
 
 
 async def embeddings(request: web.Request) -> web.StreamResponse:
     runtime = request.app[RUNTIME]
     body = await _read_json(request)
     model = pick_model(runtime.models, body)
-    n_ctx = serving_embeddings(runtime, model)
+    n_ctx = serving(runtime, model, rank=False)
     longest = await _longest_input(runtime, model, _inputs(body), n_ctx)
-    runtime.metrics.api_requests.labels("embeddings").inc()
+    return await _leased(request, body, model, longest, "embeddings")
+
+
+async def rerank(request: web.Request) -> web.StreamResponse:
+    """Each document is ranked against the query on a slot: the prompt is the server's
+    (its rerank template, or the query and the document between BOS/EOS/SEP)."""
+    runtime = request.app[RUNTIME]
+    body = await _read_json(request)
+    model = pick_model(runtime.models, body)
+    serving(runtime, model, rank=True)
+    query = body.get("query")
+    if not isinstance(query, str):
+        raise BadRequest('"query" must be a string' if "query" in body else '"query" must be provided')
+    documents = body.get("documents", body.get("texts"))
+    if not isinstance(documents, list) or not documents or not all(isinstance(d, str) for d in documents):
+        raise BadRequest('"documents" must be a non-empty string array')
+    q = await runtime.tokenize(query, model)
+    longest = max([await runtime.tokenize(d, model) for d in documents], key=len)
+    tokens = np.concatenate([q, longest, np.zeros(RERANK_TOKENS, dtype=np.int32)])
+    return await _leased(request, body, model, tokens, "rerank")
+
+
+async def _leased(
+    request: web.Request, body: dict[str, Any], model: ModelEntry, longest: np.ndarray, api: str
+) -> web.StreamResponse:
+    """Lease a slot big enough for ``longest``, run the request pinned to it, then record the
+    slot as unknown."""
+    runtime = request.app[RUNTIME]
+    runtime.metrics.api_requests.labels(api).inc()
     coord, config = runtime.coordinator, runtime.config
     ns = with_model(model.ns, cache_namespace(config, body, request.headers))
     lease = await coord.acquire(
@@ -70,23 +105,22 @@ async def _forward(backend: Backend, request: web.Request, body: dict[str, Any])
             return await up.read(), up.status
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise BackendError(
-            f"llama-server failed to answer the embeddings request: {exc or 'timeout'}"
+            f"llama-server failed to answer the {request.path} request: {exc or 'timeout'}"
         ) from exc
 
 
-def serving_embeddings(runtime: Runtime, model: ModelEntry) -> int:
-    """The smallest slot context of the model's servers, which must all serve embeddings (the
-    lease may pick any of them); a clear refusal otherwise."""
+def serving(runtime: Runtime, model: ModelEntry, rank: bool) -> int:
+    """The smallest slot context of the model's servers, which must all serve embeddings (or,
+    with ``rank``, reranking; the lease may pick any of them); a clear refusal otherwise."""
     servers = [s for s in runtime.coordinator.servers if s.model == model.name and s.healthy]
     if not servers:
         raise Unavailable("no llama-server of this model is serving")
-    serving = [s.embeddings for s in servers]
-    if not any(serving):
-        raise NotSupported(NOT_SERVED)
-    if not all(serving):
-        raise NotSupported(
-            "embeddings: only some of this model's servers were started with `--embeddings`; start them alike"
-        )
+    able = [s.embeddings and (s.pooling == POOLING_RANK) == rank for s in servers]
+    if not any(able):
+        raise NotSupported(NOT_RERANKING if rank else NOT_SERVED)
+    if not all(able):
+        flag = "--reranking" if rank else "--embeddings"
+        raise NotSupported(f"only some of this model's servers were started with `{flag}`; start them alike")
     return min(s.n_ctx_slot for s in servers)
 
 

@@ -42,13 +42,8 @@ READ_ONLY = {
     ("POST", "/v1/responses/input_tokens"),
     ("POST", "/responses/input_tokens"),
 }
-_RERANK = (
-    "is not steered by the proxy yet: reranking (llama-server --reranking) has not been proven "
-    "through it (no reranking test model here); run a llama-server of its own for it"
-)
 # Paths llama-server serves that the proxy refuses, and why (the rest get a plain 404).
 REFUSED = {
-    **{p: f"{p} {_RERANK}" for p in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking")},
     "/v1/chat/completions/control": "the control endpoint is not available through the proxy",
 }
 OFF_LOOP_BYTES = 1 << 20  # bodies larger than this are parsed in a worker thread

@@ -46,6 +46,7 @@ APIS = (
     "responses",
     "infill",
     "embeddings",
+    "rerank",
 )  # the client APIs of steered requests
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 

@@ -314,6 +314,7 @@ async def _connect(
     state.infill = InfillParams.from_caps(caps, n_ctx_slot)
     embedding = caps.get("embedding")
     state.embeddings = isinstance(embedding, dict) and embedding.get("on") is True
+    state.pooling = int(embedding.get("pooling", -1)) if isinstance(embedding, dict) else -1
     state.instance = instance or None
     return state
 

@@ -22,6 +22,7 @@ from proxy.native.launch import ServerProcess
 from tests.helpers import ProxyThread, Reply, ServerFactory, get, post, proxy_config, request
 from tests.integration.test_kvctl import Completion, assert_error, assert_same_or_near_tie
 from tests.integration.test_proxy import document
+from tests.tinymodels import tiny_model
 
 pytestmark = pytest.mark.integration
 
@@ -49,14 +50,14 @@ def pair(start_server: ServerFactory, patched_bin: Path, stock_bin: Path) -> Ite
 @pytest.fixture(autouse=True)
 def slots_come_back(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
-    if "pair" not in request.fixturenames:
-        return
-    pair: Pair = request.getfixturevalue("pair")
-    pair.proxy.settle()
-    busy = pair.proxy.call(
-        lambda rt: [s.slot_id for sv in rt.coordinator.servers for s in sv.slots if s.busy]
-    )
-    assert busy == []
+    for name in ("pair", "rank_pair"):
+        if name in request.fixturenames:
+            pair: Pair = request.getfixturevalue(name)
+            pair.proxy.settle()
+            busy = pair.proxy.call(
+                lambda rt: [s.slot_id for sv in rt.coordinator.servers for s in sv.slots if s.busy]
+            )
+            assert busy == []
 
 
 def vectors(reply: Reply) -> list[np.ndarray]:
@@ -211,5 +212,85 @@ def test_a_server_without_embeddings_refuses_as_the_server_refuses(
     body = {"input": "hello"}
     ref = post(f"{stock_server.spec.url}/v1/embeddings", body)
     got = post(f"{plain_proxy.url}/v1/embeddings", body)
+    assert got.status == ref.status == 501
+    assert got.body["error"]["message"] == ref.body["error"]["message"]
+
+
+# --- reranking: a tiny qwen3 with a classification head (tests/tinymodels.py) ----------------
+
+
+@pytest.fixture(scope="module")
+def rank_pair(start_server: ServerFactory, patched_bin: Path, stock_bin: Path) -> Iterator[Pair]:
+    kw: dict[str, Any] = {
+        "threads": ONE,
+        "n_parallel": 2,
+        "ctx_size": 2 * 1024,
+        "extra_args": ("--reranking",),
+        "model": tiny_model("qwen3-rerank"),
+    }
+    backend = start_server(patched_bin, **kw)
+    stock = start_server(stock_bin, kvctl=False, **kw)
+    thread = ProxyThread(proxy_config(backend)).start()
+    yield Pair(thread, backend, stock)
+    thread.stop()
+
+
+DOCS = [document(100 + i, 30 + 25 * i) for i in range(4)]
+
+
+def scores(reply: Reply) -> dict[int, float]:
+    assert reply.status == 200, str(reply.body)[:400]
+    return {r["index"]: r["relevance_score"] for r in reply.body["results"]}
+
+
+@pytest.mark.parametrize("path", ["/v1/rerank", "/rerank"])
+def test_rerank_scores_equal_stock(rank_pair: Pair, path: str) -> None:
+    body = {"query": "Which words come first?", "documents": DOCS}
+    got_reply = post(f"{rank_pair.proxy.url}{path}", body)
+    ref_reply = post(f"{rank_pair.stock.url}{path}", body)
+    got, ref = scores(got_reply), scores(ref_reply)
+    assert got_reply.body["usage"] == ref_reply.body["usage"]  # the same prompts
+    assert got.keys() == ref.keys() == set(range(len(DOCS)))
+    spread = max(ref.values()) - min(ref.values())
+    for i, score in got.items():
+        # One document per slot at a time against stock's batches: equal up to batch numerics,
+        # far closer than the documents' scores are to each other.
+        assert abs(score - ref[i]) <= RANK_TOL * spread, (i, score, ref[i], spread)
+    calls = rank_pair.proxy.call(lambda rt: rt.metrics.api_requests.labels("rerank")._value.get())
+    assert calls >= 1
+
+
+RANK_TOL = 0.05
+
+
+def test_rerank_documents_run_on_the_pinned_slot(rank_pair: Pair) -> None:
+    key, url = {"Authorization": f"Bearer {rank_pair.backend.spec.kvctl_key}"}, rank_pair.backend.url
+    for s in (0, 1):
+        assert post(f"{url}/kvctl/erase", {"slot": s}, headers=key).status == 200
+    reply = post(f"{url}/v1/rerank", {"query": "q", "documents": DOCS[:3], "id_slot": 1})
+    assert reply.status == 200, reply.body
+    held = {s["id"]: s["n_tokens"] for s in request(f"{url}/kvctl/slots", headers=key).body["slots"]}
+    assert held[1] > 0 and held[0] == 0, held
+    for s in (0, 1):
+        assert post(f"{url}/kvctl/erase", {"slot": s}, headers=key).status == 200
+    rank_pair.proxy.call(lambda rt: rt.coordinator.server_restarted(rt.coordinator.servers[0]))
+
+
+RANK_BAD: list[tuple[dict[str, Any], str]] = [
+    ({"documents": ["a"]}, '"query" must be provided'),
+    ({"query": 1, "documents": ["a"]}, '"query" must be a string'),
+    ({"query": "q", "documents": []}, "non-empty string array"),
+    ({"query": "q", "documents": ["a", 2]}, "non-empty string array"),
+]
+
+
+@pytest.mark.parametrize(("body", "needle"), RANK_BAD, ids=[b[1] for b in RANK_BAD])
+def test_bad_rerank_input_is_a_400(rank_pair: Pair, body: dict[str, Any], needle: str) -> None:
+    assert_error(post(f"{rank_pair.proxy.url}/v1/rerank", body), 400, "invalid_request_error", needle)
+
+
+def test_reranking_on_an_embeddings_server_is_refused_as_the_server_refuses(pair: Pair) -> None:
+    body = {"query": "q", "documents": ["a"]}
+    ref, got = post(f"{pair.stock.url}/v1/rerank", body), post(f"{pair.proxy.url}/v1/rerank", body)
     assert got.status == ref.status == 501
     assert got.body["error"]["message"] == ref.body["error"]["message"]

@@ -138,6 +138,7 @@ class ServerState:
     moves_off: tuple[str, ...] = ()
     infill: InfillParams | None = None  # what /infill builds its prompt from (caps; None: not reported)
     embeddings: bool = False  # started with --embeddings (caps embedding.on): serves /v1/embeddings
+    pooling: int = -1  # its pooling type (caps embedding.pooling; 4: --reranking, serves /v1/rerank)
     # Set (and replaced) when a reservation ends: requests waiting for room look again.
     room_freed: asyncio.Event = field(default_factory=asyncio.Event)
     # Set when the health checks take the server out of routing, replaced when it is back: a
