@@ -148,6 +148,9 @@ HELP = {
     "-c itself is ignored.",
     "fanout": "Concurrent branches off one long trunk on a cold server: TTFT of each branch and the total, "
     "the trunk computed once per branch (stock) or once and shared (fan-out).",
+    "coding-agent": "A coding agent through the Anthropic Messages API (or --api chat): one long system prompt "
+    "and the same tool schemas on every request, concurrent sessions whose tool loops return code and "
+    "test output, and a sub-agent branching off each session's history.",
 }
 
 
@@ -311,7 +314,7 @@ def run_workload_command(
     out.mkdir(parents=True, exist_ok=True)
     write_manifest(
         out / "workload.jsonl",
-        (ManifestEntry(0.0, r.id, r.session, r.group, r.via, r.body) for r in workload.requests),
+        (ManifestEntry(0.0, r.id, r.session, r.group, r.via, r.body, r.path) for r in workload.requests),
     )
     _say(
         f"{name}: {len(workload.requests)} requests, concurrency {workload.concurrency}, "
@@ -353,6 +356,16 @@ def _workload_options(name: str) -> list[Callable[[Any], Any]]:
         options += CAPACITY_OPTIONS
     if name in CLUSTER_WORKLOADS:
         options.append(SERVERS_OPTION)
+    if name == "coding-agent":
+        options.append(
+            click.option(
+                "--api",
+                type=click.Choice(["messages", "chat"]),
+                default=None,
+                help="The API the requests use: Anthropic /v1/messages, or the same conversations as "
+                "OpenAI chat [default: messages].",
+            )
+        )
     if name == "restore":
         options += [
             click.option(

@@ -190,6 +190,12 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any], r
                     chunk = orjson.loads(data)
                 except orjson.JSONDecodeError:
                     continue
+                if not isinstance(chunk, dict):
+                    continue
+                if "type" in chunk:  # an Anthropic Messages event
+                    if read_anthropic_event(chunk, result, started):
+                        break
+                    continue
                 for choice in chunk.get("choices") or []:
                     if isinstance(choice, dict) and choice.get("finish_reason"):
                         result.finish_reason = str(choice["finish_reason"])
@@ -211,6 +217,29 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any], r
         result.predicted_n = _int(timings.get("predicted_n"))
         prompt_ms = timings.get("prompt_ms")
         result.prompt_ms = float(prompt_ms) if isinstance(prompt_ms, int | float) else None
+
+
+def read_anthropic_event(event: dict[str, Any], result: RequestResult, started: float) -> bool:
+    """One event of a ``/v1/messages`` stream into ``result``; True at ``message_stop``. The
+    prompt's usage comes in ``message_start`` (cached and computed tokens), the stop reason and
+    the answer's length in ``message_delta``."""
+    kind = event.get("type")
+    if kind == "message_start":
+        usage = (event.get("message") or {}).get("usage") or {}
+        result.cache_n = _int(usage.get("cache_read_input_tokens"))
+        result.prompt_n = _int(usage.get("input_tokens"))
+    elif kind == "content_block_delta" and result.ttft_s is None:
+        delta = event.get("delta") or {}
+        if delta.get("text") or delta.get("thinking") or delta.get("partial_json"):
+            result.ttft_s = time.perf_counter() - started
+    elif kind == "message_delta":
+        stop = (event.get("delta") or {}).get("stop_reason")
+        result.finish_reason = str(stop) if stop else result.finish_reason
+        result.predicted_n = _int((event.get("usage") or {}).get("output_tokens"))
+    elif kind == "error":
+        err = event.get("error") or {}
+        result.error = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
+    return kind == "message_stop"
 
 
 def _event_error(data: bytes) -> str:
@@ -266,9 +295,9 @@ async def run_workload(
             async with limit:
                 body = {**req.body, **(overrides or {}), "stream": True}
                 sent = time.perf_counter() - t0
-                entries.append(ManifestEntry(sent, req.id, req.session, req.group, req.via, body))
+                entries.append(ManifestEntry(sent, req.id, req.session, req.group, req.via, body, req.path))
                 result = RequestResult(req.id, req.session, req.group, req.via, sent, meta=dict(req.meta))
-                await send(session, (server if req.via == "server" else front) + CHAT_PATH, body, result)
+                await send(session, (server if req.via == "server" else front) + req.path, body, result)
                 progress.update(result)
                 return result
         finally:

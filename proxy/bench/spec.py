@@ -11,11 +11,12 @@ class BenchRequest:
     id: str
     session: str
     group: str  # what the report breaks figures down by
-    body: dict[str, Any]  # an OpenAI /v1/chat/completions body (the runner adds "stream")
+    body: dict[str, Any]  # the body for ``path`` (the runner adds "stream")
     after: tuple[str, ...] = ()
     delay_s: float = 0.0
     via: str = "front"  # "front": the arm's OpenAI URL; "server": its llama-server directly
     meta: dict[str, Any] = field(default_factory=dict)
+    path: str = "/v1/chat/completions"  # the API: /v1/messages takes an Anthropic body
 
 
 @dataclass(frozen=True)

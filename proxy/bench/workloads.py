@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from proxy.bench.agents import agents
+from proxy.bench.coding import coding_agent
 from proxy.bench.spec import BenchRequest, Workload
 from proxy.bench.text import prose, seeded, words_for
 
@@ -356,6 +357,7 @@ DEFAULT_ARMS: dict[str, tuple[str, ...]] = {
     "overhead": ("legacy", "proxy"),
     "capacity": ("legacy", "proxy-hs"),
     "fanout": ("legacy", "proxy", "proxy-hs"),
+    "coding-agent": ("legacy", "proxy"),
 }
 
 GENERATORS: dict[str, Callable[..., Workload]] = {
@@ -366,6 +368,7 @@ GENERATORS: dict[str, Callable[..., Workload]] = {
     "agents": agents,
     "capacity": capacity,
     "fanout": fanout,
+    "coding-agent": coding_agent,
 }
 
 

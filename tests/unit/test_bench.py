@@ -19,6 +19,7 @@ from proxy.bench.runner import (
     ManifestEntry,
     RequestResult,
     base_url,
+    read_anthropic_event,
     read_manifest,
     read_results,
     replay_manifest,
@@ -41,6 +42,7 @@ SMALL: dict[str, dict[str, Any]] = {
     "agents": {"system_tokens": 400, "sessions": 2},
     "capacity": {"prompt_tokens": 200},
     "fanout": {"trunk_tokens": 200, "rounds": 2},
+    "coding-agent": {"system_tokens": 300, "sessions": 2},
 }
 
 
@@ -141,6 +143,60 @@ def test_overhead_pairs_alternate_and_are_distinct() -> None:
     assert all(approx_tokens(text_of(r)) < 80 for r in wl.requests)
     for k in range(6):
         assert {r.via for r in wl.requests if r.meta["pair"] == k} == {"front", "server"}
+
+
+def test_coding_agent_shares_system_and_tools_and_branches_sub_agents() -> None:
+    wl = make_workload("coding-agent", system_tokens=1500, sessions=3)
+    assert len(wl.requests) == 3 * 5 and {r.path for r in wl.requests} == {"/v1/messages"}
+    assert len({orjson.dumps([r.body["system"], r.body["tools"]]) for r in wl.requests}) == 1
+    assert 1000 <= approx_tokens(wl.requests[0].body["system"]) <= 2200
+    by_id = {r.id: r for r in wl.requests}
+    for s in range(3):
+        turns = [by_id[f"s{s}-t{t}"] for t in range(1, 5)]
+        for prev, cur in itertools.pairwise(turns):
+            pm, cm = prev.body["messages"], cur.body["messages"]
+            assert cm[: len(pm)] == pm and [m["role"] for m in cm[len(pm) :]] == ["assistant", "user"]
+            use, result = cm[len(pm)]["content"][0], cm[len(pm) + 1]["content"][0]
+            assert use["type"] == "tool_use" and result == {
+                **result,
+                "type": "tool_result",
+                "tool_use_id": use["id"],
+            }
+            assert 150 <= approx_tokens(result["content"]) <= 900 and cur.after == (prev.id,)
+        sub = by_id[f"s{s}-sub"]
+        base = turns[2].body["messages"]
+        assert sub.body["messages"][: len(base)] == base and sub.after == turns[2].after
+    chat = make_workload("coding-agent", system_tokens=1500, sessions=3, api="chat")
+    last = next(r for r in chat.requests if r.id == "s0-t4")
+    assert last.path == "/v1/chat/completions"
+    assert [m["role"] for m in last.body["messages"]] == ["system", "user", *["assistant", "tool"] * 3]
+    assert last.body["messages"][0]["content"] == wl.requests[0].body["system"]
+    with pytest.raises(ValueError, match="api"):
+        make_workload("coding-agent", api="grpc")
+
+
+def test_anthropic_stream_events_fill_the_result() -> None:
+    result = RequestResult("r", "s", "g", "front", 0.0)
+    start = {
+        "type": "message_start",
+        "message": {"usage": {"input_tokens": 12, "cache_read_input_tokens": 300}},
+    }
+    assert not read_anthropic_event(start, result, 0.0)
+    assert (result.cache_n, result.prompt_n, result.ttft_s) == (300, 12, None)
+    read_anthropic_event({"type": "content_block_start", "index": 0}, result, 0.0)
+    assert result.ttft_s is None  # no content yet
+    read_anthropic_event(
+        {"type": "content_block_delta", "delta": {"type": "text_delta", "text": "Hi"}}, result, 0.0
+    )
+    assert result.ttft_s is not None and result.ttft_s > 0
+    delta = {"type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": {"output_tokens": 24}}
+    read_anthropic_event(delta, result, 0.0)
+    assert (result.finish_reason, result.predicted_n) == ("max_tokens", 24)
+    assert read_anthropic_event({"type": "message_stop"}, result, 0.0)
+    read_anthropic_event(
+        {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}, result, 0.0
+    )
+    assert result.error == "busy"
 
 
 def test_agents_sessions_share_system_prompts_and_extend_history() -> None:
