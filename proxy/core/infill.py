@@ -129,25 +129,30 @@ def infill_prompt(p: InfillParams, pieces: InfillPieces) -> list[int]:
     return [*head, *bos, *first, *last, p.fim_mid]
 
 
+PieceKey = tuple[str, bool, str]  # (isolation namespace, special tokens parsed, text)
+
+
 class PieceCache:
     """Tokenized pieces of one model, least recently used out first: an editor sends the same
-    extra chunks (open files, recent edits) with every request. Bounded in entries and tokens."""
+    extra chunks (open files, recent edits) with every request. Bounded in entries and tokens.
+    Keyed by the request's isolation namespace too: a piece another tenant sent must not answer
+    faster (a timing oracle on what others edit)."""
 
     def __init__(self, max_entries: int = 4096, max_tokens: int = 1 << 20) -> None:
         self.max_entries, self.max_tokens = max_entries, max_tokens
-        self._ids: OrderedDict[tuple[bool, str], list[int]] = OrderedDict()
+        self._ids: OrderedDict[PieceKey, list[int]] = OrderedDict()
         self.n_tokens = 0
 
     def __len__(self) -> int:
         return len(self._ids)
 
-    def get(self, key: tuple[bool, str]) -> list[int] | None:
+    def get(self, key: PieceKey) -> list[int] | None:
         ids = self._ids.get(key)
         if ids is not None:
             self._ids.move_to_end(key)
         return ids
 
-    def put(self, key: tuple[bool, str], ids: list[int]) -> None:
+    def put(self, key: PieceKey, ids: list[int]) -> None:
         if key in self._ids or len(ids) > self.max_tokens:
             return
         self._ids[key] = ids

@@ -12,6 +12,7 @@ hold pooled inputs, not prefixes worth moving.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import aiohttp
@@ -27,11 +28,13 @@ from proxy.server.models import ModelEntry, pick_model, with_model
 from proxy.server.routes import SESSION_HEADER, _read_json, _request_id
 from proxy.server.runtime import RUNTIME, Runtime
 
+log = logging.getLogger("radix")
 EMBEDDING_PATHS = ("/v1/embeddings", "/embeddings", "/embedding")
 RERANK_PATHS = ("/v1/rerank", "/rerank", "/v1/reranking", "/reranking")
 NOT_SERVED = "This server does not support embeddings. Start it with `--embeddings`"
 NOT_RERANKING = "This server does not support reranking. Start it with `--reranking`"
 POOLING_RANK = 4  # LLAMA_POOLING_TYPE_RANK: what --reranking sets
+MAX_INPUTS = 2048  # inputs (documents) per request, as OpenAI's embeddings API: bounded work
 RERANK_TOKENS = 4  # BOS, EOS, SEP, EOS around the query and a document (an estimate: sizing only)
 
 
@@ -64,6 +67,8 @@ async def rerank(request: web.Request) -> web.StreamResponse:
     documents = body.get("documents", body.get("texts"))
     if not isinstance(documents, list) or not documents or not all(isinstance(d, str) for d in documents):
         raise BadRequest('"documents" must be a non-empty string array')
+    if len(documents) > MAX_INPUTS:
+        raise BadRequest(f'"documents" has {len(documents)} entries; at most {MAX_INPUTS} are accepted')
     q = await runtime.tokenize(query, model)
     longest = max([await runtime.tokenize(d, model) for d in documents], key=len)
     tokens = np.concatenate([q, longest, np.zeros(RERANK_TOKENS, dtype=np.int32)])
@@ -82,12 +87,23 @@ async def _leased(
     lease = await coord.acquire(
         _request_id(), longest, ns, model=model.name, session=request.headers.get(SESSION_HEADER, "")
     )
+    status = 0
     try:
         await coord.restore(lease, 0)  # erases another namespace's KV first (isolation)
         body["id_slot"] = lease.slot.slot_id
         raw, status = await _forward(lease.server.backend, request, body)
     finally:
         coord.release_unknown(lease)
+        log.info(
+            "request %s api=%s server=%s slot=%d longest=%d queued_ms=%.0f status=%s",
+            lease.request_id,
+            api,
+            lease.server.name,
+            lease.slot.slot_id,
+            len(longest),
+            lease.queued_s * 1000,
+            status or "failed",
+        )
     return web.Response(
         body=raw,
         status=status,
@@ -131,6 +147,8 @@ def _inputs(body: dict[str, Any]) -> list[Any]:
         raise BadRequest('"input" or "content" must be provided')
     value = body[key]
     if isinstance(value, list) and value and not any(isinstance(v, int) for v in value):
+        if len(value) > MAX_INPUTS:
+            raise BadRequest(f'"input" has {len(value)} inputs; at most {MAX_INPUTS} are accepted')
         return value  # several inputs
     if isinstance(value, list) and not value:
         raise BadRequest('"input" must not be empty')

@@ -28,6 +28,7 @@ from proxy.core.infill import (
     infill_prompt,
 )
 from proxy.errors import BadRequest, NotSupported, Unavailable
+from proxy.server.front import cache_namespace
 from proxy.server.models import ModelEntry, pick_model
 from proxy.server.routes import _read_json, _steered
 from proxy.server.runtime import RUNTIME, Runtime
@@ -35,6 +36,7 @@ from proxy.server.runtime import RUNTIME, Runtime
 INFILL_FIELDS = ("input_prefix", "input_suffix", "input_extra")
 COMPLETION_PATH = "/completion"
 TOKENIZE_AT_ONCE = 8  # /tokenize calls in flight for one request
+MAX_EXTRA_CHUNKS = 1024
 Mixed = str | list[str | int]  # a string, or strings and token ids (the server's tokenize_mixed)
 
 
@@ -55,7 +57,8 @@ async def infill(request: web.Request) -> web.StreamResponse:
     if not isinstance(prompt, str):
         raise BadRequest('"prompt" must be a string')
     extra = _extra(body.get("input_extra", []))
-    pieces = await _tokenized(runtime, model, prefix, suffix, prompt, extra)
+    ns = cache_namespace(runtime.config, dict(body), request.headers)  # a copy: _steered pops the salt
+    pieces = await _tokenized(runtime, model, ns, prefix, suffix, prompt, extra)
     tokens = np.asarray(infill_prompt(params, pieces), dtype=np.int32)
     forward = {k: v for k, v in body.items() if k not in INFILL_FIELDS}
     forward["prompt"] = tokens.tolist()
@@ -104,6 +107,10 @@ def _extra(value: Any) -> list[tuple[str, str]]:
     """(filename, text) of each ``input_extra`` chunk, checked as the server checks them."""
     if not isinstance(value, list):
         raise BadRequest('"input_extra" must be an array of {"filename": string, "text": string}')
+    if len(value) > MAX_EXTRA_CHUNKS:
+        # Each chunk is two /tokenize calls: bounded work per request (the server keeps only the
+        # extra context's last tokens that fit the slot anyway).
+        raise BadRequest(f'"input_extra" has {len(value)} chunks; at most {MAX_EXTRA_CHUNKS} are accepted')
     out = []
     for chunk in value:
         if not isinstance(chunk, dict) or not isinstance(chunk.get("text"), str):
@@ -118,6 +125,7 @@ def _extra(value: Any) -> list[tuple[str, str]]:
 async def _tokenized(
     runtime: Runtime,
     model: ModelEntry,
+    ns: str,
     prefix: Mixed,
     suffix: Mixed,
     prompt: str,
@@ -129,7 +137,7 @@ async def _tokenized(
     limit = asyncio.Semaphore(TOKENIZE_AT_ONCE)
 
     async def tok(content: Mixed, parse_special: bool = False) -> list[int]:
-        key = (parse_special, content if isinstance(content, str) else repr(content))
+        key = (ns, parse_special, content if isinstance(content, str) else repr(content))
         found = cache.get(key)
         if found is not None:
             return found

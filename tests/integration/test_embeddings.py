@@ -190,6 +190,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"input": [{"content": [{"type": "text", "text": "x"}]}]}, "multimodal"),
     ({"input": [[1, 1 << 30]]}, "invalid token id"),
     ({"input": ""}, "cannot be empty"),
+    ({"input": ["a"] * 2049}, "at most 2048"),
 ]
 
 
@@ -281,6 +282,7 @@ RANK_BAD: list[tuple[dict[str, Any], str]] = [
     ({"query": 1, "documents": ["a"]}, '"query" must be a string'),
     ({"query": "q", "documents": []}, "non-empty string array"),
     ({"query": "q", "documents": ["a", 2]}, "non-empty string array"),
+    ({"query": "q", "documents": ["a"] * 2049}, "at most 2048"),
 ]
 
 

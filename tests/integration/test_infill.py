@@ -155,6 +155,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"input_prefix": "x", "input_suffix": "y", "input_extra": {}}, '"input_extra" must be an array'),
     ({"input_prefix": "x", "input_suffix": "y", "input_extra": [{"filename": "a"}]}, '"text" field'),
     ({"input_prefix": "x", "input_suffix": "y", "input_extra": [{"text": "a", "filename": 1}]}, '"filename"'),
+    ({"input_prefix": "x", "input_suffix": "y", "input_extra": [{"text": "a"}] * 1025}, "at most 1024"),
 ]
 
 

@@ -147,19 +147,20 @@ def test_missing_tokens_named_as_the_server_names_them() -> None:
 
 def test_piece_cache_bounded_least_recent_out() -> None:
     cache = PieceCache(max_entries=2, max_tokens=5)
-    cache.put((False, "a"), [1, 2])
-    cache.put((False, "b"), [3])
-    assert cache.get((False, "a")) == [1, 2]  # now most recent
-    cache.put((True, "c"), [4])
-    assert cache.get((False, "b")) is None and len(cache) == 2
-    cache.put((False, "d"), [5, 6, 7])  # 2 + 1 + 3 tokens > 5: the oldest go
-    assert cache.get((False, "a")) is None and cache.get((False, "d")) == [5, 6, 7]
+    cache.put(("", False, "a"), [1, 2])
+    cache.put(("", False, "b"), [3])
+    assert cache.get(("", False, "a")) == [1, 2]  # now most recent
+    cache.put(("", True, "c"), [4])
+    assert cache.get(("", False, "b")) is None and len(cache) == 2
+    cache.put(("", False, "d"), [5, 6, 7])  # 2 + 1 + 3 tokens > 5: the oldest go
+    assert cache.get(("", False, "a")) is None and cache.get(("", False, "d")) == [5, 6, 7]
     assert cache.n_tokens <= 5
-    cache.put((False, "huge"), list(range(6)))  # larger than the whole cache: not kept
-    assert cache.get((False, "huge")) is None and cache.n_tokens <= 5
+    cache.put(("", False, "huge"), list(range(6)))  # larger than the whole cache: not kept
+    assert cache.get(("", False, "huge")) is None and cache.n_tokens <= 5
 
 
-def test_piece_cache_keys_by_special_parsing() -> None:
+def test_piece_cache_keys_by_namespace_and_special_parsing() -> None:
     cache = PieceCache()
-    cache.put((True, "<s>"), [1])
-    assert cache.get((False, "<s>")) is None
+    cache.put(("", True, "<s>"), [1])
+    assert cache.get(("", False, "<s>")) is None
+    assert cache.get(("tenant-b", True, "<s>")) is None  # another namespace never hits
