@@ -20,7 +20,8 @@ import pytest
 
 from proxy.native.launch import ServerProcess
 from tests.helpers import ProxyThread, Reply, ServerFactory, get, post, proxy_config, request
-from tests.integration.test_kvctl import Completion, assert_error, assert_same_or_near_tie
+from tests.integration.test_infill import completion
+from tests.integration.test_kvctl import assert_error, assert_same_or_near_tie
 from tests.integration.test_proxy import document
 from tests.tinymodels import tiny_model
 
@@ -140,16 +141,6 @@ def test_the_inputs_run_on_the_pinned_slot(pair: Pair) -> None:
     pair.proxy.call(lambda rt: rt.coordinator.server_restarted(rt.coordinator.servers[0]))
 
 
-def completion(reply: Reply) -> Completion:
-    assert reply.status == 200, str(reply.body)[:400]
-    res = reply.body
-    probs = [
-        (p["id"], p["logprob"], [(t["id"], t["logprob"]) for t in p["top_logprobs"]])
-        for p in res["completion_probabilities"]
-    ]
-    return Completion(res["tokens"], probs, res["timings"]["cache_n"], res["timings"]["prompt_n"], res)
-
-
 PROMPT = "Reference document:\n" + document(83, 200) + "\nQuestion: which word comes first?\nAnswer:"
 
 
@@ -197,14 +188,6 @@ BAD: list[tuple[dict[str, Any], str]] = [
 @pytest.mark.parametrize(("body", "needle"), BAD, ids=[b[1] for b in BAD])
 def test_bad_input_is_a_400_in_the_servers_shape(pair: Pair, body: dict[str, Any], needle: str) -> None:
     assert_error(post(f"{pair.proxy.url}/v1/embeddings", body), 400, "invalid_request_error", needle)
-
-
-@pytest.fixture(scope="module")
-def plain_proxy(start_server: ServerFactory, patched_bin: Path) -> Iterator[ProxyThread]:
-    backend = start_server(patched_bin, threads=ONE, n_parallel=1, ctx_size=1024)
-    thread = ProxyThread(proxy_config(backend)).start()
-    yield thread
-    thread.stop()
 
 
 def test_a_server_without_embeddings_refuses_as_the_server_refuses(

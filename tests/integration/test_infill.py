@@ -164,14 +164,6 @@ def test_bad_input_is_a_400_in_the_servers_shape(pair: Pair, body: dict[str, Any
     assert_error(post(f"{pair.proxy.url}/infill", body), 400, "invalid_request_error", needle)
 
 
-@pytest.fixture(scope="module")
-def plain_proxy(start_server: ServerFactory, patched_bin: Path) -> Iterator[ProxyThread]:
-    backend = start_server(patched_bin, threads=ONE, n_parallel=1, ctx_size=1024)
-    thread = ProxyThread(proxy_config(backend)).start()
-    yield thread
-    thread.stop()
-
-
 def test_model_without_fim_tokens_is_refused_as_the_server_refuses(
     plain_proxy: ProxyThread, stock_server: ServerProcess
 ) -> None:
