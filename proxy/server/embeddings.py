@@ -12,6 +12,7 @@ hold pooled inputs, not prefixes worth moving.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -22,6 +23,7 @@ from aiohttp import web
 
 from proxy.errors import BackendError, BadRequest, NotSupported, Unavailable
 from proxy.server.backend import Backend
+from proxy.server.coordinator import RestoreAbandoned
 from proxy.server.forward import forward_headers, radix_headers
 from proxy.server.front import cache_namespace, prompt_token_ids
 from proxy.server.models import ModelEntry, pick_model, with_model
@@ -70,7 +72,11 @@ async def rerank(request: web.Request) -> web.StreamResponse:
     if len(documents) > MAX_INPUTS:
         raise BadRequest(f'"documents" has {len(documents)} entries; at most {MAX_INPUTS} are accepted')
     q = await runtime.tokenize(query, model)
-    longest = max([await runtime.tokenize(d, model) for d in documents], key=len)
+    longest = np.zeros(0, dtype=np.int32)
+    for doc in documents:
+        await asyncio.sleep(0)  # as for embeddings inputs
+        tokens = await runtime.tokenize(doc, model)
+        longest = tokens if len(tokens) > len(longest) else longest
     tokens = np.concatenate([q, longest, np.zeros(RERANK_TOKENS, dtype=np.int32)])
     return await _leased(request, body, model, tokens, "rerank")
 
@@ -92,6 +98,8 @@ async def _leased(
         await coord.restore(lease, 0)  # erases another namespace's KV first (isolation)
         body["id_slot"] = lease.slot.slot_id
         raw, status = await _forward(lease.server.backend, request, body)
+    except RestoreAbandoned as exc:  # taken out of routing before anything was sent
+        raise BackendError(f"llama-server went out of routing before the request ran: {exc}") from exc
     finally:
         coord.release_unknown(lease)
         log.info(
@@ -160,6 +168,7 @@ async def _longest_input(runtime: Runtime, model: ModelEntry, inputs: list[Any],
     the slot context and reserves its cells)."""
     longest = np.zeros(0, dtype=np.int32)
     for item in inputs:
+        await asyncio.sleep(0)  # a short input is tokenized inline: let the loop run between them
         tokens = await _tokens(runtime, model, item, n_ctx)
         if len(tokens) == 0:
             raise BadRequest("Input content cannot be empty")

@@ -14,11 +14,13 @@ import asyncio
 from typing import Any
 
 import numpy as np
+import orjson
 from aiohttp import web
 
 from proxy.core.infill import (
     DEFAULT_FILENAME,
     FILE_TEXT,
+    NO_TOKEN,
     REPO_TEXT,
     SNIPPET_TEXT,
     ExtraChunk,
@@ -58,7 +60,7 @@ async def infill(request: web.Request) -> web.StreamResponse:
         raise BadRequest('"prompt" must be a string')
     extra = _extra(body.get("input_extra", []))
     ns = cache_namespace(runtime.config, dict(body), request.headers)  # a copy: _steered pops the salt
-    pieces = await _tokenized(runtime, model, ns, prefix, suffix, prompt, extra)
+    pieces = await _tokenized(runtime, model, ns, prefix, suffix, prompt, extra, params.fim_sep != NO_TOKEN)
     tokens = np.asarray(infill_prompt(params, pieces), dtype=np.int32)
     forward = {k: v for k, v in body.items() if k not in INFILL_FIELDS}
     forward["prompt"] = tokens.tolist()
@@ -130,6 +132,7 @@ async def _tokenized(
     suffix: Mixed,
     prompt: str,
     extra: list[tuple[str, str]],
+    filenames: bool,
 ) -> InfillPieces:
     """Every piece tokenized by the server with the flags its infill route uses: the prompt
     with special tokens parsed, the rest as plain text, none with BOS."""
@@ -137,7 +140,9 @@ async def _tokenized(
     limit = asyncio.Semaphore(TOKENIZE_AT_ONCE)
 
     async def tok(content: Mixed, parse_special: bool = False) -> list[int]:
-        key = (ns, parse_special, content if isinstance(content, str) else repr(content))
+        # The kind is part of the key: the text "[1, 2]" is not the token ids [1, 2].
+        text = "s" + content if isinstance(content, str) else "m" + orjson.dumps(content).decode()
+        key = (ns, parse_special, text)
         found = cache.get(key)
         if found is not None:
             return found
@@ -150,7 +155,14 @@ async def _tokenized(
 
     fixed = await asyncio.gather(tok(REPO_TEXT), tok(FILE_TEXT), tok(SNIPPET_TEXT))
     main = await asyncio.gather(tok(prefix), tok(suffix), tok(prompt, parse_special=True))
-    chunks = await asyncio.gather(*(asyncio.gather(tok(f + "\n"), tok(t)) for f, t in extra))
+
+    async def none() -> list[int]:
+        return []
+
+    # A chunk's file name is used only with FIM_SEP: not tokenized otherwise.
+    chunks = await asyncio.gather(
+        *(asyncio.gather(tok(f + "\n") if filenames else none(), tok(t)) for f, t in extra)
+    )
     return InfillPieces(
         prefix=main[0],
         suffix=main[1],

@@ -138,6 +138,15 @@ def test_token_ids_in_prefix_and_suffix(pair: Pair) -> None:
     assert got.prompt_n + got.cache_n == ref.prompt_n and got.raw["prompt"] == ref.raw["prompt"]
 
 
+def test_token_ids_and_the_same_text_are_different_pieces(pair: Pair) -> None:
+    """The ids [1, 2] and the text "[1, 2]" are tokenized apart (the piece cache keeps them apart)."""
+    for prefix in ([1, 2], "[1, 2]", [1, 2]):
+        body = infill_body(prefix, "", [], prompt="")
+        ref = stock_answer(pair, body)
+        got = completion(post(f"{pair.proxy.url}/infill", body))
+        assert got.raw["prompt"] == ref.raw["prompt"] and got.prompt_n + got.cache_n == ref.prompt_n
+
+
 def test_streamed_infill(pair: Pair) -> None:
     body = infill_body(PREFIX, SUFFIX, EXTRA[:1], stream=True, n_probs=0)
     reply = post(f"{pair.proxy.url}/infill", body)

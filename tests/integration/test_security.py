@@ -116,7 +116,6 @@ CONTROL = [
     ("POST", "/props", {"n_ctx": 1}),
     ("GET", "/lora-adapters", None),
     ("POST", "/lora-adapters", [{"id": 0, "scale": 1.0}]),
-    ("POST", "/v1/rerank", {"query": "hi", "documents": ["a", "b"]}),
     ("GET", "/metrics/../kvctl/slots", None),
 ]
 
