@@ -24,7 +24,7 @@ from aiohttp import web
 from proxy.errors import BackendError, BadRequest, NotSupported, Unavailable
 from proxy.server.backend import Backend
 from proxy.server.coordinator import RestoreAbandoned
-from proxy.server.forward import forward_headers, radix_headers
+from proxy.server.forward import forward_headers, radix_headers, read_capped
 from proxy.server.front import cache_namespace, prompt_token_ids
 from proxy.server.models import ModelEntry, pick_model, with_model
 from proxy.server.routes import SESSION_HEADER, _read_json, _request_id
@@ -97,7 +97,7 @@ async def _leased(
     try:
         await coord.restore(lease, 0)  # erases another namespace's KV first (isolation)
         body["id_slot"] = lease.slot.slot_id
-        raw, status = await _forward(lease.server.backend, request, body)
+        raw, status = await _forward(lease.server.backend, request, body, config.max_answer_bytes)
     except RestoreAbandoned as exc:  # taken out of routing before anything was sent
         raise BackendError(f"llama-server went out of routing before the request ran: {exc}") from exc
     finally:
@@ -120,13 +120,16 @@ async def _leased(
     )
 
 
-async def _forward(backend: Backend, request: web.Request, body: dict[str, Any]) -> tuple[bytes, int]:
+async def _forward(
+    backend: Backend, request: web.Request, body: dict[str, Any], limit: int
+) -> tuple[bytes, int]:
+    """The server's answer, at most ``limit`` bytes (--max-answer: thousands of vectors add up)."""
     headers = {**forward_headers(request), "Content-Type": "application/json"}
     try:
         async with backend.request(
             "POST", request.path, data=orjson.dumps(body), headers=headers, timeout=backend.completion_timeout
         ) as up:
-            return await up.read(), up.status
+            return await read_capped(up, limit), up.status
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise BackendError(
             f"llama-server failed to answer the {request.path} request: {exc or 'timeout'}"

@@ -175,6 +175,17 @@ def test_completions_and_embeddings_share_the_slots_without_harm(pair: Pair) -> 
     assert mismatch == 0
 
 
+def test_an_answer_past_max_answer_is_refused_and_the_slot_comes_back(pair: Pair) -> None:
+    small = ProxyThread(proxy_config(pair.backend, max_answer_bytes=4096)).start()
+    try:
+        reply = post(f"{small.url}/v1/embeddings", {"input": ["one", "two", "three"]})
+        assert_error(reply, 502, "server_error", "--max-answer")
+        small.settle()
+        assert small.call(lambda rt: [s.slot_id for s in rt.coordinator.servers[0].slots if s.busy]) == []
+    finally:
+        small.stop()
+
+
 BAD: list[tuple[dict[str, Any], str]] = [
     ({}, '"input" or "content" must be provided'),
     ({"input": []}, "must not be empty"),
