@@ -155,19 +155,14 @@ async def _tokenized(
 
     fixed = await asyncio.gather(tok(REPO_TEXT), tok(FILE_TEXT), tok(SNIPPET_TEXT))
     main = await asyncio.gather(tok(prefix), tok(suffix), tok(prompt, parse_special=True))
-
-    async def none() -> list[int]:
-        return []
-
+    texts = await asyncio.gather(*(tok(t) for _, t in extra))
     # A chunk's file name is used only with FIM_SEP: not tokenized otherwise.
-    chunks = await asyncio.gather(
-        *(asyncio.gather(tok(f + "\n") if filenames else none(), tok(t)) for f, t in extra)
-    )
+    names = await asyncio.gather(*(tok(f + "\n") for f, _ in extra)) if filenames else [[] for _ in extra]
     return InfillPieces(
         prefix=main[0],
         suffix=main[1],
         prompt=main[2],
-        extra=[ExtraChunk(filename=f, text=t) for f, t in chunks],
+        extra=[ExtraChunk(filename=f, text=t) for f, t in zip(names, texts, strict=True)],
         repo=fixed[0],
         file=fixed[1],
         snippet=fixed[2],
