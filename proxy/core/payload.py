@@ -14,11 +14,20 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
-from proxy.core.segment import KvLayout, KvSegment, check_run, el_dtype, part_bytes, part_shape
+from proxy.core.segment import (
+    MAX_SECTIONS,
+    KvLayout,
+    KvSegment,
+    check_run,
+    el_dtype,
+    part_bytes,
+    part_shape,
+)
 from proxy.errors import PayloadError
 
 __all__ = [
@@ -39,8 +48,10 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 1
 MAGIC = 0xAF143CD8
 
-# u32 magic, i32 seq_id, u32 n_stream, u32 cell_count (one stream: unified KV).
-_HEAD = struct.Struct("<IiII")
+# u32 magic, i32 seq_id; then one section per KV cache of the model's memory (KvLayout.sections),
+# each u32 n_stream, u32 cell_count (one stream: unified KV), the cells, the data header and data.
+_HEAD = struct.Struct("<Ii")
+_SECTION_HEAD = struct.Struct("<II")
 # Per cell: i32 pos, u32 n_seq_id (always 1 for a one-sequence export), the model's extra cell
 # metadata (`llama_kv_cell_ext`, `KvLayout.cell_ext_bytes`: M-RoPE positions and token id), i32 seq_id.
 
@@ -120,37 +131,89 @@ def parse_blob(buf: Buffer, expect: KvLayout | None = None, cell_ext_bytes: int 
 def _parse(buf: Buffer, expect: KvLayout | None, ext: int) -> KvSegment:
     raw = np.frombuffer(buf, dtype=np.uint8)
     rd = _Reader(raw)
-    magic, _seq_id, n_stream, n = rd.unpack(_HEAD, "header")
+    magic, _seq_id = rd.unpack(_HEAD, "header")
     if magic != MAGIC:
         raise PayloadError(f"bad magic {magic:#x}, expected {MAGIC:#x}")
+    sections: list[_Section] = []
+    while not sections or rd.off < len(raw):  # one section per KV cache, each with every cell
+        if sections and len(raw) - rd.off < _SECTION_HEAD.size:
+            break  # too short to start another section: trailing bytes
+        if len(sections) == MAX_SECTIONS:
+            raise PayloadError(f"more than {MAX_SECTIONS} sections")
+        sections.append(_parse_section(rd, ext, sections[0] if sections else None))
+    if rd.off != len(raw):
+        raise PayloadError(f"{len(raw) - rd.off} trailing bytes after the last layer")
+    first = sections[0]
+    k_parts = [part for sec in sections for part in sec.k_parts]
+    v_parts = [part for sec in sections for part in sec.v_parts]
+    layout = _layout_of(
+        len(k_parts), first.v_trans, k_parts, v_parts, ext, tuple(len(sec.k_parts) for sec in sections)
+    )
+    if expect is not None and layout != expect:
+        raise PayloadError(f"payload layout differs from the expected one: {_diff(layout, expect)}")
+    blocks = [(part, sec.order) for sec in sections for part in sec.k_parts]
+    blocks += [(part, sec.order) for sec in sections for part in sec.v_parts]
+    if ext:
+        _check_same_ext(sections, ext)
+        blocks.append(((0, ext, 0, 0, _cell_ext_view(first.cells, ext)), first.order))
+    return _gather(layout, first.p0, first.n, blocks)
+
+
+@dataclass
+class _Section:
+    """One KV cache's part of a payload: its cells (pool order) and its layers' blocks."""
+
+    n: int
+    p0: int
+    order: np.ndarray | None  # permutation into position order, None when already sorted
+    cells: np.ndarray
+    v_trans: bool
+    k_parts: list[_Part]
+    v_parts: list[_Part]
+
+
+def _parse_section(rd: _Reader, ext: int, first: _Section | None) -> _Section:
+    n_stream, n = rd.unpack(_SECTION_HEAD, "header")
     if n_stream != 1:
         raise PayloadError(f"n_stream {n_stream}, expected 1 (unified KV)")
     if n == 0:
         raise PayloadError("payload holds no cells")
+    if first is not None and n != first.n:
+        raise PayloadError(f"a section holds {n} cells, the first {first.n}")
     # Sanity before allocating anything from n: the cell table and data header must fit.
     cell = _cell_dtype(ext)
     rd.need(n * cell.itemsize + _DATA_HEAD.size, f"{n} cells")
     cells = rd.take(n * cell.itemsize, "cells").view(cell)
     order, p0 = _parse_cells(cells)
+    if first is not None and p0 != first.p0:
+        raise PayloadError(
+            f"a section holds positions [{p0},{p0 + n}), the first [{first.p0},{first.p0 + first.n})"
+        )
     v_trans, n_layer = rd.unpack(_DATA_HEAD, "data header")
     if v_trans not in (0, 1):
         raise PayloadError(f"v_trans {v_trans}, expected 0 or 1")
+    if first is not None and bool(v_trans) != first.v_trans:
+        raise PayloadError("sections differ in v_trans")
     if not 1 <= n_layer <= _MAX_LAYERS:
         raise PayloadError(f"n_layer {n_layer} out of range")
     k_parts = [_read_rows(rd, n, f"K layer {il}") for il in range(n_layer)]
-    if rd.off == len(raw):  # K only: an MLA cache has no V tensors (V is a view of K)
+    if first is None and rd.off == len(rd.raw):  # K only: an MLA cache has no V tensors (V is a view of K)
         v_parts: list[_Part] = []
     elif v_trans:
         v_parts = [_read_trans(rd, n, f"V layer {il}") for il in range(n_layer)]
     else:
         v_parts = [_read_rows(rd, n, f"V layer {il}") for il in range(n_layer)]
-    if rd.off != len(raw):
-        raise PayloadError(f"{len(raw) - rd.off} trailing bytes after the last layer")
-    layout = _layout_of(n_layer, bool(v_trans), k_parts, v_parts, ext)
-    if expect is not None and layout != expect:
-        raise PayloadError(f"payload layout differs from the expected one: {_diff(layout, expect)}")
-    ext_parts: list[_Part] = [(0, ext, 0, 0, _cell_ext_view(cells, ext))] if ext else []
-    return _gather(layout, p0, n, order, k_parts + v_parts + ext_parts)
+    return _Section(n, p0, order, cells, bool(v_trans), k_parts, v_parts)
+
+
+def _check_same_ext(sections: list[_Section], ext: int) -> None:
+    """Every section's cells carry the same extra metadata per position (they are one sequence)."""
+    first = _cell_ext_view(sections[0].cells, ext)
+    first = first if sections[0].order is None else first[sections[0].order]
+    for sec in sections[1:]:
+        other = _cell_ext_view(sec.cells, ext)
+        if not np.array_equal(first, other if sec.order is None else other[sec.order]):
+            raise PayloadError("the sections' cells carry different metadata")
 
 
 def _parse_cells(cells: np.ndarray) -> tuple[np.ndarray | None, int]:
@@ -199,7 +262,9 @@ def _check_type(typ: int, what: str) -> None:
         raise PayloadError(f"{what}: ggml type {typ} out of range")
 
 
-def _layout_of(n_layer: int, v_trans: bool, k: list[_Part], v: list[_Part], ext: int) -> KvLayout:
+def _layout_of(
+    n_layer: int, v_trans: bool, k: list[_Part], v: list[_Part], ext: int, sections: tuple[int, ...]
+) -> KvLayout:
     return KvLayout(
         n_layer=n_layer,
         k_types=tuple(p[0] for p in k),
@@ -210,6 +275,7 @@ def _layout_of(n_layer: int, v_trans: bool, k: list[_Part], v: list[_Part], ext:
         v_el_bytes=tuple(p[2] for p in v),
         n_embd_v_gqa=tuple(p[3] for p in v),
         cell_ext_bytes=ext,
+        sections=sections,
     )
 
 
@@ -224,11 +290,11 @@ def _rows(arr: np.ndarray, row: int) -> np.ndarray:
     return arr.view(np.dtype((np.void, row)))
 
 
-def _gather(layout: KvLayout, p0: int, n: int, order: np.ndarray | None, blocks: list[_Part]) -> KvSegment:
-    """The segment in position order from the blob's per-layer, pool-order blocks: one block
-    copy per part when the cells are already in position order."""
+def _gather(layout: KvLayout, p0: int, n: int, blocks: list[tuple[_Part, np.ndarray | None]]) -> KvSegment:
+    """The segment in position order from the blob's per-layer, pool-order blocks, each with
+    its section's cell order: one block copy per part when the cells are in position order."""
     seg = KvSegment.empty(p0, layout, n)
-    for dst, (_, row, el, embd, blk) in zip(seg.parts, blocks, strict=True):
+    for dst, ((_, row, el, embd, blk), order) in zip(seg.parts, blocks, strict=True):
         if order is None:
             dst[...] = blk.reshape(dst.shape)  # the cell metadata's view is already (n, ext)
         elif el == 0:
@@ -244,16 +310,18 @@ def _gather(layout: KvLayout, p0: int, n: int, order: np.ndarray | None, blocks:
 
 def blob_size(layout: KvLayout, n: int) -> int:
     """Exact byte size of a blob holding n cells of this layout."""
+    n_sec = len(layout.section_layers)
     per_layer_heads = layout.n_layer * _ROW_HEAD.size + layout.n_v * (
         _TRANS_HEAD.size if layout.v_trans else _ROW_HEAD.size
     )
-    # The cells' extra metadata is in bytes_per_token (the segment holds it) and in the cell table.
+    # The cells' extra metadata is in bytes_per_token (the segment holds it once) and in the
+    # cell table of every section.
     return (
         _HEAD.size
-        + n * _cell_dtype(0).itemsize
-        + _DATA_HEAD.size
+        + n_sec * (_SECTION_HEAD.size + n * _cell_dtype(0).itemsize + _DATA_HEAD.size)
         + per_layer_heads
         + n * layout.bytes_per_token
+        + (n_sec - 1) * n * layout.cell_ext_bytes
     )
 
 
@@ -279,32 +347,43 @@ def _write(segments: Sequence[KvSegment], out: Buffer, seq_id: int) -> int:
         raise PayloadError(f"output buffer has {len(buf)} bytes, blob needs {size}")
     if not buf.flags.writeable:
         raise PayloadError("output buffer is read-only")
-    off = _put(buf, 0, _HEAD.pack(MAGIC, seq_id, 1, n))
+    off = _put(buf, 0, _HEAD.pack(MAGIC, seq_id))
     cell = _cell_dtype(layout.cell_ext_bytes)
-    cells = buf[off : off + n * cell.itemsize].view(cell)
-    cells["pos"] = np.arange(p0, p0 + n)
-    cells["n_seq"] = 1
-    cells["seq"] = seq_id
-    off = _put(buf, off + n * cell.itemsize, _DATA_HEAD.pack(int(layout.v_trans), layout.n_layer))
-    # The blob's data section is the segment's parts end to end, each behind its header.
-    heads = [_ROW_HEAD.pack(layout.k_types[il], layout.k_row_bytes[il]) for il in range(layout.n_layer)]
-    for il in range(layout.n_v):
-        if layout.v_trans:
-            heads.append(_TRANS_HEAD.pack(layout.v_types[il], layout.v_el_bytes[il], layout.n_embd_v_gqa[il]))
-        else:
-            heads.append(_ROW_HEAD.pack(layout.v_types[il], layout.v_row_bytes[il]))
-    blocks = []
-    for i, head in enumerate(heads):
-        off = _put(buf, off, head)
-        blocks.append(off)
-        off += n * part_bytes(layout, i)
+    tables: list[np.ndarray] = []
+    blocks = [0] * (layout.n_layer + layout.n_v)  # each part's offset, in part order
+    il0 = 0
+    for n_layer in layout.section_layers:  # one section per KV cache, each with every cell
+        off = _put(buf, off, _SECTION_HEAD.pack(1, n))
+        cells = buf[off : off + n * cell.itemsize].view(cell)
+        cells["pos"] = np.arange(p0, p0 + n)
+        cells["n_seq"] = 1
+        cells["seq"] = seq_id
+        tables.append(cells)
+        off = _put(buf, off + n * cell.itemsize, _DATA_HEAD.pack(int(layout.v_trans), n_layer))
+        # The section's data is the segment's parts of its layers end to end, each behind its header.
+        for il in range(il0, il0 + n_layer):
+            off = _put(buf, off, _ROW_HEAD.pack(layout.k_types[il], layout.k_row_bytes[il]))
+            blocks[il] = off
+            off += n * part_bytes(layout, il)
+        for il in range(il0, min(il0 + n_layer, layout.n_v)):
+            if layout.v_trans:
+                head = _TRANS_HEAD.pack(layout.v_types[il], layout.v_el_bytes[il], layout.n_embd_v_gqa[il])
+            else:
+                head = _ROW_HEAD.pack(layout.v_types[il], layout.v_row_bytes[il])
+            off = _put(buf, off, head)
+            blocks[layout.n_layer + il] = off
+            off += n * part_bytes(layout, layout.n_layer + il)
+        il0 += n_layer
     assert off == size, (off, size)
     parts = _carve_at(buf, layout, n, blocks)
-    if layout.cell_ext_bytes:
-        parts += (_cell_ext_view(cells, layout.cell_ext_bytes),)
+    ext = layout.cell_ext_bytes
+    if ext:
+        parts += (_cell_ext_view(tables[0], ext),)
     whole = KvSegment(p0, layout, parts)
     for seg in segments:
         whole.slice(seg.p0, seg.p1).assign(seg)
+    for cells in tables[1:] if ext else []:  # every section's cells carry the metadata
+        _cell_ext_view(cells, ext)[...] = _cell_ext_view(tables[0], ext)
     return size
 
 

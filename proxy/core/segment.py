@@ -25,6 +25,8 @@ _MAX_LAYERS = 4096
 # Every payload cell has an i32 position, a u32 sequence count and (one sequence) an i32 id.
 CELL_BASE_BYTES = 12
 _MAX_CELL_EXT = 256
+# KV caches of one model's memory whose sections a payload may hold (a full-size SWA model has two).
+MAX_SECTIONS = 4
 # Element size of ggml types that llama.cpp allows for transposed V (non-quantized only).
 _V_TRANS_EL_BYTES = {0: 4, 1: 2, 30: 2}  # F32, F16, BF16
 
@@ -38,6 +40,10 @@ class KvLayout:
     `cell_ext_bytes` is the per-cell metadata beyond position, sequence count and sequence id
     (llama.cpp's `llama_kv_cell_ext`: M-RoPE's extra position axes and the token id, 12 bytes
     where the model uses them, else 0); the server reports it as `cell_meta_bytes` (12 more).
+    `sections` is the number of layers of each KV cache of the model's memory when it has
+    more than one (a full-size SWA cache: the full-attention layers, then the window layers);
+    the payload holds one section per cache, each with every cell, and the per-layer fields
+    run over the layers of all sections in order. Empty for one cache.
     """
 
     n_layer: int
@@ -49,10 +55,22 @@ class KvLayout:
     v_el_bytes: tuple[int, ...]
     n_embd_v_gqa: tuple[int, ...]
     cell_ext_bytes: int = 0
+    sections: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_layer <= _MAX_LAYERS:
             raise PayloadError(f"layout: n_layer {self.n_layer} out of range")
+        if len(self.sections) == 1:
+            object.__setattr__(self, "sections", ())  # one cache: the plain layout, equal to it
+        if self.sections:
+            if (
+                len(self.sections) > MAX_SECTIONS
+                or min(self.sections) < 1
+                or sum(self.sections) != self.n_layer
+            ):
+                raise PayloadError(f"layout: sections {self.sections} do not divide {self.n_layer} layers")
+            if not self.v_types:
+                raise PayloadError("layout: a K-only cache has one section")
         # V: one entry per layer, or none at all (K-only: MLA keeps V as a view of K).
         n_v = len(self.v_types)
         for name in ("k_types", "k_row_bytes"):
@@ -87,6 +105,11 @@ class KvLayout:
         return self.n_layer + self.n_v + (1 if self.cell_ext_bytes else 0)
 
     @property
+    def section_layers(self) -> tuple[int, ...]:
+        """The layers of each section of a payload: one section unless `sections` says more."""
+        return self.sections or (self.n_layer,)
+
+    @property
     def n_v(self) -> int:
         """Layers with V rows: all of them, or 0 for a K-only (MLA) cache."""
         return len(self.v_types)
@@ -109,6 +132,7 @@ class KvLayout:
             "v_row_bytes": list(self.v_row_bytes),
             "v_trans": self.v_trans,
             "cell_meta_bytes": CELL_BASE_BYTES + self.cell_ext_bytes,
+            "sections": list(self.section_layers),
         }
 
     @classmethod
@@ -123,13 +147,14 @@ class KvLayout:
             k_rows = _ints(compat["k_row_bytes"])
             v_rows = _ints(compat["v_row_bytes"])
             ext = int(compat.get("cell_meta_bytes", CELL_BASE_BYTES)) - CELL_BASE_BYTES
+            secs = _ints(compat.get("sections", [n_layer]))
         except (KeyError, TypeError, ValueError) as e:
             raise PayloadError(f"compat: missing or bad field: {e}") from e
         if ext < 0:
             raise PayloadError(f"compat: cell_meta_bytes below the {CELL_BASE_BYTES} every cell has")
         if not v_trans:
             zeros = (0,) * len(v_types)  # no V rows at all when K-only
-            return cls(n_layer, k_types, k_rows, v_types, False, v_rows, zeros, zeros, ext)
+            return cls(n_layer, k_types, k_rows, v_types, False, v_rows, zeros, zeros, ext, secs)
         if "v_el_bytes" in compat:
             els = _ints(compat["v_el_bytes"])
         else:
@@ -140,7 +165,7 @@ class KvLayout:
         if len(els) != len(v_rows) or any(r % e for r, e in zip(v_rows, els, strict=True) if e > 0):
             raise PayloadError("compat: v_row_bytes not a multiple of the V element size")
         embd = tuple(r // e if e > 0 else 0 for r, e in zip(v_rows, els, strict=True))
-        return cls(n_layer, k_types, k_rows, v_types, True, v_rows, els, embd, ext)
+        return cls(n_layer, k_types, k_rows, v_types, True, v_rows, els, embd, ext, secs)
 
 
 def _ints(values: Any) -> tuple[int, ...]:

@@ -32,7 +32,20 @@ from tests.helpers import (
 from tests.integration.test_proxy import convo, document
 from tests.tinymodels import tiny_model
 
-MOVABLE = ["qwen2vl", "llama-h80", "llama-h128", "qwen3", "qwen3moe", "mistral3", "deepseek2"]
+MOVABLE = [
+    "qwen2vl",
+    "llama-h80",
+    "llama-h128",
+    "qwen3",
+    "qwen3moe",
+    "mistral3",
+    "deepseek2",
+    "gemma2-swafull",
+    "gemma3-swafull",
+]
+# A sliding-window family with --swa-full: both caches keep every cell, a payload holds one
+# section per cache (the full-attention layers, then the window layers), and the moves are on.
+SWA_FULL = "-swafull"
 # K/V types and flash attention: f16 with V transposed (flash attention off), and q8_0 K and V
 # (quantized V needs flash attention, which stores V untransposed).
 KV_CONFIGS = {
@@ -54,7 +67,9 @@ UNMOVABLE = {
 def _servers(
     start_server: ServerFactory, patched: Path, stock: Path, family: str, kv: str = "f16"
 ) -> tuple[ServerProcess, ...]:
-    model, args = tiny_model(family), KV_CONFIGS[kv]
+    model, args = tiny_model(family.removesuffix(SWA_FULL)), KV_CONFIGS[kv]
+    if family.endswith(SWA_FULL):
+        args += ("--swa-full",)  # stock too: started alike, it computes from scratch
     # Small pools: the models are tiny and the suite runs many servers on 2 cores.
     return (
         start_server(patched, model=model, ctx_size=4096, threads=1, extra_args=args),
@@ -140,12 +155,24 @@ def test_moved_kv_answers_as_stock_from_scratch(
     assert caps["compat"]["cell_meta_bytes"] == (24 if family == "qwen2vl" else 12)
     assert layout.cell_ext_bytes == caps["compat"]["cell_meta_bytes"] - 12
     assert layout.v_trans == (patched.spec.extra_args[:2] == ("-fa", "off"))
+    # One payload section per KV cache: two for a full-size SWA cache (gemma3: every other
+    # layer has the window; gemma2 here too), else one.
+    n_layer = caps["compat"]["n_layer"]
+    sections = [n_layer // 2, n_layer - n_layer // 2] if family.endswith(SWA_FULL) else [n_layer]
+    assert caps["compat"]["sections"] == sections and layout.section_layers == tuple(sections), caps
 
     first, second = _two_turns(proxy, stock, seed=7)
     assert first.headers["X-Radix-Route"] == "prefill"
     # Idle release erased the slot once the tree held it: the next turn is a host restore.
     assert second.headers["X-Radix-Route"] == "H", second.headers
     assert int(second.headers["X-Radix-Cached-Tokens"]) > 100
+    # Another question on the document: a restore of a prefix that ends well before the saved
+    # KV does (more than the tiny SWA models' window of 32 tokens): the window layers' cells
+    # before the cut come from the export of the longer slot.
+    messages = convo(document(7, 120), "Which word is the longest?")
+    third = _ask(proxy, messages)
+    assert third.headers["X-Radix-Route"] == "H", third.headers
+    assert_same_answer(third, _from_scratch(stock, messages))
     assert _fallbacks(proxy) == 0
     assert proxy.call(lambda rt: rt.metrics.server_moves.labels("s0")._value.get()) == 1
 
@@ -191,21 +218,16 @@ def test_unmovable_memory_is_served_with_moves_off(
         stock.stop()
 
 
-def test_swa_full_is_served_with_moves_off_and_says_why(
-    start_server: ServerFactory, patched_bin: Path
-) -> None:
-    """--swa-full keeps every cell, but a sequence's state still holds only the window layers'
-    last window (docs/architectures.md): moves stay off, and the reason says so (not the plain
-    SWA reason, which would suggest --swa-full as the fix)."""
-    server = start_server(
-        patched_bin, model=tiny_model("gemma2"), ctx_size=4096, threads=1, extra_args=("--swa-full",)
-    )
+def test_plain_swa_says_that_swa_full_turns_moves_on(start_server: ServerFactory, patched_bin: Path) -> None:
+    """A window-sized SWA cache forgets cells older than the window: moves off, and the reason
+    names the fix (--swa-full, whose servers move KV: the `*-swafull` families above)."""
+    server = start_server(patched_bin, model=tiny_model("gemma3"), ctx_size=4096, threads=1)
     try:
         caps = _kvctl(server, "caps").body
-        assert caps["moves"] is False and caps["memory"]["swa_full"] is True, caps
+        assert caps["moves"] is False and caps["memory"]["swa_full"] is False, caps
         assert caps["moves_off"] == [
-            "sliding-window attention: even with --swa-full a sequence's state keeps only the last"
-            " window of the window layers' cache"
+            "sliding-window attention: the window layers' cache forgets cells older than the window"
+            " (--swa-full keeps them and turns moves on)"
         ], caps
     finally:
         server.stop()
@@ -236,8 +258,10 @@ def test_kv_is_reused_exactly_on_every_route(
         return reply
 
     doc = document(23, 150)
-    # A, then A+H: the slot keeps its KV (idle release off); the tree tops up a shorter slot.
-    proxy = ProxyThread(proxy_config(patched, idle_release=False, cache_disk=tmp_path / "disk")).start()
+    # A, then A+H: the slot keeps its KV (idle release off); the tree tops up a shorter slot
+    # (by 30-50 tokens, depending on how each model's answer re-tokenizes: a lower threshold).
+    config = proxy_config(patched, idle_release=False, cache_disk=tmp_path / "disk", min_restore_tokens=16)
+    proxy = ProxyThread(config).start()
     try:
         first = check(proxy, convo(doc, "What is the first word?"))
         turn = convo(doc, "What is the first word?") + [

@@ -24,9 +24,19 @@ from proxy.errors import PayloadError
 pytestmark = pytest.mark.unit
 
 
-def make_layout(v_trans: bool, n_layer: int = 3, el: int = 2, ext: int = 0, k_only: bool = False) -> KvLayout:
+def make_layout(
+    v_trans: bool,
+    n_layer: int = 3,
+    el: int = 2,
+    ext: int = 0,
+    k_only: bool = False,
+    sections: tuple[int, ...] = (),
+) -> KvLayout:
     """`ext`: bytes of extra cell metadata (12 for M-RoPE's positions and token id); `k_only`:
-    no V rows (an MLA cache)."""
+    no V rows (an MLA cache); `sections`: the layers of each KV cache (a full-size SWA model)."""
+    if sections:
+        lay = make_layout(v_trans, sum(sections), el, ext)
+        return KvLayout(**{**lay.__dict__, "sections": sections})
     if k_only:
         k_rows = tuple(8 + 4 * il for il in range(n_layer))
         return KvLayout(n_layer, (1,) * n_layer, k_rows, (), v_trans, (), (), (), ext)
@@ -46,37 +56,57 @@ def random_segment(layout: KvLayout, p0: int, n: int, seed: int = 0) -> KvSegmen
 
 
 def reference_fields(
-    seg: KvSegment, order: np.ndarray | None = None, seq: int = 7
+    seg: KvSegment, order: np.ndarray | None = None, seq: int = 7, orders: list[np.ndarray] | None = None
 ) -> list[tuple[str, bytes]]:
-    """An independent writer of llama.cpp's layout: named fields, cells in `order` (pool order).
+    """An independent writer of llama.cpp's layout: named fields, cells in `order` (pool order),
+    one section per KV cache (`orders`: each section's own pool order).
 
-    Named pieces let the malformed-header tests corrupt one field at a time."""
+    Named pieces let the malformed-header tests corrupt one field at a time; the first section's
+    fields are unprefixed, the others' start with `s1.`, `s2.`, ...; layers keep their index."""
     lay, n = seg.layout, seg.n
-    order = np.arange(n) if order is None else order
-    f: list[tuple[str, bytes]] = [
-        ("magic", struct.pack("<I", MAGIC)),
-        ("seq", struct.pack("<i", seq)),
-        ("n_stream", struct.pack("<I", 1)),
-        ("cell_count", struct.pack("<I", n)),
-    ]
+    plain = np.arange(n) if order is None else order
+    f: list[tuple[str, bytes]] = [("magic", struct.pack("<I", MAGIC)), ("seq", struct.pack("<i", seq))]
+    il0 = 0
+    for s, n_layer in enumerate(lay.section_layers):
+        pre = f"s{s}." if s else ""
+        sec_order = orders[s] if orders is not None else plain
+        f += [(f"{pre}n_stream", struct.pack("<I", 1)), (f"{pre}cell_count", struct.pack("<I", n))]
+        f += _reference_cells(seg, sec_order, seq, pre)
+        f += [
+            (f"{pre}v_trans", struct.pack("<I", int(lay.v_trans))),
+            (f"{pre}n_layer", struct.pack("<I", n_layer)),
+        ]
+        f += _reference_layers(seg, sec_order, range(il0, il0 + n_layer))
+        il0 += n_layer
+    return f
+
+
+def _reference_cells(seg: KvSegment, order: np.ndarray, seq: int, pre: str) -> list[tuple[str, bytes]]:
+    lay = seg.layout
+    f: list[tuple[str, bytes]] = []
     ext_off = sum(lay.k_row_bytes) + sum(lay.v_row_bytes)  # the cell metadata ends a token row
     for i, idx in enumerate(order):
         f += [
-            (f"cell{i}.pos", struct.pack("<i", seg.p0 + int(idx))),
-            (f"cell{i}.n_seq", struct.pack("<I", 1)),
+            (f"{pre}cell{i}.pos", struct.pack("<i", seg.p0 + int(idx))),
+            (f"{pre}cell{i}.n_seq", struct.pack("<I", 1)),
         ]
         if lay.cell_ext_bytes:
-            f.append((f"cell{i}.ext", seg.rows()[idx, ext_off : ext_off + lay.cell_ext_bytes].tobytes()))
-        f.append((f"cell{i}.seq", struct.pack("<i", seq)))
-    f += [("v_trans", struct.pack("<I", int(lay.v_trans))), ("n_layer", struct.pack("<I", lay.n_layer))]
-    for il in range(lay.n_layer):
+            f.append((f"{pre}cell{i}.ext", seg.rows()[idx, ext_off : ext_off + lay.cell_ext_bytes].tobytes()))
+        f.append((f"{pre}cell{i}.seq", struct.pack("<i", seq)))
+    return f
+
+
+def _reference_layers(seg: KvSegment, order: np.ndarray, layers: range) -> list[tuple[str, bytes]]:
+    lay = seg.layout
+    f: list[tuple[str, bytes]] = []
+    for il in layers:
         off, row = lay.k_offset(il), lay.k_row_bytes[il]
         f += [
             (f"k{il}.type", struct.pack("<i", lay.k_types[il])),
             (f"k{il}.row", struct.pack("<Q", row)),
             (f"k{il}.data", seg.rows()[order, off : off + row].tobytes()),
         ]
-    for il in range(lay.n_v):
+    for il in layers if lay.n_v else []:
         off, row = lay.v_offset(il), lay.v_row_bytes[il]
         rows = seg.rows()[order, off : off + row]
         if not lay.v_trans:
@@ -287,6 +317,7 @@ def caps(v_trans: bool, **extra: object) -> dict[str, object]:
         "rope": "norm",
         "n_pos_per_embd": 1,
         "cell_meta_bytes": 12,
+        "sections": [2],
     }
     c.update(extra)
     return c
@@ -459,3 +490,93 @@ def test_errors_leave_no_view_of_an_mmap() -> None:
     with mmap.mmap(-1, len(blob)) as m:
         assert write_blob([seg], m) == len(blob)
         assert parse_blob(m) == seg
+
+
+# ---------------------------------------------------------------- sections (full-size SWA)
+
+
+@pytest.mark.parametrize("ext", [0, 12])
+@pytest.mark.parametrize("v_trans", [False, True])
+@pytest.mark.parametrize("sections", [(2, 1), (1, 3), (1, 1, 1)])
+def test_sections_parse_and_build_as_the_reference(
+    sections: tuple[int, ...], v_trans: bool, ext: int
+) -> None:
+    """One section per KV cache, each with every cell in its own pool order; the segment holds
+    the layers of all sections in order, the cell metadata once."""
+    lay = make_layout(v_trans, ext=ext, sections=sections)
+    assert lay.section_layers == sections and lay.n_layer == sum(sections)
+    seg = random_segment(lay, p0=12, n=9)
+    rng = np.random.default_rng(3)
+    orders = [rng.permutation(9) for _ in sections]
+    assert parse_blob(join(reference_fields(seg, orders=orders)), expect=lay) == seg
+    ref = join(reference_fields(seg, seq=7))
+    assert build_blob([seg], seq_id=7) == ref and blob_size(lay, 9) == len(ref)
+    assert parse_blob(ref, cell_ext_bytes=ext) == seg  # the sections are read from the blob itself
+    assert KvLayout.from_caps(lay.compat_dict()) == lay
+    parts = [seg.slice(12, 15), seg.slice(15, 21)]
+    assert build_blob(parts, seq_id=7) == ref
+
+
+def test_one_section_is_the_plain_layout() -> None:
+    plain = make_layout(False)
+    assert KvLayout(**{**plain.__dict__, "sections": (3,)}) == plain
+    assert plain.section_layers == (3,) and plain.compat_dict()["sections"] == [3]
+    assert KvLayout.from_caps({**caps(False), "sections": [2]}) == KvLayout.from_caps(caps(False))
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"s1.cell_count": u32(5)}, "cells"),
+        ({"s1.cell0.pos": i32(99)}, "positions"),
+        ({"s1.cell0.pos": i32(16), "s1.cell1.pos": i32(17), "s1.cell2.pos": i32(18)}, "positions"),
+        ({"s1.n_stream": u32(2)}, "n_stream"),
+        ({"s1.v_trans": u32(1)}, "v_trans"),
+        ({"s1.n_layer": u32(2)}, ""),
+        ({"s1.cell1.ext": bytes(12)}, "metadata"),
+    ],
+)
+def test_sections_must_agree(patch: dict[str, bytes], message: str) -> None:
+    """The sections are one sequence: the same cells, positions and metadata in each."""
+    seg = random_segment(make_layout(False, ext=12, sections=(2, 1)), p0=10, n=6)
+    with pytest.raises(PayloadError, match=message or None):
+        parse_blob(join(reference_fields(seg), **patch), cell_ext_bytes=12)
+
+
+def test_sections_never_taken_for_another_layout() -> None:
+    split = make_layout(False, sections=(2, 1))
+    plain = make_layout(False)  # same layers, one cache
+    with pytest.raises(PayloadError, match="sections"):
+        parse_blob(build_blob([random_segment(split, 0, 4)]), expect=plain)
+    with pytest.raises(PayloadError):
+        parse_blob(build_blob([random_segment(plain, 0, 4)]), expect=split)
+    blob = build_blob([random_segment(split, 0, 3)])
+    for cut in range(len(blob)):
+        with pytest.raises(PayloadError):
+            parse_blob(blob[:cut], expect=split)
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [(2, 2), (3, 0), (1, 1, 1, 0), (1,) * 5],
+)
+def test_layout_rejects_bad_sections(sections: tuple[int, ...]) -> None:
+    base = make_layout(False, n_layer=len(sections) if sum(sections) != len(sections) else 3)
+    with pytest.raises(PayloadError, match="sections"):
+        KvLayout(**{**base.__dict__, "sections": sections})
+
+
+def test_k_only_has_one_section() -> None:
+    lay = make_layout(False, n_layer=2, k_only=True)
+    with pytest.raises(PayloadError, match="K-only"):
+        KvLayout(**{**lay.__dict__, "sections": (1, 1)})
+
+
+def test_more_sections_than_allowed_are_refused() -> None:
+    lay = make_layout(False, n_layer=4, sections=(1, 1, 1, 1))
+    blob = join(reference_fields(random_segment(lay, 0, 2)))
+    head = 8  # magic and seq id; then append a fifth copy of the last section
+    sec = blob[head:]
+    one = len(sec) // 4
+    with pytest.raises(PayloadError, match="more than 4 sections"):
+        parse_blob(blob + sec[-one:])
