@@ -287,7 +287,6 @@ class Leases:
             policy=self.config.kv_share_route,
             min_restore_tokens=self.config.min_restore_tokens,
             share_enabled=server.sharing is not None and server.moves,
-            mixed_enabled=self.config.mixed_restore,
         )
 
     def release(self, lease: Lease) -> None:
