@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
+from proxy.config import Config
+
 Policy = Literal["longest", "share"]
 
 
@@ -69,8 +71,8 @@ class PlanInput:
     slots: tuple[SlotView, ...]
     host_len: int  # host radix tree match length
     residents: tuple[ResidentView, ...] = ()
-    policy: Policy = "longest"
-    min_restore_tokens: int = 64
+    policy: Policy = Config.kv_share_route
+    min_restore_tokens: int = Config.min_restore_tokens
     share_enabled: bool = True
 
     def __post_init__(self) -> None:
