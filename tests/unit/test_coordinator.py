@@ -20,8 +20,8 @@ from prometheus_client import CollectorRegistry
 from proxy.config import Config
 from proxy.core.payload import KvLayout, KvSegment
 from proxy.core.planner import Route
+from proxy.core.prefix import common_prefix
 from proxy.core.radix import RadixTree
-from proxy.core.resident import common_prefix
 from proxy.errors import FallbackCause, KvMoveError, TooManyRequests, Unavailable
 from proxy.server.coordinator import Coordinator, Lease, RestoreAbandoned, ServerState, SlotState
 from proxy.server.coordinator import scan as scan_module

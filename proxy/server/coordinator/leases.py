@@ -26,8 +26,8 @@ from proxy.config import Config
 from proxy.core.admission import check_reservations
 from proxy.core.planner import Plan, PlanInput, Route, SlotView
 from proxy.core.planner import plan as choose_plan
+from proxy.core.prefix import common_prefix
 from proxy.core.radix import RadixTree
-from proxy.core.resident import common_prefix
 from proxy.core.routing import CostModel, ServerLoad, choose_server
 from proxy.errors import BadRequest, TooManyRequests, Unavailable
 from proxy.server.coordinator.decisions import divergence

@@ -19,8 +19,8 @@ import numpy as np
 from proxy.config import Config
 from proxy.core.admission import cells_needed, free_estimate, own_tail
 from proxy.core.planner import Route
+from proxy.core.prefix import common_prefix
 from proxy.core.radix import RadixTree
-from proxy.core.resident import common_prefix
 from proxy.errors import FallbackCause, KvMoveError, Unavailable
 from proxy.server.coordinator.state import EMPTY, Lease
 from proxy.server.metrics import Metrics
