@@ -39,5 +39,5 @@ def test_edges() -> None:
 def test_one_implementation() -> None:
     # The host tree's edge walk, the disk index's walk, the resident index and admission
     # all call this one function (each had its own copy).
-    assert radix.common_prefix is diskindex.common_prefix is prefix.common_prefix
-    assert resident.common_prefix is admission.common_prefix is prefix.common_prefix
+    for module in (radix, diskindex, resident, admission):
+        assert vars(module)["common_prefix"] is prefix.common_prefix, module.__name__
