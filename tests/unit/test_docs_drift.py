@@ -270,3 +270,11 @@ def test_the_readme_table_gives_each_option_its_default() -> None:
         if default is not None and not table_says(table[flag], default):
             wrong.append(f"{flag}: the CLI's default is {default}, the README says {table[flag]!r}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_reject_reasons_are_documented() -> None:
+    from proxy.errors import RejectReason
+
+    rows = [c for c in table_rows(OBSERVABILITY, "| metric |") if "`radix_rejected_requests_total`" in c[0]]
+    assert len(rows) == 1
+    assert set(re.findall(r"`([a-z_]+)`", rows[0][2])) == {r.value for r in RejectReason}
