@@ -135,3 +135,18 @@ def test_doctor_has_every_key_option_of_serve() -> None:
         p.opts[0]: p.envvar for p in doctor.params if isinstance(p, click.Option) and p.opts[0] in keys
     }
     assert doctor_keys == serve_keys and len(serve_keys) == 4
+
+
+def test_compose_reads_the_build_backend_under_radixctl_s_variable() -> None:
+    # compose's build backend was RADIX_BACKEND, one letter from the proxy's RADIX_BACKENDS.
+    from pathlib import Path
+
+    from proxy.cli.build import build
+
+    (envvar,) = {p.envvar for p in [*build.params, *up.params] if p.name in ("backend", "build_backend")}
+    deploy = Path(__file__).resolve().parents[2] / "deploy"
+    compose = (deploy / "docker-compose.yml").read_text()
+    assert f"BACKEND: ${{{envvar}:-cpu}}" in compose and f"llama-server:${{{envvar}:-cpu}}" in compose
+    assert f"\n{envvar}=cpu\n" in (deploy / ".env.example").read_text()
+    for path in [*deploy.rglob("*.yml"), deploy / ".env.example", deploy / "Dockerfile"]:
+        assert "RADIX_BACKEND}" not in path.read_text() and "RADIX_BACKEND=" not in path.read_text(), path
