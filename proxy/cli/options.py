@@ -26,7 +26,7 @@ from proxy.server.eventloop import EVENT_LOOPS
 #: Backends ``radixctl build`` can compile llama-server for.
 BUILD_BACKENDS = list(BACKENDS)
 
-Command = Callable[..., Any]
+_Fn = Callable[..., Any]  # a command function, before or after an option decorates it
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -464,7 +464,7 @@ ctx_size_option = functools.partial(
 threads_option = functools.partial(click.option, "--threads", "-t", type=int)
 
 
-def build_backend_option(flag: str = "--build-backend", **kw: Any) -> Callable[[Command], Command]:
+def build_backend_option(flag: str = "--build-backend", **kw: Any) -> Callable[[_Fn], _Fn]:
     """Which llama-server build (``radixctl build --backend``; ``--build-backend`` elsewhere)."""
     return click.option(
         flag, type=click.Choice(BUILD_BACKENDS), default=BuildSpec.backend, show_default=True, **kw
