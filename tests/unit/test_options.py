@@ -150,3 +150,15 @@ def test_compose_reads_the_build_backend_under_radixctl_s_variable() -> None:
     assert f"\n{envvar}=cpu\n" in (deploy / ".env.example").read_text()
     for path in [*deploy.rglob("*.yml"), deploy / ".env.example", deploy / "Dockerfile"]:
         assert "RADIX_BACKEND}" not in path.read_text() and "RADIX_BACKEND=" not in path.read_text(), path
+
+
+@pytest.mark.parametrize("flag", ["--parallel", "--ctx-size", "--build-backend", "--threads"])
+def test_a_llama_server_option_is_one_definition(flag: str) -> None:
+    # up, the bench arms and bench soak start llama-server with the same options; --threads
+    # alone has a default (and so a help text) per command.
+    uses = [(path, o) for f, path, o in _options(main, "radixctl") if f == flag]
+    assert len(uses) >= 3 and any(path == "radixctl up" for path, _ in uses)
+    shapes = {(o.opts[-1], o.name, str(o.type)) for _, o in uses}
+    assert len(shapes) == 1, shapes
+    if flag != "--threads":
+        assert len({(o.help, o.default) for _, o in uses}) == 1, uses
