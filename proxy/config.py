@@ -77,7 +77,6 @@ class Config:
     kv_share_cells: int = 0  # owner cell budget B; 0: half the pool
     kv_share_headroom: int = 0  # free cells R kept for requests; 0: min(n_ubatch, max(1, pool/8))
     kv_share_route: Literal["longest", "share"] = "longest"
-    mixed_restore: bool = True
     # After a slot's answer is saved to the host tree, erase the slot's KV from the server's
     # pool (as stock llama-server's --cache-idle-slots does): a unified pool's used range is
     # what every ubatch attends over, so idle KV makes everyone else's compute dearer; the

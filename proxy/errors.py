@@ -135,6 +135,15 @@ class FallbackCause(StrEnum):
     DOWN = "down"  # the server was taken out of routing (health checks) while a restore waited on it
 
 
+class RejectReason(StrEnum):
+    """Why admission refused a request (429 or 503); the label of ``radix_rejected_requests_total``."""
+
+    QUEUE_FULL = "queue_full"  # --max-queue requests were already waiting (429)
+    QUEUE_TIMEOUT = "queue_timeout"  # no slot became free within --queue-timeout (503)
+    SHUTTING_DOWN = "shutting_down"  # the proxy is stopping: queued and new requests (503)
+    NO_ROOM = "no_room"  # the server's KV pool had no room for the request in time (503)
+
+
 class KvMoveError(RadixError):
     """A KV move failed; `cause` names the step.
 

@@ -45,8 +45,8 @@ class ArmSettings:
 
     model: Path
     log_dir: Path
-    n_parallel: int = 4
-    ctx_size: int = 16384
+    n_parallel: int  # --parallel, --ctx-size: proxy/cli/options.py has their defaults
+    ctx_size: int
     threads: int = field(default_factory=lambda: os.cpu_count() or 2)
     batch_size: int = 2048
     ubatch_size: int = 512

@@ -11,11 +11,12 @@ from typing import Any
 
 import click
 
+import proxy.cli.options as options
 from proxy.bench.capacity import DEFAULT_PROBE_TIMEOUT_S, DEFAULT_STEP, DEFAULT_UPPER_FACTOR
 from proxy.bench.spec import Workload
 from proxy.bench.workloads import DEFAULT_ARMS, GENERATORS, make_workload
 from proxy.cli.common import fail_cleanly
-from proxy.cli.options import BUILD_BACKENDS, model_option
+from proxy.cli.options import model_option
 from proxy.errors import ConfigError
 
 ALL_ARMS = ("nocache", "legacy", "proxy")
@@ -48,20 +49,12 @@ out_option = click.option(
     default=None,
     help="Output directory (default: bench-out/WORKLOAD-TIMESTAMP).",
 )
-parallel_option = click.option(
-    "--parallel", "-np", "n_parallel", default=4, show_default=True, help="Slots per server."
-)
-ctx_size_option = click.option(
-    "--ctx-size", "-c", default=16384, show_default=True, help="KV pool in tokens."
-)
-threads_option = click.option(
-    "--threads", "-t", type=int, default=None, help="Threads per server (default: all cores)."
-)
+parallel_option = options.parallel_option()
+ctx_size_option = options.ctx_size_option()
+threads_option = options.threads_option(help="Threads per server (default: all cores).")
 batch_size_option = click.option("--batch-size", "-b", default=2048, show_default=True)
 ubatch_size_option = click.option("--ubatch-size", "-ub", default=512, show_default=True)
-build_backend_option = click.option(
-    "--build-backend", type=click.Choice(BUILD_BACKENDS), default="cpu", show_default=True
-)
+build_backend_option = options.build_backend_option()
 
 #: In the order ``--help`` lists them.
 ARM_OPTIONS = (
@@ -536,8 +529,8 @@ def replay(manifest: Path, url: str, speed: float, out_dir: Path | None) -> None
 @click.option("--sessions", default=1, show_default=True, help="Agent sessions per scenario.")
 @click.option("--system-tokens", default=800, show_default=True, help="System prompt size of each scenario.")
 @click.option("--max-tokens", default=32, show_default=True, help="Answer length.")
-@click.option("--threads", "-t", default=2, show_default=True, help="llama-server threads.")
-@click.option("--ctx-size", "-c", default=16384, show_default=True, help="llama-server KV pool in tokens.")
+@options.threads_option(default=2, show_default=True, help="llama-server threads.")
+@ctx_size_option
 @fail_cleanly
 def soak(
     out_dir: Path | None,

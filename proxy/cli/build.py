@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from proxy.cli.common import fail_cleanly
-from proxy.cli.options import BUILD_BACKENDS
+from proxy.cli.options import build_backend_option
 
 
 @click.command()
@@ -19,13 +19,7 @@ from proxy.cli.options import BUILD_BACKENDS
     show_default=True,
     help="patched: with the /kvctl patch series; stock: the same source unpatched, for comparisons.",
 )
-@click.option(
-    "--backend",
-    type=click.Choice(BUILD_BACKENDS),
-    default="cpu",
-    show_default=True,
-    envvar="RADIX_BUILD_BACKEND",
-)
+@build_backend_option("--backend", envvar="RADIX_BUILD_BACKEND")
 @click.option("--cmake-arg", "cmake_args", multiple=True, help="Extra CMake argument (repeatable).")
 @click.option("--fault-injection", is_flag=True, help="Build the test-only import fault injection in.")
 @click.option("--jobs", "-j", type=int, default=os.cpu_count() or 2, show_default=True)

@@ -17,7 +17,14 @@ from typing import Any
 import click
 
 from proxy.cli.common import fail_cleanly
-from proxy.cli.options import json_option
+from proxy.cli.options import (
+    json_option,
+    kvctl_key_file_option,
+    kvctl_key_option,
+    server_api_key_file_option,
+    server_api_key_option,
+    take_kvctl_key_file,
+)
 from proxy.core.payload import FORMAT_VERSION
 from proxy.errors import RadixError
 from proxy.native.launch import PROXY_SERVER_ARGS
@@ -412,13 +419,11 @@ def format_doctor(url: str, checks: list[Check]) -> str:
     required=True,
     help="llama-server base URL to check (repeatable).",
 )
-@click.option("--kvctl-key", envvar="RADIX_KVCTL_KEY", help="Key for the server's /kvctl API.")
-@click.option(
-    "--server-api-key",
-    envvar="RADIX_SERVER_API_KEY",
-    help="The server's own API key (llama-server --api-key), if it has one.",
-)
-@click.option(
+@kvctl_key_option
+@kvctl_key_file_option
+@server_api_key_option
+@server_api_key_file_option
+@click.option(  # not shm_dir_option: the directory is the proxy's, only compared here
     "--shm-dir",
     type=click.Path(file_okay=False, path_type=Path),
     envvar="RADIX_SHM_DIR",
@@ -429,7 +434,9 @@ def format_doctor(url: str, checks: list[Check]) -> str:
 def doctor(
     backends: tuple[str, ...],
     kvctl_key: str | None,
+    kvctl_key_file: Path | None,
     server_api_key: str | None,
+    server_api_key_file: Path | None,
     shm_dir: Path | None,
     as_json: bool,
 ) -> None:
@@ -437,6 +444,15 @@ def doctor(
 
     Every problem is printed with what to change. Exit status 1 when any check fails."""
     from proxy.native.fetch import cache_root
+
+    keys: dict[str, Any] = {
+        "kvctl_key": kvctl_key,
+        "kvctl_key_file": kvctl_key_file,
+        "server_api_key": server_api_key,
+        "server_api_key_file": server_api_key_file,
+    }
+    take_kvctl_key_file(keys)
+    kvctl_key, server_api_key = keys["kvctl_key"], keys["server_api_key"]
 
     results = {}
     for url in backends:

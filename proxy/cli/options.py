@@ -2,22 +2,34 @@
 
 One object per option keeps the name, default, ``RADIX_*`` variable and help text identical
 wherever the option appears: ``serve`` and ``up`` take every proxy option, the inspect commands
-share how they reach the proxy, ``up`` and the bench arms pick the model the same way.
-Options that only one command has stay next to that command.
+share how they reach the proxy, ``up`` and the bench arms pick the model and start llama-server
+the same way. Options that only one command has stay next to that command.
+
+A proxy option's destination is its ``Config`` field and its default is that field's default
+(``default=Config.<field>``, in the option's unit where the option is in KiB or MiB):
+``tests/unit/test_options.py`` checks both, and the README's options table against them.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
+from proxy.config import Config
+from proxy.native.build import BACKENDS, BuildSpec
 from proxy.server.eventloop import EVENT_LOOPS
 
 #: Backends ``radixctl build`` can compile llama-server for.
-BUILD_BACKENDS = ["cpu", "cuda", "cann", "metal", "vulkan"]
+BUILD_BACKENDS = list(BACKENDS)
+
+_Fn = Callable[..., Any]  # a command function, before or after an option decorates it
+
+KIB = 1 << 10
+MIB = 1 << 20
 
 
 def _on_off(ctx: click.Context, param: click.Parameter, value: str) -> bool:
@@ -25,13 +37,13 @@ def _on_off(ctx: click.Context, param: click.Parameter, value: str) -> bool:
     return value == "on"
 
 
-def _on_off_option(flag: str, dest: str, default: str, envvar: str, help: str) -> Any:
+def _on_off_option(flag: str, dest: str, default: bool, envvar: str, help: str) -> Any:
     """An ``on``/``off`` option (a bool in the config)."""
     return click.option(
         flag,
         dest,
         type=click.Choice(["on", "off"]),
-        default=default,
+        default="on" if default else "off",
         show_default=True,
         envvar=envvar,
         callback=_on_off,
@@ -43,16 +55,18 @@ def _on_off_option(flag: str, dest: str, default: str, envvar: str, help: str) -
 
 host_option = click.option(
     "--host",
-    default="127.0.0.1",
+    default=Config.host,
     show_default=True,
     envvar="RADIX_HOST",
     help="Address the proxy listens on.",
 )
-port_option = click.option("--port", default=8080, show_default=True, envvar="RADIX_PORT", help="Proxy port.")
+port_option = click.option(
+    "--port", default=Config.port, show_default=True, envvar="RADIX_PORT", help="Proxy port."
+)
 cache_ram_option = click.option(
     "--cache-ram",
     "cache_ram_mib",
-    default=4096,
+    default=Config.cache_ram_mib,
     show_default=True,
     envvar="RADIX_CACHE_RAM",
     help="Host radix tree budget in MiB (payload plus metadata).",
@@ -68,7 +82,7 @@ cache_disk_size_option = click.option(
     "--cache-disk-size",
     "cache_disk_gib",
     type=click.FloatRange(min=0, min_open=True),
-    default=16.0,
+    default=Config.cache_disk_gib,
     show_default=True,
     envvar="RADIX_CACHE_DISK_SIZE",
     help="Disk tier budget in GiB (segment files, headers included).",
@@ -88,7 +102,7 @@ shm_dir_option = click.option(
 )
 min_restore_tokens_option = click.option(
     "--min-restore-tokens",
-    default=64,
+    default=Config.min_restore_tokens,
     show_default=True,
     envvar="RADIX_MIN_RESTORE_TOKENS",
     help="A host restore shorter than this is prefilled instead.",
@@ -149,14 +163,14 @@ def _take_key_file(kw: dict[str, Any], name: str) -> None:
 kv_share_option = _on_off_option(
     "--cache-kv-share",
     "kv_share",
-    "off",
+    Config.kv_share,
     "RADIX_CACHE_KV_SHARE",
     "Resident KV sharing (route S): prefixes held once in the server's pool.",
 )
 idle_release_option = _on_off_option(
     "--cache-idle-release",
     "idle_release",
-    "on",
+    Config.idle_release,
     "RADIX_CACHE_IDLE_RELEASE",
     "Erase a slot's KV from the server once the host tree holds it (each next turn is a "
     "host restore): a smaller KV pool makes every other request's compute cheaper; off keeps "
@@ -165,7 +179,7 @@ idle_release_option = _on_off_option(
 kv_share_min_tokens_option = click.option(
     "--cache-kv-share-min-tokens",
     "kv_share_min_tokens",
-    default=32,
+    default=Config.kv_share_min_tokens,
     show_default=True,
     envvar="RADIX_CACHE_KV_SHARE_MIN_TOKENS",
     help="Shortest prefix recorded or attached.",
@@ -173,7 +187,7 @@ kv_share_min_tokens_option = click.option(
 kv_share_max_entries_option = click.option(
     "--cache-kv-share-max-entries",
     "kv_share_max_entries",
-    default=0,
+    default=Config.kv_share_max_entries,
     show_default=True,
     envvar="RADIX_CACHE_KV_SHARE_MAX_ENTRIES",
     help="Resident entries (0: min(64, owner ids)).",
@@ -181,7 +195,7 @@ kv_share_max_entries_option = click.option(
 kv_share_cells_option = click.option(
     "--cache-kv-share-cells",
     "kv_share_cells",
-    default=0,
+    default=Config.kv_share_cells,
     show_default=True,
     envvar="RADIX_CACHE_KV_SHARE_CELLS",
     help="Owner cell budget B (0: half the pool).",
@@ -189,7 +203,7 @@ kv_share_cells_option = click.option(
 kv_share_headroom_option = click.option(
     "--cache-kv-share-headroom",
     "kv_share_headroom",
-    default=0,
+    default=Config.kv_share_headroom,
     show_default=True,
     envvar="RADIX_CACHE_KV_SHARE_HEADROOM",
     help="Free cells R kept for requests (0: min(n_ubatch, max(1, pool/8))).",
@@ -198,7 +212,7 @@ kv_share_route_option = click.option(
     "--cache-kv-share-route",
     "kv_share_route",
     type=click.Choice(["longest", "share"]),
-    default="longest",
+    default=Config.kv_share_route,
     show_default=True,
     envvar="RADIX_CACHE_KV_SHARE_ROUTE",
     help="longest: longest executable prefix (ties A > S > H); share: A or S first.",
@@ -210,7 +224,7 @@ admin_key_option = click.option(
 )
 metrics_port_option = click.option(
     "--metrics-port",
-    default=0,
+    default=Config.metrics_port,
     show_default=True,
     envvar="RADIX_METRICS_PORT",
     type=click.IntRange(0, 65535),
@@ -227,7 +241,7 @@ record_option = click.option(
 max_body_option = click.option(
     "--max-body",
     "max_body_mib",
-    default=8,
+    default=Config.max_body_mib,
     show_default=True,
     envvar="RADIX_MAX_BODY",
     type=click.IntRange(1, 1024),
@@ -243,7 +257,7 @@ def _times(factor: int) -> Callable[[click.Context, click.Parameter, int], int]:
 idle_timeout_option = click.option(
     "--idle-timeout",
     "idle_timeout_s",
-    default=30.0,
+    default=Config.idle_timeout_s,
     show_default=True,
     envvar="RADIX_IDLE_TIMEOUT",
     type=click.FloatRange(0.1),
@@ -252,7 +266,7 @@ idle_timeout_option = click.option(
 body_timeout_option = click.option(
     "--body-timeout",
     "body_timeout_s",
-    default=60.0,
+    default=Config.body_timeout_s,
     show_default=True,
     envvar="RADIX_BODY_TIMEOUT",
     type=click.FloatRange(0.1),
@@ -260,7 +274,7 @@ body_timeout_option = click.option(
 )
 max_connections_option = click.option(
     "--max-connections",
-    default=4096,
+    default=Config.max_connections,
     show_default=True,
     envvar="RADIX_MAX_CONNECTIONS",
     type=click.IntRange(0),
@@ -269,7 +283,7 @@ max_connections_option = click.option(
 )
 max_connections_per_client_option = click.option(
     "--max-connections-per-client",
-    default=256,
+    default=Config.max_connections_per_client,
     show_default=True,
     envvar="RADIX_MAX_CONNECTIONS_PER_CLIENT",
     type=click.IntRange(0),
@@ -279,28 +293,28 @@ max_connections_per_client_option = click.option(
 max_answer_option = click.option(
     "--max-answer",
     "max_answer_bytes",
-    default=64,
+    default=Config.max_answer_bytes // MIB,
     show_default=True,
     envvar="RADIX_MAX_ANSWER",
     type=click.IntRange(1),
-    callback=_times(1 << 20),
+    callback=_times(MIB),
     help="Largest answer the proxy holds for a client, MiB: a non-streamed or pass-through answer, "
     "one event of a stream (a larger one is cut with a 502).",
 )
 max_passthrough_body_option = click.option(
     "--max-passthrough-body",
     "max_passthrough_body_bytes",
-    default=1024,
+    default=Config.max_passthrough_body_bytes // KIB,
     show_default=True,
     envvar="RADIX_MAX_PASSTHROUGH_BODY",
     type=click.IntRange(1),
-    callback=_times(1 << 10),
+    callback=_times(KIB),
     help="Largest body in KiB of a read-only pass-through request (/tokenize, /apply-template, "
     "/detokenize, the token counters); larger ones get 413.",
 )
 max_passthrough_option = click.option(
     "--max-passthrough",
-    default=1,
+    default=Config.max_passthrough,
     show_default=True,
     envvar="RADIX_MAX_PASSTHROUGH",
     type=click.IntRange(1),
@@ -309,7 +323,7 @@ max_passthrough_option = click.option(
 )
 max_logprobs_option = click.option(
     "--max-logprobs",
-    default=20,
+    default=Config.max_logprobs,
     show_default=True,
     envvar="RADIX_MAX_LOGPROBS",
     type=click.IntRange(0),
@@ -319,16 +333,16 @@ max_logprobs_option = click.option(
 max_grammar_option = click.option(
     "--max-grammar",
     "max_grammar_bytes",
-    default=256,
+    default=Config.max_grammar_bytes // KIB,
     show_default=True,
     envvar="RADIX_MAX_GRAMMAR",
     type=click.IntRange(1),
-    callback=_times(1 << 10),
+    callback=_times(KIB),
     help="Largest grammar or JSON schema (json_schema, response_format) in KiB; larger get 400.",
 )
 max_grammar_depth_option = click.option(
     "--max-grammar-depth",
-    default=128,
+    default=Config.max_grammar_depth,
     show_default=True,
     envvar="RADIX_MAX_GRAMMAR_DEPTH",
     type=click.IntRange(1),
@@ -337,7 +351,7 @@ max_grammar_depth_option = click.option(
 )
 max_grammar_rules_option = click.option(
     "--max-grammar-rules",
-    default=4096,
+    default=Config.max_grammar_rules,
     show_default=True,
     envvar="RADIX_MAX_GRAMMAR_RULES",
     type=click.IntRange(1),
@@ -356,7 +370,7 @@ def _isolation_sources(ctx: click.Context, param: click.Parameter, value: str) -
 cache_isolation_option = click.option(
     "--cache-isolation",
     "cache_isolation",
-    default="field,header,api-key",
+    default=",".join(Config.cache_isolation),
     show_default=True,
     envvar="RADIX_CACHE_ISOLATION",
     callback=_isolation_sources,
@@ -367,7 +381,7 @@ cache_isolation_option = click.option(
 cache_info_option = _on_off_option(
     "--cache-info",
     "cache_info",
-    "on",
+    Config.cache_info,
     "RADIX_CACHE_INFO",
     "Tell clients how much of their prompt was cached (X-Radix-* headers, timings). Turn off when "
     "clients do not trust each other: it is an exact oracle for other tenants' prompts.",
@@ -375,7 +389,7 @@ cache_info_option = _on_off_option(
 max_queue_option = click.option(
     "--max-queue",
     "max_queue",
-    default=0,
+    default=Config.max_queue,
     show_default=True,
     envvar="RADIX_MAX_QUEUE",
     type=click.IntRange(0),
@@ -384,7 +398,7 @@ max_queue_option = click.option(
 queue_timeout_option = click.option(
     "--queue-timeout",
     "queue_timeout_s",
-    default=60.0,
+    default=Config.queue_timeout_s,
     show_default=True,
     envvar="RADIX_QUEUE_TIMEOUT",
     type=click.FloatRange(0.1),
@@ -393,7 +407,7 @@ queue_timeout_option = click.option(
 backend_read_timeout_option = click.option(
     "--backend-read-timeout",
     "backend_read_timeout_s",
-    default=600.0,
+    default=Config.backend_read_timeout_s,
     show_default=True,
     envvar="RADIX_BACKEND_READ_TIMEOUT",
     type=click.FloatRange(1),
@@ -402,7 +416,7 @@ backend_read_timeout_option = click.option(
 shutdown_grace_option = click.option(
     "--shutdown-grace",
     "shutdown_grace_s",
-    default=30.0,
+    default=Config.shutdown_grace_s,
     show_default=True,
     envvar="RADIX_SHUTDOWN_GRACE",
     type=click.FloatRange(0),
@@ -411,12 +425,13 @@ shutdown_grace_option = click.option(
 admin_show_text_option = click.option(
     "--admin-show-text",
     is_flag=True,
+    default=Config.admin_show_text,
     envvar="RADIX_ADMIN_SHOW_TEXT",
     help="Show prompt text (previews, divergences) in the /radix admin API; token counts only otherwise.",
 )
 event_loop_option = click.option(
     "--event-loop",
-    default="auto",
+    default=Config.event_loop,
     show_default=True,
     envvar="RADIX_EVENT_LOOP",
     type=click.Choice(EVENT_LOOPS),
@@ -424,11 +439,37 @@ event_loop_option = click.option(
 )
 log_level_option = click.option(
     "--log-level",
-    default="info",
+    default=Config.log_level,
     show_default=True,
     envvar="RADIX_LOG_LEVEL",
     type=click.Choice(["debug", "info", "warning", "error"]),
 )
+
+# ---- a llama-server to start (up, the bench arms, soak) ----------------------------------------
+# Factories: ``up`` gives each its RADIX_* variable; the bench commands keep click's automatic
+# RADIX_BENCH_<COMMAND>_* names. What no --threads means differs (up: llama-server's own
+# choice; the bench arms: every core; soak: 2), so each command says so in its help.
+
+parallel_option = functools.partial(
+    click.option, "--parallel", "-np", "n_parallel", default=4, show_default=True, help="Slots per server."
+)
+ctx_size_option = functools.partial(
+    click.option,
+    "--ctx-size",
+    "-c",
+    default=16384,
+    show_default=True,
+    help="Total KV pool in tokens (shared by all slots).",
+)
+threads_option = functools.partial(click.option, "--threads", "-t", type=int)
+
+
+def build_backend_option(flag: str = "--build-backend", **kw: Any) -> Callable[[_Fn], _Fn]:
+    """Which llama-server build (``radixctl build --backend``; ``--build-backend`` elsewhere)."""
+    return click.option(
+        flag, type=click.Choice(BUILD_BACKENDS), default=BuildSpec.backend, show_default=True, **kw
+    )
+
 
 # ---- a model to serve (up, bench arms) --------------------------------------------------------
 
@@ -445,7 +486,7 @@ model_option = click.option(
 
 url_option = click.option(
     "--url",
-    default="http://127.0.0.1:8080",
+    default=f"http://{Config.host}:{Config.port}",
     show_default=True,
     envvar="RADIX_URL",
     help="The proxy's base URL.",

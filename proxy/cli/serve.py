@@ -16,7 +16,15 @@ from typing import Any
 import click
 
 from proxy.cli.common import fail_cleanly
-from proxy.cli.options import BUILD_BACKENDS, model_option, proxy_options, take_kvctl_key_file
+from proxy.cli.options import (
+    build_backend_option,
+    ctx_size_option,
+    model_option,
+    parallel_option,
+    proxy_options,
+    take_kvctl_key_file,
+    threads_option,
+)
 from proxy.config import Config
 from proxy.errors import ConfigError, RadixError
 from proxy.native.build import BuildSpec, build_server
@@ -64,23 +72,10 @@ def serve(backends: tuple[str, ...], **kw: Any) -> None:
     envvar="RADIX_SERVER_PORT",
     help="llama-server port (0: a free one).",
 )
-@click.option("--parallel", "-np", "n_parallel", default=4, show_default=True, envvar="RADIX_PARALLEL")
-@click.option(
-    "--ctx-size",
-    "-c",
-    default=16384,
-    show_default=True,
-    envvar="RADIX_CTX_SIZE",
-    help="Total KV pool in tokens (shared by all slots).",
-)
-@click.option("--threads", "-t", type=int, default=None, envvar="RADIX_THREADS")
-@click.option(
-    "--build-backend",
-    type=click.Choice(BUILD_BACKENDS),
-    default="cpu",
-    show_default=True,
-    envvar="RADIX_BUILD_BACKEND",
-)
+@parallel_option(envvar="RADIX_PARALLEL")
+@ctx_size_option(envvar="RADIX_CTX_SIZE")
+@threads_option(envvar="RADIX_THREADS", help="Threads of llama-server (default: llama-server's own).")
+@build_backend_option(envvar="RADIX_BUILD_BACKEND")
 @click.option("--server-arg", "server_args", multiple=True, help="Extra llama-server argument (repeatable).")
 @proxy_options
 @fail_cleanly

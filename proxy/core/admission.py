@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from proxy.core.planner import Plan, Route
-from proxy.core.resident import common_prefix
+from proxy.core.prefix import common_prefix
 
 # Routes whose first ``reuse_len`` cells the slot holds already (A) or shares with an owner (S).
 HELD_ROUTES = (Route.A, Route.AH, Route.S, Route.SH)

@@ -41,6 +41,8 @@ from enum import StrEnum
 
 import numpy as np
 
+from proxy.core.prefix import common_prefix
+
 MAGIC = b"RDXDISK1"
 FORMAT_VERSION = 2  # 2: the header's sum is an HMAC (version 1 entries are dropped once)
 SUFFIX = ".kv"
@@ -378,7 +380,7 @@ class DiskIndex:
                 if p > cur:
                     break
                 for entry in self._by_key.get((nsd, p, prefixes[p], int(tokens[p])), ()):
-                    reach = p + _common(entry.tokens, tokens[p:])
+                    reach = p + common_prefix(entry.tokens, tokens[p:])
                     if reach > cur and (best is None or reach > best[1]):
                         best = (entry, reach)
             if best is None:
@@ -437,9 +439,3 @@ class DiskIndex:
                 assert (entry.last_used, id(entry)) in live, f"{entry.name} missing from the LRU heap"
         unpinned = any(e.pins == 0 for e in self._by_name.values())
         assert self._bytes <= self.budget_bytes or not unpinned, "over budget with evictable entries"
-
-
-def _common(a: np.ndarray, b: np.ndarray) -> int:
-    m = min(len(a), len(b))
-    diff = np.flatnonzero(a[:m] != b[:m])
-    return int(diff[0]) if diff.size else m

@@ -12,9 +12,8 @@ Rules, in order:
    it are dropped, and H on top of a base must add at least that many tokens. A costs
    nothing and is always a candidate.
 3. Policy "longest" (default): the longest executable prefix wins; ties A > S > H.
-   When H wins and the host extends an A or S base by >= min_restore_tokens (mixed
-   enabled), only [base, host) is imported on top of the base (A+H / S+H): same length,
-   fewer bytes moved.
+   When H wins and the host extends an A or S base by >= min_restore_tokens, only
+   [base, host) is imported on top of the base (A+H / S+H): same length, fewer bytes moved.
    Policy "share": the longer of A and S when either is usable (ties A); H only when
    neither is. Mixed extends the A or S base the same way.
 4. Slot: for A (and A+H) the idle slot with the longest lcp, ties most recently used.
@@ -29,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
+
+from proxy.config import Config
 
 Policy = Literal["longest", "share"]
 
@@ -70,10 +71,9 @@ class PlanInput:
     slots: tuple[SlotView, ...]
     host_len: int  # host radix tree match length
     residents: tuple[ResidentView, ...] = ()
-    policy: Policy = "longest"
-    min_restore_tokens: int = 64
+    policy: Policy = Config.kv_share_route
+    min_restore_tokens: int = Config.min_restore_tokens
     share_enabled: bool = True
-    mixed_enabled: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in ("longest", "share"):
@@ -113,7 +113,7 @@ def plan(inp: PlanInput) -> Plan | None:
     base_route, base = (Route.S, s) if s > a else (Route.A, a)
     if h <= base:
         return _base_plan(idle, a_slot, base_route, base, owner)
-    if inp.mixed_enabled and base > 0 and h - base >= inp.min_restore_tokens:
+    if base > 0 and h - base >= inp.min_restore_tokens:
         return _mixed_plan(idle, a_slot, base_route, base, owner, h)
     if inp.policy == "share" and base > 0:  # "share" uses H alone only when A and S give nothing
         return _base_plan(idle, a_slot, base_route, base, owner)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from proxy.core.payload import KvLayout, KvSegment
+from proxy.core.prefix import common_prefix
 from proxy.errors import PayloadError
 
 # Metadata estimate charged against the budget besides the KV bytes themselves.
@@ -405,10 +406,7 @@ class RadixTree:
             child = node.children.get(int(q[pos]))
             if child is None:
                 break
-            m = min(len(child.tokens), len(q) - pos)
-            # Vectorised compare: no per-token Python loop on long edges.
-            diff = np.flatnonzero(child.tokens[:m] != q[pos : pos + m])
-            k = int(diff[0]) if diff.size else m
+            k = common_prefix(child.tokens, q[pos:])
             path.append(child)
             pos += k
             if k < len(child.tokens):

@@ -13,14 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from proxy.core.planner import ResidentView
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
+from proxy.core.prefix import common_prefix
 
 
 @dataclass

@@ -30,6 +30,7 @@ from typing import Any
 import orjson
 
 from proxy.errors import BadRequest, RadixError
+from proxy.server.wire import json_or_error
 
 CHAT_PATH = "/v1/chat/completions"
 BILLING_PREFIX = "x-anthropic-billing-header:"
@@ -319,10 +320,7 @@ def error_of(exc: RadixError) -> dict[str, Any]:
 
 def convert_error(raw: bytes, status: int) -> bytes:
     """A server's error answer ({"error": {"code", "message", "type"}}) in Anthropic's shape."""
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return orjson.dumps(error_body(status, raw[:500].decode(errors="replace")))
+    data = json_or_error(raw, limit=500)
     err = data.get("error") if isinstance(data, dict) else None
     if not isinstance(err, dict):
         return orjson.dumps(error_body(status, str(data)[:500]))

@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from proxy.server.anthropic import error_body, event, stop_reason, usage
+from proxy.server.wire import LineSplitter
 
 
 class EventStream:
@@ -28,7 +29,7 @@ class EventStream:
     def __init__(self, show: bool, prompt_tokens: int) -> None:
         self.show = show
         self.prompt_tokens = prompt_tokens  # the proxy's count, when no timings came
-        self._partial = b""
+        self._lines = LineSplitter()
         self._started = False
         self._done = False
         self._thinking = False
@@ -42,12 +43,10 @@ class EventStream:
         self.model = ""
 
     def feed(self, chunk: bytes) -> bytes:
-        lines = (self._partial + chunk).split(b"\n")
-        self._partial = lines.pop()
-        return b"".join(self._line(line) for line in lines)
+        return b"".join(self._line(line) for line in self._lines.feed(chunk))
 
     def flush(self) -> bytes:
-        rest, self._partial = self._partial, b""
+        rest = self._lines.rest()
         out = self._line(rest) if rest else b""
         if not self._done and self._finish is not None:
             out += self._close()

@@ -16,6 +16,7 @@ import orjson
 
 from proxy.core.payload import tokens_sha256
 from proxy.errors import BackendError, FallbackCause, KvMoveError, RadixError
+from proxy.server.wire import json_or_error
 
 log = logging.getLogger("radix")
 
@@ -136,10 +137,7 @@ class Backend:
     @staticmethod
     async def _json(resp: aiohttp.ClientResponse, what: str) -> Any:
         raw = await resp.read()
-        try:
-            data = orjson.loads(raw) if raw else {}
-        except orjson.JSONDecodeError:
-            data = {"error": {"message": raw[:200].decode(errors="replace")}}
+        data = json_or_error(raw) if raw else {}
         if resp.status >= 400:
             raise backend_error(resp.status, data, what)
         return data
@@ -184,10 +182,7 @@ class Backend:
             raise KvMoveError(FallbackCause.TRANSPORT, f"/kvctl/{route}: {exc}") from exc
         except TimeoutError as exc:
             raise KvMoveError(FallbackCause.TIMEOUT, f"/kvctl/{route}: no answer in time") from exc
-        try:
-            data = orjson.loads(raw) if raw else {}
-        except orjson.JSONDecodeError:
-            data = {"error": {"message": raw[:200].decode(errors="replace")}}
+        data = json_or_error(raw) if raw else {}
         self.check_instance(data, route, adopt)
         if status >= 400:
             raise backend_error(status, data, f"/kvctl/{route}")

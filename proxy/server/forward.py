@@ -25,6 +25,7 @@ from aiohttp import web
 from proxy.errors import BackendError
 from proxy.server.coordinator import Lease
 from proxy.server.shapes import AnswerShape
+from proxy.server.wire import LineSplitter
 
 CLIENT_WRITE_TIMEOUT_S = 120.0  # a client that takes no byte for this long is gone: cut it
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding"}
@@ -82,18 +83,13 @@ class Outcome:
     ttft_s: float | None = None
     timings: dict[str, Any] | None = None
     broken: str = ""  # why the stream ended early (server gone, client too slow)
-    _partial: bytearray = field(default_factory=bytearray)
+    _lines: LineSplitter = field(default_factory=LineSplitter)
 
     longest_line: int = 0  # of the last chunk fed, the line not ended yet included
 
     def feed_sse(self, chunk: bytes) -> None:
-        if b"\n" not in chunk:  # appended in place: a long line costs its length, not its square
-            self._partial += chunk
-            self.longest_line = len(self._partial)
-            return
-        lines = (bytes(self._partial) + chunk).split(b"\n")
-        self._partial = bytearray(lines.pop())
-        self.longest_line = max(len(self._partial), *(len(line) for line in lines))
+        lines = self._lines.feed(chunk)
+        self.longest_line = max([self._lines.pending, *map(len, lines)])
         for line in lines:
             if line.startswith(b"data: ") and b'"timings"' in line:
                 self.timings = timings_of(line[6:]) or self.timings

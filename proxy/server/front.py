@@ -26,6 +26,7 @@ import orjson
 from proxy.config import Config
 from proxy.errors import BadRequest
 from proxy.server.limits import check_json_depth, maybe_deep
+from proxy.server.wire import LineSplitter
 
 # Read-only paths passed to the first server unchanged (method, path).
 READ_ONLY = {
@@ -179,18 +180,13 @@ class SseStripper:
     """Rewrites an SSE stream line by line, dropping cache information from each event."""
 
     def __init__(self) -> None:
-        self._partial = bytearray()
+        self._lines = LineSplitter()
 
     def feed(self, chunk: bytes) -> bytes:
-        if b"\n" not in chunk:  # appended in place: a long line costs its length, not its square
-            self._partial += chunk
-            return b""
-        lines = (bytes(self._partial) + chunk).split(b"\n")
-        self._partial = bytearray(lines.pop())
-        return b"".join(self._line(line) + b"\n" for line in lines)
+        return b"".join(self._line(line) + b"\n" for line in self._lines.feed(chunk))
 
     def flush(self) -> bytes:
-        rest, self._partial = bytes(self._partial), bytearray()
+        rest = self._lines.rest()
         return self._line(rest) if rest else b""
 
     @staticmethod

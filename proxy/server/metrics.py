@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from proxy.core.planner import Route
 from proxy.core.radix import TreeStats
-from proxy.errors import FallbackCause
+from proxy.errors import FallbackCause, RejectReason
 from proxy.server.disk_metrics import DiskMetrics
 
 ROUTES = tuple(r.value for r in Route)
@@ -38,7 +38,7 @@ SHARE_PATHS = {
 }
 FALLBACK_CAUSES = tuple(c.value for c in FallbackCause)
 DIRECTIONS = ("export", "import")
-REJECT_REASONS = ("queue_full", "queue_timeout", "shutting_down", "no_room")
+REJECT_REASONS = tuple(r.value for r in RejectReason)
 APIS = (
     "chat",
     "completions",

@@ -18,6 +18,7 @@ from proxy.server.anthropic import convert_error, message_of
 from proxy.server.anthropic_stream import EventStream
 from proxy.server.front import SseStripper, strip_cache_info_raw
 from proxy.server.metrics import Metrics
+from proxy.server.wire import LineSplitter
 
 log = logging.getLogger("radix")
 
@@ -97,15 +98,13 @@ def strip_deep(data: Any) -> Any:
 
 class _DeepStripper:
     def __init__(self) -> None:
-        self._partial = b""
+        self._lines = LineSplitter()
 
     def feed(self, chunk: bytes) -> bytes:
-        lines = (self._partial + chunk).split(b"\n")
-        self._partial = lines.pop()
-        return b"".join(self._line(line) + b"\n" for line in lines)
+        return b"".join(self._line(line) + b"\n" for line in self._lines.feed(chunk))
 
     def flush(self) -> bytes:
-        rest, self._partial = self._partial, b""
+        rest = self._lines.rest()
         return self._line(rest) if rest else b""
 
     @staticmethod

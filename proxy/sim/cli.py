@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from proxy.config import Config
 from proxy.sim.calibrate import fit_prefill, measure
 from proxy.sim.engine import SimConfig, Simulator
 from proxy.sim.model import Calibration
@@ -76,7 +77,9 @@ def sim() -> None:
 @click.option("--load", default=1.0, show_default=True, help="New sessions per server per minute.")
 @click.option("--systems", default=8, show_default=True, help="Distinct system prompts.")
 @click.option("--share/--no-share", default=False, show_default=True, help="Resident sharing (route S).")
-@click.option("--cache-ram-mib", default=4096, show_default=True, help="Host tree budget (real bytes).")
+@click.option(
+    "--cache-ram-mib", default=Config.cache_ram_mib, show_default=True, help="Host tree budget (real bytes)."
+)
 @click.option("--prefill-tok-s", default=DEFAULTS.prefill_tok_s, show_default=True)
 @click.option("--prefill-ctx-tokens", default=DEFAULTS.prefill_ctx_tokens, show_default=True)
 @click.option("--decode-tok-s", default=DEFAULTS.decode_tok_s, show_default=True)

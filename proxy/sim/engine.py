@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from proxy.config import Config
 from proxy.core.payload import KvLayout, KvSegment
 from proxy.core.planner import Plan, Route, plan
 from proxy.core.radix import RadixTree
@@ -36,8 +37,8 @@ class SimConfig:
     # balancer that hashes the session id (deploy/nginx): 1 is one proxy in front of all.
     proxies: int = 1
     share: bool = False
-    host_budget_mib: int = 4096  # as `--cache-ram` (real bytes)
-    min_restore_tokens: int = 64
+    host_budget_mib: int = Config.cache_ram_mib  # as `--cache-ram` (real bytes)
+    min_restore_tokens: int = Config.min_restore_tokens  # as `--min-restore-tokens`
     share_cells: int = 8192  # resident tokens per server before releasing owners
     calib: Calibration = field(default_factory=Calibration)
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)

@@ -15,7 +15,8 @@ from typing import Protocol
 import numpy as np
 
 from proxy.core.planner import Plan, PlanInput, SlotView, plan
-from proxy.core.resident import ResidentIndex, common_prefix
+from proxy.core.prefix import common_prefix
+from proxy.core.resident import ResidentIndex
 from proxy.sim.model import Calibration
 
 EMPTY = np.empty(0, np.int32)

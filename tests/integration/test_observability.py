@@ -430,7 +430,7 @@ def test_radixctl_stats(live: Live) -> None:
         assert re.search(rf"^{label}\s", human, re.M), label
 
 
-def test_radixctl_doctor(live: Live, stock_server: ServerProcess) -> None:
+def test_radixctl_doctor(live: Live, stock_server: ServerProcess, tmp_path: Path) -> None:
     spec = live.backend.spec
     key = ["--kvctl-key", str(spec.kvctl_key)]
     good = CliRunner().invoke(
@@ -446,6 +446,14 @@ def test_radixctl_doctor(live: Live, stock_server: ServerProcess) -> None:
     assert checks["tokenizer"]["status"] == "ok" and checks["payload dir"]["status"] == "ok"
     human = CliRunner().invoke(radixctl, ["doctor", "--backend-url", live.backend.url, *key]).stdout
     assert "OK    tokenizer" in human and "result:" in human
+    key_file = tmp_path / "kvctl.key"
+    key_file.write_text(f"{spec.kvctl_key}\n")
+    from_file = CliRunner().invoke(
+        radixctl, ["doctor", "--backend-url", live.backend.url, "--kvctl-key-file", str(key_file), "--json"]
+    )
+    assert from_file.exit_code == 0, from_file.output
+    checks = {c["name"]: c for c in json.loads(from_file.stdout)["servers"][0]["checks"]}
+    assert checks["kvctl"]["status"] == "ok" and checks["tokenizer"]["status"] == "ok"
 
     stock = CliRunner().invoke(radixctl, ["doctor", "--backend-url", stock_server.url])
     assert stock.exit_code == 1

@@ -62,3 +62,28 @@ def test_missing_file_and_both_given_refused(tmp_path: Path) -> None:
     key.write_text("k")
     result = _run(["--kvctl-key", "x", "--kvctl-key-file", str(key)])
     assert result.exit_code == 2 and "not both" in result.output
+
+
+def test_doctor_reads_both_key_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # doctor talks to the server as the proxy will: the same keys, from the same files.
+    from proxy.cli import doctor as cli_doctor
+    from proxy.cli.main import main
+
+    seen: list[tuple[str | None, str | None]] = []
+
+    async def fake_check(
+        url: str, kvctl_key: str | None, shm_dir: Any, cache: Any, api_key: str | None = None
+    ) -> list[Any]:
+        seen.append((kvctl_key, api_key))
+        return [cli_doctor.Check("reachable", "ok", url)]
+
+    monkeypatch.setattr(cli_doctor, "check_server", fake_check)
+    kvctl, api = tmp_path / "kvctl", tmp_path / "api"
+    kvctl.write_text("kv-secret\n")
+    api.write_text("api-secret\n")
+    args = ["doctor", "--backend-url", "http://127.0.0.1:1", "--kvctl-key-file", str(kvctl)]
+    result = CliRunner().invoke(main, [*args, "--server-api-key-file", str(api)], env={})
+    assert result.exit_code == 0, result.output
+    assert seen == [("kv-secret", "api-secret")]
+    result = CliRunner().invoke(main, [*args, "--kvctl-key", "x"], env={})
+    assert result.exit_code == 2 and "not both" in result.output

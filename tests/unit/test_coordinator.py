@@ -20,12 +20,12 @@ from prometheus_client import CollectorRegistry
 from proxy.config import Config
 from proxy.core.payload import KvLayout, KvSegment
 from proxy.core.planner import Route
+from proxy.core.prefix import common_prefix
 from proxy.core.radix import RadixTree
-from proxy.core.resident import common_prefix
-from proxy.errors import FallbackCause, KvMoveError, TooManyRequests, Unavailable
+from proxy.errors import FallbackCause, KvMoveError, RejectReason, TooManyRequests, Unavailable
 from proxy.server.coordinator import Coordinator, Lease, RestoreAbandoned, ServerState, SlotState
 from proxy.server.coordinator import scan as scan_module
-from proxy.server.metrics import Metrics
+from proxy.server.metrics import REJECT_REASONS, Metrics
 
 pytestmark = pytest.mark.unit
 
@@ -547,6 +547,36 @@ async def test_a_queued_request_gives_up_after_the_queue_timeout() -> None:
     coord.release(held)
     assert not coord.servers[0].slots[0].busy
     check(coord)
+
+
+async def test_rejections_are_counted_by_reject_reason() -> None:
+    # Every refusal names a RejectReason (the label set the metric is pre-created with).
+    coord = coordinator(server("s0", n_slots=1), max_queue=1, queue_timeout_s=0.05)
+    seen: list[object] = []
+    counted = coord.leases.on_reject
+
+    def on_reject(reason: RejectReason) -> None:
+        seen.append(reason)
+        counted(reason)
+
+    coord.leases.on_reject = on_reject
+    held = await coord.acquire("r0", toks(0, 20))
+    waiting = asyncio.create_task(coord.acquire("w", toks(100, 20)))
+    await settle()
+    with pytest.raises(TooManyRequests):
+        await coord.acquire("over", toks(900, 20))
+    with pytest.raises(Unavailable):
+        await waiting
+    coord.close()
+    with pytest.raises(Unavailable):
+        await coord.acquire("late", toks(500, 20))
+    assert seen == [RejectReason.QUEUE_FULL, RejectReason.QUEUE_TIMEOUT, RejectReason.SHUTTING_DOWN]
+    assert all(isinstance(r, RejectReason) for r in seen)
+    assert tuple(RejectReason) == REJECT_REASONS
+    for reason in RejectReason:
+        expected = 1 if reason in seen else 0
+        assert coord.metrics.value("radix_rejected_requests_total", reason=reason) == expected
+    coord.release(held)
 
 
 async def test_the_prefix_wait_is_bounded() -> None:

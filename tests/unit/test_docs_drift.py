@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -44,17 +45,24 @@ def exposed() -> set[str]:
     return out
 
 
-def documented() -> set[str]:
-    """Metric names in the first column of the metric tables of docs/observability.md."""
-    out: set[str] = set()
+def table_rows(path: Path, header: str) -> Iterator[list[str]]:
+    """The cells of every body row of the Markdown tables whose header line starts with
+    ``header`` (an escaped ``\\|`` stays inside its cell)."""
     in_table = False
-    for line in OBSERVABILITY.read_text().splitlines():
-        if line.startswith("| metric |"):
+    for line in path.read_text().splitlines():
+        if line.startswith(header):
             in_table = True
         elif not line.startswith("|"):
             in_table = False
         elif in_table and not line.startswith("|---"):
-            out |= set(re.findall(r"`([a-z_:]+)`", line.split("|")[1]))
+            yield [cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]]
+
+
+def documented() -> set[str]:
+    """Metric names in the first column of the metric tables of docs/observability.md."""
+    out: set[str] = set()
+    for cells in table_rows(OBSERVABILITY, "| metric |"):
+        out |= set(re.findall(r"`([a-z_:]+)`", cells[0]))
     return out
 
 
@@ -199,3 +207,74 @@ def test_the_layers_list_every_package_and_top_level_module() -> None:
     names += [f"proxy/{p.name}" for p in sorted(proxy.glob("*.py")) if p.name != "__init__.py"]
     missing = [n for n in names if n not in layers_block()]
     assert not missing, f"not in docs/design.md's Layers: {missing}"
+
+
+# ---- the README's options table -------------------------------------------------------------------
+
+README = ROOT / "README.md"
+
+
+def readme_options() -> dict[str, str]:
+    """{flag: its default cell} of the README's options table (a row may name several flags)."""
+    out: dict[str, str] = {}
+    for cells in table_rows(README, "| option (`RADIX_*` env) |"):
+        for flag in re.findall(r"`(--[a-z][a-z-]*)", cells[0]):
+            out[flag] = cells[1]
+    return out
+
+
+def proxy_cli_options() -> dict[str, click.Option]:
+    """{flag: option} of ``radixctl serve``: every option of the proxy itself."""
+    from proxy.cli.serve import serve
+
+    return {p.opts[0]: p for p in serve.params if isinstance(p, click.Option)}
+
+
+def shown_default(option: click.Option) -> str | None:
+    """The default as a reader of the table would write it; None when there is no value."""
+    if option.is_flag:
+        return "on" if option.default is True else "off"
+    # No default is None, or click's own "unset" marker (not a plain value).
+    return str(option.default) if isinstance(option.default, str | int | float) else None
+
+
+def table_says(cell: str, default: str) -> bool:
+    """The cell starts with the default: ``16`` for 16.0, ``on``, ``field,header,api-key``."""
+    words = cell.replace("`", "").split()
+    first = words[0] if words else ""
+    try:
+        return float(first) == float(default)
+    except ValueError:
+        return first == default
+
+
+def test_the_options_table_is_found() -> None:
+    assert len(readme_options()) > 40
+    assert table_says("16", "16.0") and table_says("0 (auto: half the pool)", "0")
+    assert table_says("`field,header,api-key`", "field,header,api-key") and not table_says("on", "off")
+
+
+def test_every_proxy_option_is_in_the_readme_table_and_no_other() -> None:
+    table, cli = set(readme_options()), set(proxy_cli_options())
+    assert not cli - table, (
+        f"options of radixctl serve missing from the README's table: {sorted(cli - table)}"
+    )
+    assert not table - cli, f"in the README's options table but not options of serve: {sorted(table - cli)}"
+
+
+def test_the_readme_table_gives_each_option_its_default() -> None:
+    table = readme_options()
+    wrong = []
+    for flag, option in proxy_cli_options().items():
+        default = shown_default(option)
+        if default is not None and not table_says(table[flag], default):
+            wrong.append(f"{flag}: the CLI's default is {default}, the README says {table[flag]!r}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_reject_reasons_are_documented() -> None:
+    from proxy.errors import RejectReason
+
+    rows = [c for c in table_rows(OBSERVABILITY, "| metric |") if "`radix_rejected_requests_total`" in c[0]]
+    assert len(rows) == 1
+    assert set(re.findall(r"`([a-z_]+)`", rows[0][2])) == {r.value for r in RejectReason}

@@ -31,7 +31,6 @@ class Case:
     residents: list[ResidentView] = field(default_factory=list)
     policy: Policy = "longest"
     share: bool = True
-    mixed: bool = True
 
 
 CASES = [
@@ -77,7 +76,6 @@ CASES = [
         (Route.H, 0, 0, None, 0, 90, 90),
         host=90,
     ),
-    Case("mixed off: full H", [slot(0, 30)], (Route.H, 0, 0, None, 0, 90, 90), host=90, mixed=False),
     Case(
         "S longer than A",
         [slot(0, 10), slot(1)],
@@ -115,21 +113,19 @@ CASES = [
         policy="share",
     ),
     Case(
-        "share: A without mixed",
+        "share: A alone when the host adds less than min",
         [slot(0, 20)],
         (Route.A, 0, 20, None, 0, 0, 20),
-        host=90,
+        host=20 + MIN - 1,
         policy="share",
-        mixed=False,
     ),
     Case(
-        "share: S without mixed",
+        "share: S alone when the host adds less than min",
         [slot(0)],
         (Route.S, 0, 30, 5, 0, 0, 30),
-        host=90,
+        host=30 + MIN - 1,
         residents=[ResidentView(5, 30)],
         policy="share",
-        mixed=False,
     ),
     Case(
         "share: H when neither A nor S", [slot(0)], (Route.H, 0, 0, None, 0, 90, 90), host=90, policy="share"
@@ -147,7 +143,6 @@ def test_plan_table(case: Case) -> None:
         case.policy,
         MIN,
         case.share,
-        case.mixed,
     )
     got = plan(inp)
     assert got is not None
@@ -202,7 +197,6 @@ residents_st = st.lists(st.builds(ResidentView, st.integers(8, 12), st.integers(
     policy=st.sampled_from(["longest", "share"]),
     min_restore=st.integers(0, 64),
     share=st.booleans(),
-    mixed=st.booleans(),
 )
 def test_plan_properties(
     n_prompt: int,
@@ -212,9 +206,8 @@ def test_plan_properties(
     policy: Policy,
     min_restore: int,
     share: bool,
-    mixed: bool,
 ) -> None:
-    inp = PlanInput(n_prompt, slots, host, tuple(residents), policy, min_restore, share, mixed)
+    inp = PlanInput(n_prompt, slots, host, tuple(residents), policy, min_restore, share)
     got = plan(inp)
     idle = [s for s in slots if s.idle]
     if not idle:

@@ -1,4 +1,8 @@
 """Does KV held by idle slots slow a short prefill on another slot (unified KV, -kvu)?"""
+
+# ruff: noqa
+# fmt: off
+# A study script kept as it was run (docs/results/2026-12-01-defaults); not held to the lint.
 import json, subprocess, sys, time, urllib.request, os, random
 BIN, MODEL = sys.argv[1], sys.argv[2]
 port = 18777

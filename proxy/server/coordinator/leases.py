@@ -26,10 +26,10 @@ from proxy.config import Config
 from proxy.core.admission import check_reservations
 from proxy.core.planner import Plan, PlanInput, Route, SlotView
 from proxy.core.planner import plan as choose_plan
+from proxy.core.prefix import common_prefix
 from proxy.core.radix import RadixTree
-from proxy.core.resident import common_prefix
 from proxy.core.routing import CostModel, ServerLoad, choose_server
-from proxy.errors import BadRequest, TooManyRequests, Unavailable
+from proxy.errors import BadRequest, RejectReason, TooManyRequests, Unavailable
 from proxy.server.coordinator.decisions import divergence
 from proxy.server.coordinator.scan import PrefixScan, ServerScan, scan
 from proxy.server.coordinator.state import EMPTY, Lease, ServerState
@@ -69,7 +69,7 @@ class Leases:
         config: Config,
         servers: list[ServerState],
         tree: RadixTree,
-        on_reject: Callable[[str], None] = lambda reason: None,
+        on_reject: Callable[[RejectReason], None] = lambda reason: None,
     ) -> None:
         self.config = config
         self.servers = servers
@@ -91,7 +91,7 @@ class Leases:
         """Requests waiting for a slot or for a request that holds their prefix."""
         return self.queued() + self.waiting_for_prefix
 
-    def _refuse(self, reason: str, exc: Exception) -> Exception:
+    def _refuse(self, reason: RejectReason, exc: Exception) -> Exception:
         self.on_reject(reason)
         return exc
 
@@ -118,7 +118,7 @@ class Leases:
         self._admit()
         found = await self._wait_for_shared_prefix(tokens, ns)
         if self.closed:
-            raise self._refuse("shutting_down", Unavailable("the proxy is shutting down"))
+            raise self._refuse(RejectReason.SHUTTING_DOWN, Unavailable("the proxy is shutting down"))
         if not self._queued_for(want.model):
             lease = self._plan_and_lease(request_id, found, want)
             if lease is not None:
@@ -134,7 +134,7 @@ class Leases:
             self._abandon(waiter)
             if isinstance(exc, TimeoutError):
                 raise self._refuse(
-                    "queue_timeout",
+                    RejectReason.QUEUE_TIMEOUT,
                     Unavailable(f"no slot became free within {self.config.queue_timeout_s:g} s"),
                 ) from None
             raise
@@ -143,10 +143,11 @@ class Leases:
 
     def _admit(self) -> None:
         if self.closed:
-            raise self._refuse("shutting_down", Unavailable("the proxy is shutting down"))
+            raise self._refuse(RejectReason.SHUTTING_DOWN, Unavailable("the proxy is shutting down"))
         if self.waiting() >= self.max_queue:
             raise self._refuse(
-                "queue_full", TooManyRequests(f"too many requests waiting ({self.waiting()}); retry shortly")
+                RejectReason.QUEUE_FULL,
+                TooManyRequests(f"too many requests waiting ({self.waiting()}); retry shortly"),
             )
 
     def _abandon(self, waiter: _Waiter) -> None:
@@ -287,7 +288,6 @@ class Leases:
             policy=self.config.kv_share_route,
             min_restore_tokens=self.config.min_restore_tokens,
             share_enabled=server.sharing is not None and server.moves,
-            mixed_enabled=self.config.mixed_restore,
         )
 
     def release(self, lease: Lease) -> None:
@@ -347,7 +347,7 @@ class Leases:
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.future.done():
-                self.on_reject("shutting_down")
+                self.on_reject(RejectReason.SHUTTING_DOWN)
                 waiter.future.set_exception(Unavailable("the proxy is shutting down"))
 
 

@@ -19,9 +19,9 @@ import numpy as np
 from proxy.config import Config
 from proxy.core.admission import cells_needed, free_estimate, own_tail
 from proxy.core.planner import Route
+from proxy.core.prefix import common_prefix
 from proxy.core.radix import RadixTree
-from proxy.core.resident import common_prefix
-from proxy.errors import FallbackCause, KvMoveError, Unavailable
+from proxy.errors import FallbackCause, KvMoveError, RejectReason, Unavailable
 from proxy.server.coordinator.state import EMPTY, Lease
 from proxy.server.metrics import Metrics
 
@@ -182,7 +182,7 @@ class KvMoves:
                 server.admit(lease, need)
                 return
             if loop.time() >= deadline:
-                self.metrics.rejected.labels("no_room").inc()
+                self.metrics.rejected.labels(RejectReason.NO_ROOM).inc()
                 raise Unavailable(
                     f"no room for {need.total} KV cells within {self.config.queue_timeout_s:g} s "
                     "(the requests in flight hold the pool)"

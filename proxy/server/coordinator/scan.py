@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from proxy.core.planner import ResidentView
+from proxy.core.prefix import common_prefix
 from proxy.core.radix import HostMatch, RadixTree
-from proxy.core.resident import common_prefix
 from proxy.server.coordinator.state import ServerState
 
 
