@@ -133,6 +133,7 @@ class FallbackCause(StrEnum):
     TIMEOUT = "timeout"  # a KV move or the save after an answer ran past its deadline
     NO_SPACE = "no_space"  # the payload did not fit in the shared-memory directory, nor inline
     DOWN = "down"  # the server was taken out of routing (health checks) while a restore waited on it
+    INTERNAL = "internal"  # an unexpected error in the proxy (logged with its traceback): a bug
 
 
 class RejectReason(StrEnum):

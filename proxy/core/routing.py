@@ -49,6 +49,44 @@ class CostModel:
             raise ValueError("busy_weight and tie_s must be >= 0")
 
 
+@dataclass
+class MeasuredRates:
+    """One server's prefill and decode speed, learned from its answers' timings (an
+    exponentially weighted mean), starting from the calibration above. Decode starts slow on
+    purpose: it only decides whether to wait for another request's answer (``worth_waiting``)."""
+
+    prefill_s_per_token: float = CostModel.prefill_s_per_token
+    decode_s_per_token: float = 1 / 30
+    weight: float = 0.25  # of each new observation
+
+    def observe(self, prompt_n: int, prompt_ms: float, predicted_n: int, predicted_ms: float) -> None:
+        """The server's timings of one answer; small or missing counts say little and are skipped."""
+        if prompt_n >= 32 and prompt_ms > 0:
+            self.prefill_s_per_token += self.weight * (prompt_ms / 1000 / prompt_n - self.prefill_s_per_token)
+        if predicted_n >= 4 and predicted_ms > 0:
+            self.decode_s_per_token += self.weight * (
+                predicted_ms / 1000 / predicted_n - self.decode_s_per_token
+            )
+
+
+def time_to_answer_s(prefill_tokens: int, n_predict: int, elapsed_s: float, rates: MeasuredRates) -> float:
+    """Seconds until a request in flight has its whole answer (its prompt's KV saved right
+    after): its prefill and answer at the server's rates, less the time it has run."""
+    work = prefill_tokens * rates.prefill_s_per_token + n_predict * rates.decode_s_per_token
+    return max(0.0, work - elapsed_s)
+
+
+def worth_waiting(
+    gain_tokens: int, wait_s: float, restore_bytes: int, running: int, rates: MeasuredRates, model: CostModel
+) -> bool:
+    """Wait ``wait_s`` for a request computing this one's prefix, then restore its KV
+    (``restore_bytes``), rather than compute those ``gain_tokens`` side by side with it, at the
+    server's prefill rate slowed by the ``running`` requests (issue 28: compute each prefix
+    once)."""
+    compute_s = gain_tokens * rates.prefill_s_per_token * (1 + model.busy_weight * running)
+    return wait_s + restore_bytes / model.move_bytes_per_s < compute_s
+
+
 @dataclass(frozen=True)
 class ServerLoad:
     """One server's best plan for the request, and its load. ``index``: the caller's id."""

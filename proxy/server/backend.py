@@ -24,6 +24,9 @@ log = logging.getLogger("radix")
 # 100 requests; a request sent on such a connection fails before the server read it, so
 # one retry on a fresh connection is safe.
 _STALE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+# What a call to a server may raise besides the proxy's own errors: the connection failed or
+# broke (timeouts are OSErrors). Callers above the client catch these without aiohttp.
+TRANSPORT_ERRORS: tuple[type[Exception], ...] = (aiohttp.ClientError, OSError)
 
 # Request headers llama-server reads as its API key.
 _CREDENTIALS = {"authorization", "x-api-key"}

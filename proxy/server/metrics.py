@@ -92,7 +92,7 @@ class Metrics:
         self.started = time.time()
         self.disk = DiskMetrics(registry)  # the disk tier's families (docs/disk-tier.md)
         ns = "radix"
-        # ---- per request (coordinator.record) ------------------------------------------
+        # ---- per request (coordinator.record_decision) ----------------------------------
         self.requests = Counter(
             f"{ns}_requests",
             "Completion requests by route and server",

@@ -31,7 +31,7 @@ class Recorder:
         self._start: float | None = None
         self._ids = itertools.count(1)
 
-    def record(self, path: str, body: dict[str, Any], session: str = "") -> None:
+    def append(self, path: str, body: dict[str, Any], session: str = "") -> None:
         body.pop(SALT_FIELD, None)
         now = time.monotonic()
         if self._start is None:

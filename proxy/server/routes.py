@@ -111,7 +111,7 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
     body = await parse_json(await read_body(request))
     recorder = request.app[RUNTIME].recorder
     if recorder is not None:
-        recorder.record(
+        recorder.append(
             request.path, orjson.loads(orjson.dumps(body)), request.headers.get("X-Session-Id", "")
         )
     check_one_answer(body)
@@ -252,7 +252,7 @@ async def _killed_by(lease: Lease, instance: str | None, exc: NotStarted) -> boo
 def _finish(runtime: Runtime, lease: Lease, outcome: Outcome, api: str) -> None:
     check_prompt_count(runtime.metrics, api, len(lease.tokens), outcome.timings, lease.request_id)
     try:
-        runtime.coordinator.record(lease, outcome.timings, outcome.ttft_s, outcome.status)
+        runtime.coordinator.record_decision(lease, outcome.timings, outcome.ttft_s, outcome.status)
     finally:  # the slot is saved and released whatever the record made of the answer
         runtime.spawn(runtime.coordinator.finish(lease))
 

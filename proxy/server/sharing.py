@@ -49,7 +49,7 @@ class Sharing:
         )
         self.index.attached(owner_id, slot_id, m, time.monotonic())
 
-    async def record(
+    async def publish_prefixes(
         self, slot_id: int, slot_tokens: np.ndarray, lengths: Iterable[int], ns: str = ""
     ) -> int:
         """Publish ``[0,n)`` of the slot for each length worth sharing, in namespace ``ns``;

@@ -281,6 +281,26 @@ async def test_a_failed_save_is_counted_and_still_releases() -> None:
     check(coord)
 
 
+async def test_a_bug_in_a_save_is_counted_internal_and_logged_with_its_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    s0 = server("s0", n_slots=1)
+    coord = coordinator(s0)
+    lease = await coord.acquire("r", toks(0, 100))
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+
+    async def broken(tokens: bool = False) -> dict[str, Any]:
+        raise KeyError("a bug, not a server failure")
+
+    fake.slots = broken  # type: ignore[method-assign]
+    await coord.finish(lease)
+    assert coord.metrics.value("radix_fallbacks_total", cause="internal") == 1
+    assert coord.metrics.value("radix_fallbacks_total", cause="transport") == 0
+    assert any(r.exc_info and "unexpectedly" in r.getMessage() for r in caplog.records)
+    assert not s0.slots[0].busy
+    check(coord)
+
+
 async def test_a_host_restore_imports_and_unpins() -> None:
     s0 = server("s0", n_slots=1)
     coord = coordinator(s0)
@@ -292,7 +312,7 @@ async def test_a_host_restore_imports_and_unpins() -> None:
     fake: FakeServer = s0.backend  # type: ignore[assignment]
     assert fake.imports == [(0, 0, 100)]
     assert 0 < lease.import_s <= lease.restore_s
-    assert coord.record(lease, {"cache_n": 100, "prompt_n": 10}, 0.1, 200).import_s == lease.import_s
+    assert coord.record_decision(lease, {"cache_n": 100, "prompt_n": 10}, 0.1, 200).import_s == lease.import_s
     assert lease.host is None and coord.tree.stats().pinned_nodes == 0
     assert len(s0.slots[0].tokens) == 100
     coord.release(lease)
@@ -388,7 +408,7 @@ def test_decision_summary_has_the_admin_fields() -> None:
     async def run() -> dict[str, Any]:
         coord = coordinator(server("s0"))
         lease: Lease = await coord.acquire("r", toks(0, 50))
-        return coord.record(lease, {"cache_n": 0, "prompt_n": 50}, 0.1, 200).summary()
+        return coord.record_decision(lease, {"cache_n": 0, "prompt_n": 50}, 0.1, 200).summary()
 
     summary = asyncio.run(run())
     assert summary["route"] == "prefill" and summary["prefilled"] == 50 and summary["fallback"] is None
@@ -577,6 +597,70 @@ async def test_rejections_are_counted_by_reject_reason() -> None:
         expected = 1 if reason in seen else 0
         assert coord.metrics.value("radix_rejected_requests_total", reason=reason) == expected
     coord.release(held)
+
+
+async def test_requests_arriving_together_compute_their_prefix_once() -> None:
+    """Without sharing, a request whose long prefix another request is still computing waits
+    for that answer (its KV is saved right after) and then restores it, when waiting is
+    shorter than computing the prefix side by side (2,000 tokens at the calibrated CPU rate:
+    10 s; the blocker's 16-token answer adds half a second)."""
+    coord = coordinator(server("s0", n_slots=2))
+    first = await coord.acquire("g0", toks(0, 2000), n_predict=16)
+    second = asyncio.create_task(coord.acquire("g1", toks(0, 2050), n_predict=16))
+    await settle()
+    assert not second.done(), "the second request should wait for the first one's prefix"
+    assert coord.leases.waiting() == 1
+    coord.release(first)
+    await settle()
+    lease = second.result()
+    assert lease.prefix_wait_s > 0
+    coord.release(lease)
+    check(coord)
+
+
+@pytest.mark.parametrize(
+    ("n_predict", "prefill_s_per_token", "why"),
+    [
+        (4096, 1 / 200, "an answer of up to 4,096 tokens takes longer than computing the prefix"),
+        (0, 1 / 200, "an answer of unknown length"),
+        (64, 1 / 20_000, "measured fast prefill (a GPU): computing the prefix is quicker"),
+    ],
+)
+async def test_no_wait_for_a_prefix_that_is_quicker_to_compute(
+    n_predict: int, prefill_s_per_token: float, why: str
+) -> None:
+    s0 = server("s0", n_slots=2)
+    s0.rates.prefill_s_per_token = prefill_s_per_token
+    coord = coordinator(s0)
+    first = await coord.acquire("g0", toks(0, 2000), n_predict=n_predict)
+    second = await asyncio.wait_for(coord.acquire("g1", toks(0, 2050), n_predict=16), 1)
+    assert second.slot is not first.slot and second.prefix_wait_s < 0.5, why
+    coord.release(second)
+    coord.release(first)
+    check(coord)
+
+
+async def test_an_idle_server_computes_the_prefix_rather_than_wait() -> None:
+    """With a second server idle, computing the prefix there runs at full speed (10 s): not
+    worth waiting for the first request's 10 s prefill and answer on the busy one."""
+    coord = coordinator(server("s0", n_slots=2), server("s1", n_slots=2))
+    first = await coord.acquire("g0", toks(0, 2000), n_predict=16)
+    second = await asyncio.wait_for(coord.acquire("g1", toks(0, 2050), n_predict=16), 1)
+    assert second.server is not first.server
+    coord.release(second)
+    coord.release(first)
+    check(coord)
+
+
+async def test_answers_teach_the_server_its_rates() -> None:
+    s0 = server("s0", n_slots=1)
+    coord = coordinator(s0)
+    lease = await coord.acquire("r", toks(0, 100))
+    before = s0.rates.prefill_s_per_token
+    timings = {"cache_n": 0, "prompt_n": 1000, "prompt_ms": 10.0, "predicted_n": 50, "predicted_ms": 500.0}
+    coord.record_decision(lease, timings, 0.1, 200)
+    assert s0.rates.prefill_s_per_token < before
+    coord.release(lease)
 
 
 async def test_the_prefix_wait_is_bounded() -> None:
@@ -938,7 +1022,7 @@ async def test_restore_time_and_lock_wait_are_recorded() -> None:
     s0.move_lock.release()
     await restoring
     assert lease.lock_wait_s >= 0.04 and lease.restore_s >= lease.lock_wait_s
-    decision = coord.record(lease, {"cache_n": 0, "prompt_n": 100}, 0.1, 200)
+    decision = coord.record_decision(lease, {"cache_n": 0, "prompt_n": 100}, 0.1, 200)
     assert decision.lock_wait_s == lease.lock_wait_s
     coord.release(lease)
     check(coord)

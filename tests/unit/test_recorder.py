@@ -30,7 +30,7 @@ def test_a_manifest_left_readable_is_made_owner_only(tmp_path: Path) -> None:
 def test_the_cache_salt_is_not_recorded(tmp_path: Path) -> None:
     path = tmp_path / "manifest.jsonl"
     recorder = Recorder(path)
-    recorder.record("/v1/chat/completions", {"messages": [], "cache_salt": "tenant-a"}, "s1")
+    recorder.append("/v1/chat/completions", {"messages": [], "cache_salt": "tenant-a"}, "s1")
     recorder.close()
     line = json.loads(path.read_text())
     assert line["body"] == {"messages": []} and line["session"] == "s1"

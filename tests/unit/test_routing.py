@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from proxy.config import BackendSpec, parse_backend
-from proxy.core.routing import CostModel, ServerLoad, choose_server, cost_s
+from proxy.core.routing import (
+    CostModel,
+    MeasuredRates,
+    ServerLoad,
+    choose_server,
+    cost_s,
+    time_to_answer_s,
+    worth_waiting,
+)
 from proxy.errors import BadRequest, NotFound
 from proxy.server.models import ModelEntry, compat_ns, models_listing, pick_model, with_model
 
@@ -173,3 +181,55 @@ def test_models_listing() -> None:
     listing = models_listing({"a": _entry("a"), "b": _entry("b")})
     assert [m["id"] for m in listing["data"]] == ["a", "b"]
     assert listing["data"][0]["meta"] == {"n_vocab": 5} and listing["object"] == "list"
+
+
+# ---- waiting for a request in flight that computes this one's prefix
+
+CPU = MeasuredRates(prefill_s_per_token=1 / 200, decode_s_per_token=1 / 30)  # this machine
+GPU = MeasuredRates(prefill_s_per_token=1 / 20_000, decode_s_per_token=1 / 80)
+
+# (rates, prefill of the blocker, its answer, elapsed, gain tokens, running, wait?, why)
+WAITS = [
+    (CPU, 2000, 16, 0.0, 2000, 1, True, "CPU: a 2k prefix costs 10 s, its answer 0.5 s more"),
+    (CPU, 2000, 16, 9.0, 2000, 1, True, "nearly done: even more worth it"),
+    (CPU, 2000, 1024, 0.0, 2000, 1, False, "a long answer (34 s) is not waited for"),
+    (CPU, 2000, 16, 0.0, 100, 1, False, "a short gain is not worth the blocker's whole prefill"),
+    (GPU, 2000, 64, 0.0, 2000, 1, False, "GPU: prefill 0.1 s, the answer 0.8 s: compute it"),
+    (GPU, 2000, 4, 0.0, 2000, 5, True, "GPU: a 4-token answer while five run: wait"),
+]
+
+
+@pytest.mark.parametrize(
+    ("rates", "prefill", "n_predict", "elapsed", "gain", "running", "wait", "why"),
+    WAITS,
+    ids=[w[-1] for w in WAITS],
+)
+def test_worth_waiting(
+    rates: MeasuredRates,
+    prefill: int,
+    n_predict: int,
+    elapsed: float,
+    gain: int,
+    running: int,
+    wait: bool,
+    why: str,
+) -> None:
+    left = time_to_answer_s(prefill, n_predict, elapsed, rates)
+    assert worth_waiting(gain, left, gain * TOK, running, rates, M) is wait, why
+
+
+def test_time_to_answer_never_negative() -> None:
+    assert time_to_answer_s(100, 10, 1e6, CPU) == 0.0
+    assert time_to_answer_s(200, 30, 0.0, CPU) == pytest.approx(1 + 1)
+
+
+def test_measured_rates_follow_the_server_and_skip_small_samples() -> None:
+    rates = MeasuredRates()
+    for _ in range(40):
+        rates.observe(prompt_n=1000, prompt_ms=50.0, predicted_n=100, predicted_ms=1000.0)
+    assert rates.prefill_s_per_token == pytest.approx(5e-5, rel=1e-3)
+    assert rates.decode_s_per_token == pytest.approx(1e-2, rel=1e-3)
+    rates.observe(prompt_n=3, prompt_ms=900.0, predicted_n=1, predicted_ms=900.0)  # too small to say
+    rates.observe(prompt_n=1000, prompt_ms=0.0, predicted_n=100, predicted_ms=-1.0)  # no timings
+    assert rates.prefill_s_per_token == pytest.approx(5e-5, rel=1e-3)
+    assert rates.decode_s_per_token == pytest.approx(1e-2, rel=1e-3)

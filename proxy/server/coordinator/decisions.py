@@ -1,6 +1,6 @@
 """Routing decisions as typed records: kept for ``radixctl routes``, counted, logged.
 
-A ``Divergence`` says where the longest prefix held anywhere (a slot, a resident owner,
+A ``Divergence`` (state.py) says where the longest prefix held anywhere (a slot, a resident owner,
 the host tree) stopped matching the prompt, with the token windows around that position
 (shown as text by ``radixctl routes``). A ``Decision`` is one request's outcome.
 """
@@ -17,27 +17,16 @@ import numpy as np
 
 from proxy.core.planner import Route
 from proxy.errors import FallbackCause
+from proxy.server.coordinator.state import Divergence, Lease
 from proxy.server.metrics import SHARE_PATHS, Metrics
 
-if TYPE_CHECKING:  # types only: state.py imports Divergence from here
+if TYPE_CHECKING:
     from proxy.server.coordinator.scan import PrefixScan
-    from proxy.server.coordinator.state import Lease
 
 log = logging.getLogger("radix")
 
 WHY_CONTEXT = 16  # tokens kept on each side of the divergence
 DECISIONS_KEPT = 1000
-
-
-@dataclass(frozen=True)
-class Divergence:
-    host_match: int  # tokens the host tree holds
-    best_slot_match: int  # tokens the best slot holds
-    at: int  # first position no cached sequence matches
-    source: str | None  # "slot s0/1", "resident s0/9", "host" or None (nothing cached)
-    ctx_from: int  # position of request_ctx[0] (and cached_ctx[0])
-    request_ctx: tuple[int, ...]
-    cached_ctx: tuple[int, ...] | None  # the holder's tokens there; None when the host tree reached furthest
 
 
 @dataclass(frozen=True)
@@ -59,6 +48,7 @@ class Decision:
     restore_s: float = 0.0  # KV moves before the answer (making room, attach, import)
     lock_wait_s: float = 0.0  # of which waiting for the server's move lock
     import_s: float = 0.0  # of which the host import
+    prefix_wait_s: float = 0.0  # before planning, waiting for a request in flight with its prefix
 
     def summary(self) -> dict[str, Any]:
         """The flat fields of the admin API (the token windows are rendered separately)."""
@@ -74,6 +64,7 @@ class Decision:
             "prefilled": self.prefilled,
             "ttft_s": self.ttft_s,
             "queued_s": self.queued_s,
+            "prefix_wait_s": self.prefix_wait_s,
             "fallback": self.fallback.value if self.fallback else None,
             "status": self.status,
             "host_match": self.why.host_match,
@@ -122,7 +113,7 @@ class DecisionLog:
         self.metrics = metrics
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)
 
-    def record(
+    def add(
         self, lease: Lease, timings: dict[str, Any] | None, ttft_s: float | None, status: int
     ) -> Decision:
         cached = int(timings.get("cache_n", 0)) if timings else None
@@ -145,12 +136,13 @@ class DecisionLog:
             restore_s=lease.restore_s,
             lock_wait_s=lease.lock_wait_s,
             import_s=lease.import_s,
+            prefix_wait_s=lease.prefix_wait_s,
         )
         self.decisions.append(decision)
         self._count(decision, time.monotonic() - lease.started)
         log.info(
             "request %s route=%s server=%s slot=%d prompt=%d predicted=%d cached=%s prefilled=%s "
-            "ttft_ms=%s queued_ms=%.0f restore_ms=%.0f lock_wait_ms=%.0f import_ms=%.0f diverge_at=%s status=%d%s",
+            "ttft_ms=%s prefix_wait_ms=%.0f queued_ms=%.0f restore_ms=%.0f lock_wait_ms=%.0f import_ms=%.0f diverge_at=%s status=%d%s",
             decision.request_id,
             decision.route,
             decision.server,
@@ -160,6 +152,7 @@ class DecisionLog:
             cached,
             prefilled,
             f"{ttft_s * 1000:.0f}" if ttft_s is not None else "-",
+            decision.prefix_wait_s * 1000,
             decision.queued_s * 1000,
             decision.restore_s * 1000,
             decision.lock_wait_s * 1000,

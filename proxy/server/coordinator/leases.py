@@ -28,7 +28,7 @@ from proxy.core.planner import Plan, PlanInput, Route, SlotView
 from proxy.core.planner import plan as choose_plan
 from proxy.core.prefix import common_prefix
 from proxy.core.radix import RadixTree
-from proxy.core.routing import CostModel, ServerLoad, choose_server
+from proxy.core.routing import CostModel, ServerLoad, choose_server, time_to_answer_s, worth_waiting
 from proxy.errors import BadRequest, RejectReason, TooManyRequests, Unavailable
 from proxy.server.coordinator.decisions import divergence
 from proxy.server.coordinator.scan import PrefixScan, ServerScan, scan
@@ -116,12 +116,15 @@ class Leases:
                 f"{limit} per slot"
             )
         self._admit()
+        waited = time.monotonic()
         found = await self._wait_for_shared_prefix(tokens, ns)
+        waited = time.monotonic() - waited
         if self.closed:
             raise self._refuse(RejectReason.SHUTTING_DOWN, Unavailable("the proxy is shutting down"))
         if not self._queued_for(want.model):
             lease = self._plan_and_lease(request_id, found, want)
             if lease is not None:
+                lease.prefix_wait_s = waited
                 return lease
         waiter = _Waiter(
             request_id, tokens, ns, asyncio.get_running_loop().create_future(), time.monotonic(), want
@@ -139,6 +142,7 @@ class Leases:
                 ) from None
             raise
         lease.queued_s = time.monotonic() - waiter.since
+        lease.prefix_wait_s = waited
         return lease
 
     def _admit(self) -> None:
@@ -162,9 +166,11 @@ class Leases:
     async def _wait_for_shared_prefix(self, tokens: np.ndarray, ns: str) -> PrefixScan:
         """Wait for a request in flight that holds a much longer prefix of this one than
         anything available now, then reuse it instead of computing it again: a session's
-        next turn waits the few milliseconds its previous turn needs to save; and with
-        sharing on (fan-out), k requests sharing a prefix on a cold server compute it once.
-        Returns the scan of the state the wait ended in."""
+        next turn waits the few milliseconds its previous turn needs to save; requests that
+        arrive together with a common prefix compute it once (the others wait for the first
+        one's answer, then restore it) when that wait is shorter than computing it side by
+        side (``_worth_waiting``); and with sharing on (fan-out), k requests sharing a prefix
+        on a cold server compute it once. Returns the scan of the state the wait ended in."""
         deadline = time.monotonic() + self.config.fanout_wait_s
         while True:
             found = scan(tokens, self.servers, self.tree, ns)
@@ -185,16 +191,35 @@ class Leases:
         if len(tokens) == 0:
             return None
         gain = self.config.min_restore_tokens
+        available = found.best_available()
         best, blocker = 0, None
         for lease in self.inflight.values():
-            if lease.ns != found.ns or not (lease.finishing or self.config.kv_share):
+            if lease.ns != found.ns:
                 continue
             shared = min(common_prefix(lease.tokens, tokens), len(tokens) - 1)
-            if shared > best:
+            if shared <= best:
+                continue
+            if lease.finishing or self.config.kv_share or self._worth_waiting(lease, shared - available):
                 best, blocker = shared, lease
         if blocker is None or best < gain:
             return None
-        return blocker if best >= found.best_available() + gain else None
+        return blocker if best >= available + gain else None
+
+    def _worth_waiting(self, lease: Lease, gain: int) -> bool:
+        """Is waiting for this request's answer (its KV is saved right after) shorter than
+        computing its ``gain`` more prefix tokens now, side by side with it? Estimated from the
+        server's measured rates; an answer of unknown length is never waited for."""
+        if gain <= 0 or lease.n_predict <= 0:
+            return False
+        server = lease.server
+        computed = len(lease.tokens) - lease.plan.predicted_cached
+        wait_s = time_to_answer_s(computed, lease.n_predict, time.monotonic() - lease.started, server.rates)
+        restore_bytes = gain * server.mover.bytes_per_token
+        # Computing it now would run on the least busy server of the model (another server may
+        # be idle: then it is computed there, at full speed, rather than waited for).
+        peers = [s for s in self.servers if s.healthy and s.model == server.model]
+        running = min((self._running(s) for s in peers), default=self._running(server))
+        return worth_waiting(gain, wait_s, restore_bytes, running, server.rates, self.cost_model)
 
     def _plan_and_lease(self, request_id: str, found: PrefixScan, want: _Want = _Want()) -> Lease | None:
         """Pick server, slot and route on pure data, and mark the slot busy (synchronous).
@@ -238,6 +263,7 @@ class Leases:
             ns=found.ns,
             epoch=server.epoch,
             erase_first=slot.ns != found.ns and (slot.ns is None or len(slot.tokens) > 0),
+            n_predict=want.n_predict,
         )
         # What the slot holds from now on is this request's: its namespace, once a slot holding
         # another key's KV is erased (unknown until moves._erase confirms it).

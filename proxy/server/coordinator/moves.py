@@ -21,9 +21,13 @@ from proxy.core.admission import cells_needed, free_estimate, own_tail
 from proxy.core.planner import Route
 from proxy.core.prefix import common_prefix
 from proxy.core.radix import RadixTree
-from proxy.errors import FallbackCause, KvMoveError, RejectReason, Unavailable
+from proxy.errors import FallbackCause, KvMoveError, RadixError, RejectReason, Unavailable
+from proxy.server.backend import TRANSPORT_ERRORS
 from proxy.server.coordinator.state import EMPTY, Lease
 from proxy.server.metrics import Metrics
+
+# What a save may meet that is not a bug: a move the server refused, a server gone.
+SAVE_ERRORS: tuple[type[Exception], ...] = (RadixError, *TRANSPORT_ERRORS)
 
 log = logging.getLogger("radix")
 
@@ -296,10 +300,13 @@ class KvMoves:
             await self._save(lease)
             await self._share(lease)
             await self._release_idle(lease)
-        except Exception as exc:
+        except SAVE_ERRORS as exc:  # a move refused, a server gone: expected
             cause = exc.cause if isinstance(exc, KvMoveError) else FallbackCause.TRANSPORT
             self.metrics.fallbacks.labels(cause).inc()
             log.warning("saving %s slot %d failed: %s", lease.server.name, lease.slot.slot_id, exc)
+        except Exception:  # a bug: still never the answer's failure, but loud
+            self.metrics.fallbacks.labels(FallbackCause.INTERNAL).inc()
+            log.exception("saving %s slot %d failed unexpectedly", lease.server.name, lease.slot.slot_id)
 
     async def _refresh_slot(self, lease: Lease) -> None:
         slot = lease.slot
@@ -394,4 +401,4 @@ class KvMoves:
         if not lengths or lease.fallback:
             return
         async with lease.server.move_lock:
-            await sharing.record(lease.slot.slot_id, tokens, lengths, lease.ns)
+            await sharing.publish_prefixes(lease.slot.slot_id, tokens, lengths, lease.ns)

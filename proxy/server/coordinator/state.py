@@ -15,9 +15,9 @@ from proxy.core.admission import CellNeed
 from proxy.core.infill import InfillParams
 from proxy.core.planner import Plan, Route
 from proxy.core.radix import HostMatch, RadixTree
+from proxy.core.routing import MeasuredRates
 from proxy.errors import FallbackCause
 from proxy.server.backend import Backend
-from proxy.server.coordinator.decisions import Divergence
 from proxy.server.mover import KvMover
 from proxy.server.sharing import Sharing
 
@@ -139,6 +139,7 @@ class ServerState:
     infill: InfillParams | None = None  # what /infill builds its prompt from (caps; None: not reported)
     embeddings: bool = False  # started with --embeddings (caps embedding.on): serves /v1/embeddings
     pooling: int = -1  # its pooling type (caps embedding.pooling; 4: --reranking, serves /v1/rerank)
+    rates: MeasuredRates = field(default_factory=MeasuredRates)  # from its answers' timings
     # Set (and replaced) when a reservation ends: requests waiting for room look again.
     room_freed: asyncio.Event = field(default_factory=asyncio.Event)
     # Set when the health checks take the server out of routing, replaced when it is back: a
@@ -182,6 +183,20 @@ class ServerState:
         return max(0, self.n_cells - held)
 
 
+@dataclass(frozen=True)
+class Divergence:
+    """Where the longest prefix held anywhere (a slot, a resident owner, the host tree) stopped
+    matching a prompt, with the token windows around that position."""
+
+    host_match: int  # tokens the host tree holds
+    best_slot_match: int  # tokens the best slot holds
+    at: int  # first position no cached sequence matches
+    source: str | None  # "slot s0/1", "resident s0/9", "host" or None (nothing cached)
+    ctx_from: int  # position of request_ctx[0] (and cached_ctx[0])
+    request_ctx: tuple[int, ...]
+    cached_ctx: tuple[int, ...] | None  # the holder's tokens there; None when the host tree reached furthest
+
+
 @dataclass
 class Lease:
     """One request's hold on one slot, from plan to release."""
@@ -202,6 +217,8 @@ class Lease:
     erase_first: bool = False  # the slot holds another namespace's KV: clear it before use
     no_cache: bool = False  # the slot's KV could not be cleared: the server must not reuse it
     queued_s: float = 0.0
+    prefix_wait_s: float = 0.0  # before planning: waiting for a request in flight with its prefix
+    n_predict: int = 0  # tokens the answer may add (routes._n_predict)
     restore_s: float = 0.0  # in restore: making room, erasing, attaching, importing
     lock_wait_s: float = 0.0  # of which waiting for the server's move lock (saves, other restores)
     import_s: float = 0.0  # of which the host import (payload written, server's /kvctl/import)

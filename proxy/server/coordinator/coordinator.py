@@ -1,0 +1,163 @@
+"""The ``Coordinator``: the one owner of mutable state (see the package's docstring). It leases
+slots (``leases``), moves KV (``moves``), logs decisions (``decisions``), and follows the
+servers going and coming."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import numpy as np
+
+from proxy.config import Config
+from proxy.core.radix import RadixTree
+from proxy.errors import FallbackCause, RadixError
+from proxy.server.coordinator.decisions import Decision, DecisionLog
+from proxy.server.coordinator.leases import Leases
+from proxy.server.coordinator.moves import KvMoves
+from proxy.server.coordinator.scan import scan as scan_prefixes
+from proxy.server.coordinator.state import EMPTY, Lease, ServerState
+from proxy.server.disk import DiskTier
+from proxy.server.metrics import Metrics
+
+log = logging.getLogger("radix")
+
+
+class Coordinator:
+    def __init__(self, config: Config, servers: list[ServerState], tree: RadixTree, metrics: Metrics) -> None:
+        self.config = config
+        self.servers = servers
+        self.tree = tree
+        self.metrics = metrics
+        self.leases = Leases(
+            config, servers, tree, on_reject=lambda reason: metrics.rejected.labels(reason).inc()
+        )
+        self.moves = KvMoves(config, tree, metrics)
+        self.log = DecisionLog(metrics)
+        self.disk: DiskTier | None = None  # set by startup with --cache-disk
+
+    async def acquire(
+        self,
+        request_id: str,
+        tokens: np.ndarray,
+        ns: str = "",
+        *,
+        model: str = "",
+        session: str = "",
+        n_predict: int = 0,
+    ) -> Lease:
+        """A slot for the request, with its plan (may wait: see ``Leases.acquire``). A match
+        the disk tier carries further than anything in RAM or a slot is read into the host
+        tree first, so the plan sees it as a host hit."""
+        if self.disk is not None:
+            floor = scan_prefixes(tokens, self.servers, self.tree, ns).best_available()
+            try:
+                await self.disk.promote(self.tree, tokens, ns, floor)
+            except (RadixError, ValueError) as exc:
+                # The tree changed under the read (an admin clear) or refused the segment:
+                # the request is planned without the disk's KV (a prefill), never failed.
+                log.warning("disk tier: promotion for %s skipped: %s", request_id, exc)
+        return await self.leases.acquire(
+            request_id, tokens, ns, model=model, session=session, n_predict=n_predict
+        )
+
+    async def restore(self, lease: Lease, n_predict: int) -> None:
+        await self.moves.restore(lease, n_predict)
+
+    async def finish(self, lease: Lease) -> None:
+        """After the answer: save what the tree lacks, then release the slot on every path.
+        A save past its deadline leaves the slot's content unknown: it is emptied (and erased
+        before anyone reuses it)."""
+        try:
+            async with asyncio.timeout(self.config.finish_timeout_s):
+                await self.moves.save(lease)
+        except TimeoutError:
+            lease.slot.tokens, lease.slot.ns = EMPTY, None
+            self.metrics.fallbacks.labels(FallbackCause.TIMEOUT).inc()
+            log.warning(
+                "saving %s slot %d took over %g s; the slot is released as unknown",
+                lease.server.name,
+                lease.slot.slot_id,
+                self.config.finish_timeout_s,
+            )
+        finally:
+            self.leases.release(lease)
+
+    def release(self, lease: Lease) -> None:
+        self.leases.release(lease)
+
+    def release_unknown(self, lease: Lease) -> None:
+        """Release a slot whose KV the request replaced with something the tree does not track
+        (embedding inputs): it is erased before anyone's prefix is reused from it."""
+        lease.slot.tokens, lease.slot.ns = EMPTY, None
+        self.leases.release(lease)
+
+    # ---- servers going and coming (see health.py) ------------------------------------------
+
+    def server_down(self, server: ServerState, reason: str) -> None:
+        if server.healthy:
+            log.error(
+                "%s (%s) is down, no new requests go there: %s", server.name, server.backend.url, reason
+            )
+        server.healthy, server.down_reason = False, reason
+        server.went_down.set()
+        self.metrics.backend_up.labels(server.name).set(0)
+
+    def server_up(self, server: ServerState, instance: str | None) -> None:
+        """The server answers again; if it was down, or is another instance, what the proxy knew
+        of its slots and owner sequences is gone."""
+        new_instance = server.instance is not None and instance is not None and instance != server.instance
+        # Down and back without an instance id to tell: it may have restarted, so forget its state.
+        if new_instance or (not server.healthy and instance is None):
+            self.server_restarted(server)
+        server.instance = instance if instance is not None else server.instance
+        if not server.healthy:
+            log.warning("%s (%s) is serving again", server.name, server.backend.url)
+            server.went_down = asyncio.Event()
+        server.healthy, server.down_reason = True, ""
+        self.metrics.backend_up.labels(server.name).set(1)
+        self.leases.grant_waiters()
+
+    def server_restarted(self, server: ServerState) -> None:
+        """A new server process: its slots and owner sequences are empty. The host tree, which
+        lives here, is kept and warms the new process up."""
+        server.epoch += 1
+        for slot in server.slots:
+            if not slot.busy:  # a busy slot is reset when its lease ends (epoch check)
+                slot.tokens, slot.ns = EMPTY, None  # erased before first use: a late request may have run
+        if server.sharing is not None:
+            server.sharing.index.entries.clear()
+        log.warning(
+            "%s (%s) restarted: its slot table and resident prefixes were reset",
+            server.name,
+            server.backend.url,
+        )
+
+    def add_server(self, server: ServerState) -> None:
+        """A server that did not answer at startup does now: it takes requests from here on."""
+        self.servers.append(server)  # the same list the leases plan over
+        self.metrics.backend_up.labels(server.name).set(1)
+        log.warning("%s (%s) answers: taken into routing", server.name, server.backend.url)
+        self.leases.grant_waiters()
+
+    def close(self) -> None:
+        """Shutting down: queued requests are answered 503 now, new ones at once."""
+        self.leases.close()
+
+    def record_decision(
+        self, lease: Lease, timings: dict[str, Any] | None, ttft_s: float | None, status: int
+    ) -> Decision:
+        """Log the request's decision, and learn the server's prefill and decode rates from
+        its timings (what the wait for a prefix in flight is weighed with)."""
+        # A server that reports no usable numbers keeps the rates it had.
+        if timings and status == 200:
+            with contextlib.suppress(TypeError, ValueError):
+                lease.server.rates.observe(
+                    int(timings.get("prompt_n", 0)),
+                    float(timings.get("prompt_ms", 0.0)),
+                    int(timings.get("predicted_n", 0)),
+                    float(timings.get("predicted_ms", 0.0)),
+                )
+        return self.log.add(lease, timings, ttft_s, status)
