@@ -76,6 +76,12 @@ def time_to_answer_s(prefill_tokens: int, n_predict: int, elapsed_s: float, rate
     return max(0.0, work - elapsed_s)
 
 
+def compute_s(gain_tokens: int, running: int, rates: MeasuredRates, model: CostModel) -> float:
+    """Seconds to compute ``gain_tokens`` of prefill at the server's rate, slowed by the
+    ``running`` requests it computes meanwhile."""
+    return gain_tokens * rates.prefill_s_per_token * (1 + model.busy_weight * running)
+
+
 def worth_waiting(
     gain_tokens: int, wait_s: float, restore_bytes: int, running: int, rates: MeasuredRates, model: CostModel
 ) -> bool:
@@ -83,8 +89,7 @@ def worth_waiting(
     (``restore_bytes``), rather than compute those ``gain_tokens`` side by side with it, at the
     server's prefill rate slowed by the ``running`` requests (issue 28: compute each prefix
     once)."""
-    compute_s = gain_tokens * rates.prefill_s_per_token * (1 + model.busy_weight * running)
-    return wait_s + restore_bytes / model.move_bytes_per_s < compute_s
+    return wait_s + restore_bytes / model.move_bytes_per_s < compute_s(gain_tokens, running, rates, model)
 
 
 @dataclass(frozen=True)

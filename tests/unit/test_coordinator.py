@@ -640,6 +640,21 @@ async def test_no_wait_for_a_prefix_that_is_quicker_to_compute(
     check(coord)
 
 
+async def test_the_wait_for_a_computing_prefix_lasts_at_most_twice_its_compute_time() -> None:
+    """A blocker slower than its estimate (an overloaded server) costs a waiter at most twice
+    what computing the prefix would have taken, then it computes it (here 30 ms)."""
+    s0 = server("s0", n_slots=2)
+    s0.rates.prefill_s_per_token, s0.rates.decode_s_per_token = 1e-5, 1e-7
+    coord = coordinator(s0)
+    first = await coord.acquire("g0", toks(0, 2000), n_predict=16)  # ...and it never ends
+    second = await asyncio.wait_for(coord.acquire("g1", toks(0, 2050), n_predict=16), 2)
+    assert second.slot is not first.slot
+    assert 0.05 <= second.prefix_wait_s < 1.0, second.prefix_wait_s
+    coord.release(second)
+    coord.release(first)
+    check(coord)
+
+
 async def test_an_idle_server_computes_the_prefix_rather_than_wait() -> None:
     """With a second server idle, computing the prefix there runs at full speed (10 s): not
     worth waiting for the first request's 10 s prefill and answer on the busy one."""

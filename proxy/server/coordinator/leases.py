@@ -28,7 +28,14 @@ from proxy.core.planner import Plan, PlanInput, Route, SlotView
 from proxy.core.planner import plan as choose_plan
 from proxy.core.prefix import common_prefix
 from proxy.core.radix import RadixTree
-from proxy.core.routing import CostModel, ServerLoad, choose_server, time_to_answer_s, worth_waiting
+from proxy.core.routing import (
+    CostModel,
+    ServerLoad,
+    choose_server,
+    compute_s,
+    time_to_answer_s,
+    worth_waiting,
+)
 from proxy.errors import BadRequest, RejectReason, TooManyRequests, Unavailable
 from proxy.server.coordinator.decisions import divergence
 from proxy.server.coordinator.scan import PrefixScan, ServerScan, scan
@@ -171,12 +178,15 @@ class Leases:
         one's answer, then restore it) when that wait is shorter than computing it side by
         side (``_worth_waiting``); and with sharing on (fan-out), k requests sharing a prefix
         on a cold server compute it once. Returns the scan of the state the wait ended in."""
-        deadline = time.monotonic() + self.config.fanout_wait_s
+        start = time.monotonic()
         while True:
             found = scan(tokens, self.servers, self.tree, ns)
-            blocker = self._blocker(found)
-            left = deadline - time.monotonic()
-            if blocker is None or left <= 0:
+            hit = self._blocker(found)
+            if hit is None:
+                return found
+            blocker, patience = hit
+            left = start + patience - time.monotonic()
+            if left <= 0:
                 return found
             self.waiting_for_prefix += 1
             try:
@@ -186,31 +196,38 @@ class Leases:
             finally:
                 self.waiting_for_prefix -= 1
 
-    def _blocker(self, found: PrefixScan) -> Lease | None:
+    def _blocker(self, found: PrefixScan) -> tuple[Lease, float] | None:
+        """The request in flight to wait for, and for how long at most (from the start of the
+        wait): ``fanout_wait_s`` for one finishing or with sharing on; twice what computing
+        the prefix would take for one still computing it (so a slow blocker costs at most
+        that), within ``queue_timeout_s``."""
         tokens = found.tokens
         if len(tokens) == 0:
             return None
         gain = self.config.min_restore_tokens
         available = found.best_available()
-        best, blocker = 0, None
+        best, hit = 0, None
         for lease in self.inflight.values():
             if lease.ns != found.ns:
                 continue
             shared = min(common_prefix(lease.tokens, tokens), len(tokens) - 1)
             if shared <= best:
                 continue
-            if lease.finishing or self.config.kv_share or self._worth_waiting(lease, shared - available):
-                best, blocker = shared, lease
-        if blocker is None or best < gain:
+            if lease.finishing or self.config.kv_share:
+                best, hit = shared, (lease, self.config.fanout_wait_s)
+            elif (compute_s := self._worth_waiting(lease, shared - available)) is not None:
+                best, hit = shared, (lease, min(2 * compute_s, self.config.queue_timeout_s))
+        if hit is None or best < gain:
             return None
-        return blocker if best >= available + gain else None
+        return hit if best >= available + gain else None
 
-    def _worth_waiting(self, lease: Lease, gain: int) -> bool:
-        """Is waiting for this request's answer (its KV is saved right after) shorter than
-        computing its ``gain`` more prefix tokens now, side by side with it? Estimated from the
-        server's measured rates; an answer of unknown length is never waited for."""
+    def _worth_waiting(self, lease: Lease, gain: int) -> float | None:
+        """The seconds computing this request's ``gain`` more prefix tokens now, side by side
+        with it, would take, when waiting for its answer (its KV is saved right after) is
+        shorter; else None. Estimated from the server's measured rates; an answer of unknown
+        length is never waited for."""
         if gain <= 0 or lease.n_predict <= 0:
-            return False
+            return None
         server = lease.server
         computed = len(lease.tokens) - lease.plan.predicted_cached
         wait_s = time_to_answer_s(computed, lease.n_predict, time.monotonic() - lease.started, server.rates)
@@ -219,7 +236,9 @@ class Leases:
         # be idle: then it is computed there, at full speed, rather than waited for).
         peers = [s for s in self.servers if s.healthy and s.model == server.model]
         running = min((self._running(s) for s in peers), default=self._running(server))
-        return worth_waiting(gain, wait_s, restore_bytes, running, server.rates, self.cost_model)
+        if not worth_waiting(gain, wait_s, restore_bytes, running, server.rates, self.cost_model):
+            return None
+        return compute_s(gain, running, server.rates, self.cost_model)
 
     def _plan_and_lease(self, request_id: str, found: PrefixScan, want: _Want = _Want()) -> Lease | None:
         """Pick server, slot and route on pure data, and mark the slot busy (synchronous).
