@@ -76,6 +76,13 @@ def time_to_answer_s(prefill_tokens: int, n_predict: int, elapsed_s: float, rate
     return max(0.0, work - elapsed_s)
 
 
+def slowdown(prefill_tokens: int, n_predict: int, elapsed_s: float, rates: MeasuredRates) -> float:
+    """How much slower than its estimate a request in flight has run (at least 1): the
+    server's real speed under its present load, which a prefix computed now would run at too."""
+    expected = prefill_tokens * rates.prefill_s_per_token + n_predict * rates.decode_s_per_token
+    return max(1.0, elapsed_s / expected) if expected > 0 else 1.0
+
+
 def compute_s(gain_tokens: int, running: int, rates: MeasuredRates, model: CostModel) -> float:
     """Seconds to compute ``gain_tokens`` of prefill at the server's rate, slowed by the
     ``running`` requests it computes meanwhile."""

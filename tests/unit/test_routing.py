@@ -11,6 +11,7 @@ from proxy.core.routing import (
     ServerLoad,
     choose_server,
     cost_s,
+    slowdown,
     time_to_answer_s,
     worth_waiting,
 )
@@ -233,3 +234,9 @@ def test_measured_rates_follow_the_server_and_skip_small_samples() -> None:
     rates.observe(prompt_n=1000, prompt_ms=0.0, predicted_n=100, predicted_ms=-1.0)  # no timings
     assert rates.prefill_s_per_token == pytest.approx(5e-5, rel=1e-3)
     assert rates.decode_s_per_token == pytest.approx(1e-2, rel=1e-3)
+
+
+def test_slowdown_is_the_blockers_overrun() -> None:
+    assert slowdown(200, 30, 0.5, CPU) == 1.0  # within its estimate (2 s)
+    assert slowdown(200, 30, 8.0, CPU) == pytest.approx(4.0)
+    assert slowdown(0, 0, 8.0, CPU) == 1.0

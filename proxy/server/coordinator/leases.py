@@ -33,6 +33,7 @@ from proxy.core.routing import (
     ServerLoad,
     choose_server,
     compute_s,
+    slowdown,
     time_to_answer_s,
     worth_waiting,
 )
@@ -198,9 +199,10 @@ class Leases:
 
     def _blocker(self, found: PrefixScan) -> tuple[Lease, float] | None:
         """The request in flight to wait for, and for how long at most (from the start of the
-        wait): ``fanout_wait_s`` for one finishing or with sharing on; twice what computing
-        the prefix would take for one still computing it (so a slow blocker costs at most
-        that), within ``queue_timeout_s``."""
+        wait): ``fanout_wait_s`` for one finishing or with sharing on; for one still computing
+        it, twice what computing the prefix would take at the speed the blocker shows (a blocker
+        slower than its estimate means the server is: computing it now would be as slow), within
+        ``queue_timeout_s``."""
         tokens = found.tokens
         if len(tokens) == 0:
             return None
@@ -230,7 +232,8 @@ class Leases:
             return None
         server = lease.server
         computed = len(lease.tokens) - lease.plan.predicted_cached
-        wait_s = time_to_answer_s(computed, lease.n_predict, time.monotonic() - lease.started, server.rates)
+        elapsed = time.monotonic() - lease.started
+        wait_s = time_to_answer_s(computed, lease.n_predict, elapsed, server.rates)
         restore_bytes = gain * server.mover.bytes_per_token
         # Computing it now would run on the least busy server of the model (another server may
         # be idle: then it is computed there, at full speed, rather than waited for).
@@ -238,7 +241,10 @@ class Leases:
         running = min((self._running(s) for s in peers), default=self._running(server))
         if not worth_waiting(gain, wait_s, restore_bytes, running, server.rates, self.cost_model):
             return None
-        return compute_s(gain, running, server.rates, self.cost_model)
+        # A blocker slower than its estimate shows the server's real speed now: computing the
+        # prefix would be as slow, so the patience grows with it (within --queue-timeout).
+        slower = slowdown(computed, lease.n_predict, elapsed, server.rates)
+        return compute_s(gain, running, server.rates, self.cost_model) * slower
 
     def _plan_and_lease(self, request_id: str, found: PrefixScan, want: _Want = _Want()) -> Lease | None:
         """Pick server, slot and route on pure data, and mark the slot busy (synchronous).
