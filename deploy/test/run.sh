@@ -6,12 +6,17 @@
 # host networking (compose.hostnet.yml: all traffic on loopback, free ports) and the `multi`
 # profile (two llama-servers behind one proxy) and the `workbench` profile, waits for every
 # health check, then deploy/test/check_stack.py: chat through the proxy with cache reuse
-# (X-Radix-Route), a host restore through the shared payload volume, Prometheus scraping the
-# proxy and every query of the Grafana dashboard returning series; then `radixctl workbench
-# verify` against the workbench container (every scenario run once through its HTTP API, with
-# a tool call and a follow-up that reuses cached tokens). Then stops the stack and checks every
-# container exited cleanly, nothing is left (containers, volumes) and no payload file stayed
-# behind.
+# (X-Radix-Route), a restore on the second server of KV the first exported, through the
+# shared payload volume (X-Radix-Server), Prometheus scraping the proxy and every query of the
+# Grafana dashboard returning series; then `radixctl workbench verify` against the workbench
+# container (every scenario run once through its HTTP API, with a tool call and a follow-up
+# that reuses cached tokens). Then stops the stack and checks every container exited cleanly,
+# nothing is left (containers, volumes) and no payload file stayed behind.
+# Before the stack, the model-volume race: models-init and both servers started at once on a
+# fresh, empty `models` volume with a model of RACE_MODEL_MB (a deeper copy of the default
+# model, deploy/test/deep_model.py): both must come up healthy.
+# On a pass it writes docs/results/deploy-test/last-pass.{json,md} (routes, servers, token
+# and query counts, timings), which docs/deploy.md quotes.
 # Grafana itself is not started: its image comes from Docker Hub only.
 #
 #   ENGINE=docker            the container engine CLI (a BuildKit-capable one is picked)
@@ -24,6 +29,9 @@
 #                            series, flags) into the image build's cache, so the image's
 #                            `radixctl build` finds it instead of compiling (about 10 min on
 #                            2 cores). Only where the host runs the base's Debian release.
+#   RACE_MODEL_MB=2048       the size of the race check's model (0: skip that check); with
+#                            2 GiB the race was lost on every try before models-init
+#   RESULTS=docs/results/deploy-test   where a pass writes its summary (empty: nowhere)
 #
 # Exits 0 with a "skip:" line where no container engine or compose is reachable.
 set -euo pipefail
@@ -94,6 +102,7 @@ seed_from_host() {  # the host's patched CPU build into the BuildKit cache mount
     rm -rf "$seed" "$seed.log"
     log "seeded the image build's cache with the host's $(basename "$(dirname "$binary")")"
 }
+t_build=$(date +%s)
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
     [ "${SEED_FROM_HOST:-0}" = 1 ] && seed_from_host
     build llama-radix-proxy/llama-server:cpu "$DEPLOY/Dockerfile" --target server \
@@ -119,6 +128,7 @@ for image in llama-radix-proxy/llama-server:cpu llama-radix-proxy/proxy:latest l
         || { log "FAIL: build-time CA material left in $image"; exit 1; }
 done
 log "images run as non-root; no build-time CA material in them"
+build_s=$(( $(date +%s) - t_build ))
 
 # ---- the stack's settings: .env.example with free loopback ports ----------------------------------
 work=$(mktemp -d /var/tmp/radix-deploy-test.XXXXXX)
@@ -189,21 +199,36 @@ compose() {
         -f "$DEPLOY/docker-compose.yml" -f "$DEPLOY/compose.hostnet.yml" -f "$work/payload-bind.yml" "$@"
 }
 SERVICES=(llama-server llama-server-2 proxy prometheus workbench)
+race_project="${project}race"
+race_compose() {  # the race check's stack: its own project (fresh volumes), the deep model's image
+    $COMPOSE -p "$race_project" --env-file "$work/race.env" --profile multi \
+        -f "$DEPLOY/docker-compose.yml" -f "$DEPLOY/compose.hostnet.yml" -f "$work/race.yml" "$@"
+}
+RACE_SERVICES=(models-init llama-server llama-server-2)
 cleanup() {
     local rc=$?
     if [ $rc -ne 0 ] && [ "${KEEP:-0}" = 1 ]; then
-        log "KEEP=1: stack $project left running; settings in $work"
+        log "KEEP=1: stack $project (race check: $race_project) left running; settings in $work"
         return
     fi
     if [ $rc -ne 0 ]; then
-        for service in "${SERVICES[@]}"; do
+        if [ -f "$work/race.yml" ] && [ -n "$(race_compose ps -q 2>/dev/null)" ]; then
+            for service in "${RACE_SERVICES[@]}"; do
+                log "--- race check: $service log (tail) ---"
+                race_compose logs --no-color --tail 25 "$service" 2>&1 | sed 's/^/    /' >&2 || true
+            done
+        fi
+        for service in models-init "${SERVICES[@]}"; do
             log "--- $service log (tail) ---"
             compose logs --no-color --tail 25 "$service" 2>&1 | sed 's/^/    /' >&2 || true
         done
     fi
+    if [ -f "$work/race.yml" ]; then race_compose down -v --remove-orphans >/dev/null 2>&1 || true; fi
     compose down -v --remove-orphans >/dev/null 2>&1 || true
+    "$ENGINE" rmi "$RACE_IMAGE" >/dev/null 2>&1 || true
     rm -rf "$work" "$payloads"
 }
+RACE_IMAGE=radix-deploy-test/llama-server-deep:$project
 trap cleanup EXIT
 trap 'exit 143' TERM
 trap 'exit 130' INT
@@ -215,21 +240,86 @@ for variant in compose.cuda.yml compose.cann.yml; do
         -f "$DEPLOY/docker-compose.yml" -f "$DEPLOY/compose.ports.yml" -f "$DEPLOY/$variant" config -q
 done
 
+wait_healthy() {  # wait_healthy COMPOSE-FUNCTION SERVICE...: each healthy within 300 s
+    local run=$1 service id health deadline=$(( $(date +%s) + 300 ))
+    shift
+    for service in "$@"; do
+        id=$("$run" ps -q "$service")
+        [ -n "$id" ] || { log "FAIL: $service has no container"; exit 1; }
+        while :; do
+            health=$("$ENGINE" inspect -f '{{.State.Health.Status}} {{.State.Status}}' "$id")
+            [ "${health%% *}" = healthy ] && break
+            [ "${health#* }" = running ] || { log "FAIL: $service is ${health#* }"; exit 1; }
+            [ "$(date +%s)" -lt "$deadline" ] || { log "FAIL: $service not healthy in 300 s ($health)"; exit 1; }
+            sleep 2
+        done
+        log "$service healthy (user $("$ENGINE" inspect -f '{{.Config.User}}' "$id"))"
+    done
+}
+init_done() {  # init_done COMPOSE-FUNCTION: models-init ran, exited 0, and filled the volume
+    local run=$1 id state
+    id=$("$run" ps -q models-init)
+    [ -n "$id" ] || { log "FAIL: models-init did not run"; exit 1; }
+    state=$("$ENGINE" inspect -f '{{.State.Status}} {{.State.ExitCode}}' "$id")
+    [ "$state" = "exited 0" ] || { log "FAIL: models-init is $state"; exit 1; }
+    "$run" logs --no-color models-init 2>&1 | grep -q 'complete in the model volume' \
+        || { log "FAIL: models-init did not report the model complete"; exit 1; }
+}
+
+# ---- the model volume: no start-up race ------------------------------------------------------------
+# Docker copies an image's files into an empty named volume while it creates the first
+# container that mounts it; a second server created at the same moment saw a non-empty volume
+# and could open a model still being copied ("tensor ... data is not within the file bounds").
+# models-init fills the volume (temporary name, fsync, rename, marker) and the servers wait
+# for it to complete. Both servers on a fresh volume, with a model large enough that copying
+# it takes a while, must come up healthy.
+race_s=0
+race_mb=${RACE_MODEL_MB:-2048}
+if [ "$race_mb" != 0 ]; then
+    t_race=$(date +%s)
+    mkdir -p "$work/deep"
+    "$ENGINE" run --rm --network none --entrypoint /bin/cat llama-radix-proxy/llama-server:cpu \
+        /models/SmolLM2-135M-Instruct.Q4_1.gguf >"$work/deep/default.gguf"
+    "$PYTHON" "$ROOT/deploy/test/deep_model.py" "$work/deep/default.gguf" "$work/deep/deep.gguf" --min-mb "$race_mb"
+    rm -f "$work/deep/default.gguf"
+    race_bytes=$(stat -c %s "$work/deep/deep.gguf")
+    printf 'FROM llama-radix-proxy/llama-server:cpu\nCOPY --chown=0:0 deep.gguf /models/deep.gguf\n' >"$work/deep/Dockerfile"
+    DOCKER_BUILDKIT=1 "$BUILD_CLI" build --progress plain -t "$RACE_IMAGE" "$work/deep" >"$work/deep.log" 2>&1 \
+        || { log "FAIL: building the race check's image:"; tail -10 "$work/deep.log" >&2; exit 1; }
+    rm -rf "$work/deep"
+    {
+        grep -v -E '^(RADIX_MODEL_FILE|RADIX_CTX_SIZE)=' "$work/.env"
+        echo RADIX_MODEL_FILE=deep.gguf
+        echo RADIX_CTX_SIZE=512
+    } >"$work/race.env"
+    printf 'services:\n' >"$work/race.yml"
+    for service in "${RACE_SERVICES[@]}"; do printf '  %s: {image: "%s"}\n' "$service" "$RACE_IMAGE" >>"$work/race.yml"; done
+    race_compose config -q
+    log "race check: models-init, llama-server, llama-server-2 at once on a fresh models volume, model $(( race_bytes >> 20 )) MiB"
+    race_compose up -d --no-build llama-server llama-server-2 >"$work/race-up.log" 2>&1 \
+        || { cat "$work/race-up.log" >&2; exit 1; }
+    init_done race_compose
+    wait_healthy race_compose llama-server llama-server-2
+    if race_compose logs --no-color llama-server llama-server-2 2>&1 | grep -E 'not within the file bounds|failed to load model'; then
+        log "FAIL: a server opened an incomplete model"
+        exit 1
+    fi
+    race_compose down -v --remove-orphans >/dev/null 2>&1
+    "$ENGINE" rmi "$RACE_IMAGE" >/dev/null 2>&1 || true
+    race_s=$(( $(date +%s) - t_race ))
+    log "race check passed: both servers loaded the whole $(( race_bytes >> 20 )) MiB model from a fresh volume"
+else
+    race_bytes=0
+    log "race check skipped (RACE_MODEL_MB=0)"
+fi
+
 # ---- up, health ------------------------------------------------------------------------------------
 log "up: ${SERVICES[*]} (host network; proxy :$P_PROXY, servers :$P_LLAMA :$P_LLAMA2, Prometheus :$P_PROM, workbench :$P_WB)"
+t_up=$(date +%s)
 compose up -d --no-build "${SERVICES[@]}" >"$work/up.log" 2>&1 || { cat "$work/up.log" >&2; exit 1; }
-deadline=$(( $(date +%s) + 300 ))
-for service in "${SERVICES[@]}"; do
-    id=$(compose ps -q "$service")
-    while :; do
-        health=$("$ENGINE" inspect -f '{{.State.Health.Status}} {{.State.Status}}' "$id")
-        [ "${health%% *}" = healthy ] && break
-        [ "${health#* }" = running ] || { log "FAIL: $service is ${health#* }"; exit 1; }
-        [ "$(date +%s)" -lt "$deadline" ] || { log "FAIL: $service not healthy in 300 s ($health)"; exit 1; }
-        sleep 2
-    done
-    log "$service healthy (user $("$ENGINE" inspect -f '{{.Config.User}}' "$id"))"
-done
+init_done compose
+wait_healthy compose "${SERVICES[@]}"
+healthy_s=$(( $(date +%s) - t_up ))
 # The key is in no process's argv and in no container's environment.
 key=$(cat "$work/secrets/kvctl_key")
 for service in "${SERVICES[@]}"; do
@@ -242,13 +332,20 @@ log "the kvctl key is in no argv and no container config"
 # ---- traffic and Prometheus --------------------------------------------------------------------------
 "$PYTHON" "$ROOT/deploy/test/check_stack.py" --proxy "http://127.0.0.1:$P_PROXY" \
     --prometheus "http://127.0.0.1:$P_PROM" --dashboard "$DEPLOY/grafana/llama-radix-proxy.json" \
-    --servers 2 --slots 2
-compose logs --no-color proxy 2>&1 | grep -E 'payloads via /run/radix-kv' >&2 \
-    || { log "FAIL: the proxy does not use the shared payload directory"; exit 1; }
+    --servers 2 --slots 2 --summary "$work/summary.json"
+# Both servers move KV through the shared payload directory, the restoring one included.
+restorer=$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["cross_server"]["restorer"])' "$work/summary.json")
+for name in s0 s1; do
+    compose logs --no-color proxy 2>&1 | grep -E "$name: http://[^ ]+, .*payloads via /run/radix-kv" >&2 \
+        || { log "FAIL: the proxy does not move KV for $name through the shared payload directory"; exit 1; }
+done
+log "the restore on $restorer came through the shared payload volume"
 # The workbench container, driven through its HTTP API as its page does, against the proxy.
-"$ROOT/.venv/bin/radixctl" workbench verify --base-url "http://127.0.0.1:$P_PROXY/v1" \
-    --workbench-url "http://127.0.0.1:$P_WB" >&2 \
-    || { log "FAIL: radixctl workbench verify against the workbench container"; exit 1; }
+if ! "$ROOT/.venv/bin/radixctl" workbench verify --base-url "http://127.0.0.1:$P_PROXY/v1" \
+        --workbench-url "http://127.0.0.1:$P_WB" 2>&1 | tee "$work/workbench.log" >&2; then
+    log "FAIL: radixctl workbench verify against the workbench container"
+    exit 1
+fi
 log "the workbench container ran every scenario through the proxy"
 
 # ---- stop: graceful, nothing left ---------------------------------------------------------------------
@@ -269,4 +366,18 @@ networks=$("$ENGINE" network ls -q --filter "label=com.docker.compose.project=$p
 [ -z "$running$volumes$networks" ] \
     || { log "FAIL: left after down: containers [$running] volumes [$volumes] networks [$networks]"; exit 1; }
 log "down: no container, volume, network or payload file left"
-log "deploy test passed"
+
+# ---- the summary docs/deploy.md quotes ---------------------------------------------------------------
+results=${RESULTS-$ROOT/docs/results/deploy-test}
+if [ -n "$results" ]; then
+    mkdir -p "$results"
+    "$PYTHON" "$ROOT/deploy/test/summary.py" "$work/summary.json" "$results" --workbench "$work/workbench.log" \
+        --set total_s=$(( $(date +%s) - t0 )) build_s="$build_s" healthy_s="$healthy_s" \
+        race_s="$race_s" race_model_bytes="$race_bytes" \
+        compose="$COMPOSE $($COMPOSE version --short 2>/dev/null || true)" \
+        engine="$("$ENGINE" version --format '{{.Server.Version}}' 2>/dev/null || true)" \
+        seed_from_host="${SEED_FROM_HOST:-0}" skip_build="${SKIP_BUILD:-0}" \
+        cores="$(nproc)" load="$(cut -d' ' -f1-3 /proc/loadavg)"
+    log "summary: $results/last-pass.md"
+fi
+log "deploy test passed in $(( $(date +%s) - t0 )) s"
