@@ -86,9 +86,11 @@ deploy-test: $(STAMP)
 # CPU Vulkan device), so it runs on a machine with no GPU. vulkan-deps installs Debian's Vulkan
 # build packages and lavapipe when missing (as root, with apt-get; about 25 MB), and where the
 # system's Vulkan headers are too old for the pinned llama.cpp (Debian 12) Debian 13's headers
-# under the cache (native/vulkan/fetch-headers.sh). The two Vulkan builds take about 25 min on
-# 2 cores when not cached (the shaders); the tests about 10 min. Prints a "skip:" line and
-# succeeds where the packages cannot be installed.
+# under the cache (native/vulkan/fetch-headers.sh). Measured on this 2-core machine shared with
+# other work (load average 4 to 8): the two Vulkan builds 41 min when not cached (about 2,000
+# CPU-seconds, mostly the shaders and ggml-vulkan.cpp), the tests about 30 min (lavapipe decodes
+# the default model at 2 to 4 s a token). Prints a "skip:" line and succeeds where the packages
+# cannot be installed.
 VULKAN_DEBIAN_PACKAGES := libvulkan-dev glslc spirv-headers mesa-vulkan-drivers
 .PHONY: vulkan-deps vulkan-native vulkan-test
 vulkan-deps:

@@ -36,26 +36,15 @@ import pytest
 
 from proxy.native.build import BuildSpec, build_server, server_path
 from proxy.native.launch import ServerProcess, ServerSpec, free_port
-from tests.helpers import ServerFactory
+from tests.helpers import ServerFactory, request
 from tests.integration import test_architectures as arch
-
-# Tests (and the fixture ``moved``) of the CPU build's module, collected here: pytest resolves
-# their fixtures (kv_server, stock_server and below) from this module, i.e. on the device.
-from tests.integration.test_kvctl import (  # noqa: F401
-    ONE,
-    keyed,
-    moved,
-    test_attach_part_then_import_on_top,
-    test_export_erase_import_is_lossless,
-    test_moves_are_bound_to_tokens,
-    test_msgpack_and_octet_stream,
-    test_publish_attach_share_cells,
-    test_two_segments_and_import_on_top,
-)
+from tests.integration import test_kvctl as kvctl_tests
 
 # Every layer and the KV on the device; -lv 4: at the server's default verbosity (3) the
 # library's info lines below (model load, KV cache) are not logged.
 OFFLOAD = ("-ngl", "99", "-lv", "4")
+WARM_UP = kvctl_tests.PROMPT
+WARM_UP_TIMEOUT = 900
 # "0.01.407.437 I llama_kv_cache:    Vulkan0 KV buffer size =     2.00 MiB" (one per buffer).
 KV_BUFFER = re.compile(r"^.*?llama_kv_cache:\s+(\S+) KV buffer size =\s*([\d.]+) MiB", re.M)
 OFFLOADED = re.compile(r"load_tensors: offloaded (\d+)/(\d+) layers to GPU")
@@ -158,9 +147,30 @@ def start_server(start_server: ServerFactory, vulkan: Vulkan) -> ServerFactory:
         kw["extra_args"] = (*OFFLOAD, *kw.get("extra_args", ()))
         server = start_server(binary, **kw)
         assert_kv_on_device(server, vulkan.device)
+        warm_up(server)
         return server
 
     return start
+
+
+def warm_up(server: ServerProcess) -> None:
+    """One prompt's prefill and a few decodes, the slot erased after. ggml-vulkan makes its
+    pipelines on first use and lavapipe compiles each with LLVM then: the first long prompt
+    on a fresh server took 2 to 4 minutes here (later ones seconds), past the tests' timeouts."""
+    body = {"prompt": WARM_UP, "n_predict": 4, "temperature": 0, "cache_prompt": False, "id_slot": 0}
+    reply = request(f"{server.url}/completion", "POST", body, timeout=WARM_UP_TIMEOUT)
+    assert reply.status == 200, reply.body
+    if server.spec.kvctl:
+        key = {"Authorization": f"Bearer {server.spec.kvctl_key}"} if server.spec.kvctl_key else {}
+        erased = request(f"{server.url}/kvctl/erase", "POST", {"slot": 0}, headers=key)
+        assert erased.status == 200, erased.body
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slow_device_timeouts() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kvctl_tests, "CALL_TIMEOUT", 900.0)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -176,12 +186,27 @@ def stock_bin(vulkan: Vulkan) -> Path:
 @pytest.fixture(scope="module")
 def kv_server(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
     """As in test_kvctl.py: patched, --kvctl, with a --kvctl-dir; these tests own its slots."""
-    return keyed(start_server(patched_bin, threads=ONE))
+    return kvctl_tests.keyed(start_server(patched_bin, threads=kvctl_tests.ONE))
 
 
 @pytest.fixture(scope="module")
 def stock_server(start_server: ServerFactory, stock_bin: Path) -> ServerProcess:
     return start_server(stock_bin, kvctl=False)
+
+
+# --- the /kvctl tests of the cpu suite, on the device -------------------------------------------
+
+# Tests (and the fixture ``moved``) of tests/integration/test_kvctl.py, collected here: pytest
+# resolves their fixtures (kv_server, stock_server, start_server, the binaries) from this
+# module, i.e. on the device. In that module's order: the first one counts on the slot as
+# ``moved`` left it.
+moved = kvctl_tests.moved
+test_export_erase_import_is_lossless = kvctl_tests.test_export_erase_import_is_lossless
+test_two_segments_and_import_on_top = kvctl_tests.test_two_segments_and_import_on_top
+test_publish_attach_share_cells = kvctl_tests.test_publish_attach_share_cells
+test_msgpack_and_octet_stream = kvctl_tests.test_msgpack_and_octet_stream
+test_attach_part_then_import_on_top = kvctl_tests.test_attach_part_then_import_on_top
+test_moves_are_bound_to_tokens = kvctl_tests.test_moves_are_bound_to_tokens
 
 
 # --- the proof --------------------------------------------------------------------------------
