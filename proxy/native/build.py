@@ -121,14 +121,20 @@ def _series() -> list[Path]:
     return found
 
 
+def server_path(spec: BuildSpec) -> Path:
+    """Where the ``llama-server`` of ``spec`` is (or would be) cached; nothing is built."""
+    patches = _series() if spec.variant == "patched" else []
+    return cache_root() / "bin" / f"{spec.variant}-{spec.backend}-{_key(spec, patches)[:16]}" / "llama-server"
+
+
 def build_server(spec: BuildSpec) -> Path:
     """Return the path of a ``llama-server`` for ``spec``, building it if it is not cached."""
     patches = _series() if spec.variant == "patched" else []
-    out_dir = cache_root() / "bin" / f"{spec.variant}-{spec.backend}-{_key(spec, patches)[:16]}"
-    binary = out_dir / "llama-server"
+    binary = server_path(spec)
+    out_dir = binary.parent
     if binary.exists():
         return binary
-    _check_tools()
+    _check_tools(spec.backend)
     source = pristine_source()
     work = cache_root() / "work" / _base_key(spec)[:16]
     with file_lock(work.parent / f".{work.name}.lock"):
@@ -158,7 +164,8 @@ def build_server(spec: BuildSpec) -> Path:
 
 def _cmake_args(spec: BuildSpec) -> list[str]:
     host = X86_CMAKE_ARGS if platform.machine().lower() in ("x86_64", "amd64") else []
-    args = BASE_CMAKE_ARGS + host + BACKENDS[spec.backend] + list(spec.cmake_args)
+    backend = BACKENDS[spec.backend] + (_vulkan_header_args() if spec.backend == "vulkan" else [])
+    args = BASE_CMAKE_ARGS + host + backend + list(spec.cmake_args)
     if spec.variant == "patched":
         # Always explicit: the build directory is shared, so a value left in CMakeCache.txt
         # by an earlier fault-injection build must be switched off again.
@@ -182,7 +189,64 @@ def _base_key(spec: BuildSpec) -> str:
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
 
-def _check_tools() -> None:
+# The Vulkan build's own needs (ggml/src/ggml-vulkan/CMakeLists.txt: the loader and its C++
+# headers, glslc for the shaders, SPIR-V headers) and Mesa's lavapipe, the CPU Vulkan device
+# the tests run on: Debian's packages, installed by `make vulkan-deps` (docs/devices.md).
+VULKAN_DEBIAN_PACKAGES = ("libvulkan-dev", "glslc", "spirv-headers", "mesa-vulkan-drivers")
+
+
+# What the pinned source's ggml-vulkan.cpp uses that older headers lack (vk::LayerSettingEXT,
+# headers 1.3.261 and later). Debian 12 has 1.3.239: native/vulkan/fetch-headers.sh (run by
+# `make vulkan-deps`) unpacks Debian 13's headers under the cache, and the build uses those.
+VULKAN_NEEDED_DEFINE = "VK_EXT_layer_settings"
+VULKAN_HEADERS_DIR = "vulkan-headers"
+
+
+def _headers_ok(include: Path) -> bool:
+    try:
+        core = (include / "vulkan" / "vulkan_core.h").read_text(errors="replace")
+    except OSError:
+        return False
+    return VULKAN_NEEDED_DEFINE in core and (include / "vulkan" / "vulkan.hpp").exists()
+
+
+SYSTEM_INCLUDES = (Path("/usr/include"), Path("/usr/local/include"))
+
+
+def _vulkan_include() -> Path | None:
+    """The include directory to build against: None for the compiler's own (the system's or
+    a VULKAN_SDK's are new enough, or nothing better is there), else the fetched headers."""
+    if os.environ.get("VULKAN_SDK") or any(_headers_ok(d) for d in SYSTEM_INCLUDES):
+        return None
+    fetched = sorted((cache_root() / VULKAN_HEADERS_DIR).glob("*/include"), reverse=True)
+    return next((d for d in fetched if _headers_ok(d)), None)
+
+
+def _vulkan_header_args() -> list[str]:
+    include = _vulkan_include()
+    return [f"-DVulkan_INCLUDE_DIR={include}"] if include else []
+
+
+def _vulkan_missing() -> list[str]:
+    missing = [] if shutil.which("glslc") else ["glslc"]
+    sdk = os.environ.get("VULKAN_SDK")
+    if sdk:
+        pass  # the SDK's headers and SPIR-V headers: CMake finds them there
+    elif not any((d / "vulkan" / "vulkan.hpp").exists() for d in SYSTEM_INCLUDES):
+        missing.append("the Vulkan headers (vulkan/vulkan.hpp)")
+    elif not any(_headers_ok(d) for d in SYSTEM_INCLUDES) and _vulkan_include() is None:
+        missing.append(
+            f"Vulkan headers with {VULKAN_NEEDED_DEFINE} (the system's are too old for the pinned "
+            "llama.cpp: native/vulkan/fetch-headers.sh fetches newer ones)"
+        )
+    # ggml-vulkan's find_package(SPIRV-Headers CONFIG REQUIRED); a LunarG SDK carries its own.
+    cmake_dirs = [Path("/usr/share/cmake"), Path("/usr/local/share/cmake"), *Path("/usr/lib").glob("*/cmake")]
+    if not sdk and not any((d / "SPIRV-Headers").is_dir() for d in cmake_dirs):
+        missing.append("SPIRV-Headers' CMake package")
+    return missing
+
+
+def _check_tools(backend: str = "cpu") -> None:
     missing = [tool for tool in ("cmake", "git") if shutil.which(tool) is None]
     if not any(shutil.which(cxx) for cxx in ("c++", "g++", "clang++")):
         missing.append("a C++ compiler")
@@ -190,6 +254,13 @@ def _check_tools() -> None:
         raise BuildError(
             f"cannot build llama-server: {', '.join(missing)} not found",
             fix="install them, e.g. `apt-get install -y cmake git build-essential ninja-build`",
+        )
+    if backend == "vulkan" and (missing := _vulkan_missing()):
+        raise BuildError(
+            f"cannot build the Vulkan llama-server: {', '.join(missing)} not found",
+            fix="run `make vulkan-deps` (as root), or `apt-get install -y "
+            + " ".join(VULKAN_DEBIAN_PACKAGES)
+            + "`, or set VULKAN_SDK to a LunarG SDK",
         )
 
 

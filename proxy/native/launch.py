@@ -233,15 +233,19 @@ class ServerProcess:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
 
-    def startup_refusal(self) -> tuple[str, str]:
-        """(why, what to do): the one line of this run's log that says why the server did not
-        start, for a user who should not have to read the whole log."""
+    def run_log(self) -> str:
+        """This run's lines of the (appended) log; empty when it cannot be read."""
         try:
             with open(self.log_path, "rb") as log:
                 log.seek(self._log_start)
-                lines = log.read().decode(errors="replace").splitlines()
+                return log.read().decode(errors="replace")
         except OSError:
-            lines = []
+            return ""
+
+    def startup_refusal(self) -> tuple[str, str]:
+        """(why, what to do): the one line of this run's log that says why the server did not
+        start, for a user who should not have to read the whole log."""
+        lines = self.run_log().splitlines()
         see = f"the whole log: {self.log_path}"
         for line in lines:
             if _KVCTL_REFUSAL in line:

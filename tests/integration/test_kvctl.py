@@ -53,6 +53,9 @@ MAGIC = 0xAF143CD8
 
 # --- HTTP -------------------------------------------------------------------------------------
 
+# Seconds per request (test_vulkan.py raises it: a software Vulkan device is far slower).
+CALL_TIMEOUT = 180.0
+
 # The /kvctl key of each server these tests talk to, by URL.
 KEYS: dict[str, str] = {}
 
@@ -73,12 +76,14 @@ def call(
     path: str,
     body: Any = None,
     headers: dict[str, str] | None = None,
-    timeout: float = 180,
+    timeout: float | None = None,
 ) -> Reply:
     """One request; on /kvctl without explicit ``headers``, with the server's key."""
     if headers is None and path.startswith("/kvctl"):
         headers = auth(url)
-    return request(url + path, method, body, headers=headers, timeout=timeout)
+    return request(
+        url + path, method, body, headers=headers, timeout=CALL_TIMEOUT if timeout is None else timeout
+    )
 
 
 def ok(url: str, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None) -> Any:

@@ -4,9 +4,12 @@ commit on CPUs with AMX), nothing extra elsewhere, and the cache key follows the
 from __future__ import annotations
 
 import platform
+import shutil
+from pathlib import Path
 
 import pytest
 
+from proxy.errors import BuildError
 from proxy.native import build
 
 pytestmark = pytest.mark.unit
@@ -32,3 +35,37 @@ def test_operator_flags_come_after_and_change_the_key(monkeypatch: pytest.Monkey
     args = build._cmake_args(mine)
     assert args.index("-DCMAKE_CXX_FLAGS=-O2") > args.index(f"-DCMAKE_CXX_FLAGS={build.NO_AMX_FLAGS}")
     assert build._key(mine, []) != build._key(build.BuildSpec(), [])
+
+
+def _headers(root: Path, new: bool) -> Path:
+    (root / "vulkan").mkdir(parents=True)
+    (root / "vulkan" / "vulkan.hpp").write_text("")
+    (root / "vulkan" / "vulkan_core.h").write_text("#define VK_EXT_layer_settings 1\n" if new else "")
+    return root
+
+
+def test_vulkan_builds_against_fetched_headers_where_the_systems_are_too_old(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Debian 12's headers lack VK_EXT_layer_settings (the pinned ggml-vulkan needs it): the
+    build takes the ones native/vulkan/fetch-headers.sh unpacked under the cache, the cpu build
+    and its key are unchanged, and with neither the build says what to run."""
+    monkeypatch.setenv("RADIX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("VULKAN_SDK", raising=False)
+    monkeypatch.setattr(build, "SYSTEM_INCLUDES", (_headers(tmp_path / "usr-include", new=False),))
+    monkeypatch.setattr(shutil, "which", lambda tool: f"/usr/bin/{tool}")
+    cpu = build.BuildSpec()
+    cpu_args, cpu_key = build._cmake_args(cpu), build._key(cpu, [])
+    assert build._vulkan_header_args() == []
+    with pytest.raises(BuildError, match="fetch-headers.sh"):
+        build._check_tools("vulkan")
+
+    fetched = _headers(tmp_path / "cache" / build.VULKAN_HEADERS_DIR / "1.4.309.0-1" / "include", new=True)
+    args = build._cmake_args(build.BuildSpec(backend="vulkan"))
+    assert args[args.index("-DGGML_VULKAN=ON") + 1] == f"-DVulkan_INCLUDE_DIR={fetched}"
+    assert (build._cmake_args(cpu), build._key(cpu, [])) == (cpu_args, cpu_key)
+    assert not any("Vulkan" in a for a in cpu_args)
+
+    # New enough system headers (Debian 13): the compiler's own, no override.
+    monkeypatch.setattr(build, "SYSTEM_INCLUDES", (_headers(tmp_path / "new-include", new=True),))
+    assert not any("Vulkan_INCLUDE_DIR" in a for a in build._cmake_args(build.BuildSpec(backend="vulkan")))
