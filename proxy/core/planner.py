@@ -16,6 +16,8 @@ Rules, in order:
    [base, host) is imported on top of the base (A+H / S+H): same length, fewer bytes moved.
    Policy "share": the longer of A and S when either is usable (ties A); H only when
    neither is. Mixed extends the A or S base the same way.
+   A whole-state checkpoint (``host_whole``) is never mixed: H replaces the base whole, and
+   only when it is at least `min_restore_tokens` longer than the base.
 4. Slot: for A (and A+H) the idle slot with the longest lcp, ties most recently used.
    For S, H and PREFILL the slot's KV is replaced: prefer the idle slot whose lcp is the
    longest when that lcp is > 0 (the server may still reuse it), else the least recently
@@ -74,6 +76,9 @@ class PlanInput:
     policy: Policy = Config.kv_share_route
     min_restore_tokens: int = Config.min_restore_tokens
     share_enabled: bool = True
+    # The host match is a whole-state checkpoint (recurrent or hybrid memory): valid at exactly
+    # host_len, restored whole, never on top of an A or S base (no A+H or S+H).
+    host_whole: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in ("longest", "share"):
@@ -111,9 +116,9 @@ def plan(inp: PlanInput) -> Plan | None:
 
     # Base: A or S, the longer (ties A).
     base_route, base = (Route.S, s) if s > a else (Route.A, a)
-    if h <= base:
+    if h <= base or (inp.host_whole and h - base < inp.min_restore_tokens):
         return _base_plan(idle, a_slot, base_route, base, owner)
-    if base > 0 and h - base >= inp.min_restore_tokens:
+    if base > 0 and h - base >= inp.min_restore_tokens and not inp.host_whole:
         return _mixed_plan(idle, a_slot, base_route, base, owner, h)
     if inp.policy == "share" and base > 0:  # "share" uses H alone only when A and S give nothing
         return _base_plan(idle, a_slot, base_route, base, owner)

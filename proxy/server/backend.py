@@ -203,7 +203,7 @@ class Backend:
         else:
             data = orjson.dumps(body)
             headers = {**self._auth, "Content-Type": "application/json"}
-            if route == "export" and "file" not in body:
+            if route in ("export", "checkpoint") and "file" not in body:
                 # An inline export: its KV comes back as msgpack bin (raw bytes), not base64 in JSON.
                 headers["Accept"] = "application/msgpack"
         try:
@@ -280,6 +280,29 @@ class Backend:
         if isinstance(reply.get("data"), str):
             reply["data"] = base64.b64decode(reply["data"])
         return reply
+
+    async def checkpoint(self, slot: int, tokens: np.ndarray) -> bytes:
+        """The whole state of ``slot`` after ``tokens`` (recurrent and hybrid memory), from the
+        context checkpoint the server took at ``len(tokens)``; 409 (CONFLICT) when the slot does
+        not hold these tokens, 404 when it kept no checkpoint there."""
+        body = {"slot": slot, "n": len(tokens), "expect_sha256": tokens_sha256(tokens)}
+        reply = await self.kv_post("checkpoint", body, cause=FallbackCause.EXPORT)
+        data = reply.get("data") if isinstance(reply, dict) else None
+        if isinstance(data, str):
+            data = base64.b64decode(data)
+        if not isinstance(data, bytes) or len(data) != int(reply.get("size", -1)):
+            raise KvMoveError(FallbackCause.PAYLOAD, "/kvctl/checkpoint: no payload of the size it names")
+        return data
+
+    async def restore(self, slot: int, tokens: np.ndarray, data: bytes) -> dict[str, Any]:
+        """Write a checkpoint of exactly ``tokens`` into an idle slot (the server checks it is
+        theirs); on any failure the server cleared the slot."""
+        body = {"slot": slot, "tokens": tokens.tolist(), "segments": [{"data": data}]}
+        return dict(
+            await self.kv_post(
+                "restore", body, cause=FallbackCause.IMPORT, timeout_s=move_timeout_s(len(data))
+            )
+        )
 
 
 def backend_error(status: int, data: Any, what: str) -> BackendError:

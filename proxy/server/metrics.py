@@ -221,6 +221,16 @@ class Metrics:
             f"{ns}_host_saved_tokens", "New tokens stored in the host tree", registry=registry
         )
         self.tree_loads = Counter(f"{ns}_host_loads", "Host restores into a slot", registry=registry)
+        self.checkpoint_saves = Counter(
+            f"{ns}_checkpoint_saves",
+            "Whole-state checkpoints (recurrent and hybrid models) kept in host memory",
+            registry=registry,
+        )
+        self.checkpoint_restores = Counter(
+            f"{ns}_checkpoint_restores",
+            "Whole-state checkpoints restored into a slot (route H on a server with moves off)",
+            registry=registry,
+        )
         self.room_erases = Counter(
             f"{ns}_room_erases",
             "Idle slots erased to make room for the KV cells of admitted requests (resident sharing)",
@@ -296,6 +306,13 @@ class Metrics:
         self.backend_up = Gauge(
             f"{ns}_backend_up",
             "1 when the server answered the last /kvctl/cells read",
+            ["server"],
+            registry=registry,
+        )
+        self.server_checkpoints = Gauge(
+            f"{ns}_server_checkpoints",
+            "1 when the server's moves are off but whole-state checkpoints of its recurrent or hybrid "
+            "memory are on (host restores at the positions it took them)",
             ["server"],
             registry=registry,
         )

@@ -298,7 +298,9 @@ async def health(request: web.Request) -> web.Response:
             # Served, but with routes A and prefill only: say which moves are off and why;
             # "on" only for a connected server whose layout check passed.
             **(
-                {"kv_moves": "off", "kv_moves_off": list(s.moves_off)}
+                {"kv_moves": "off", "kv_moves_off": list(s.moves_off), "kv_checkpoints": "on"}
+                if s.moves_off and s.checkpoints
+                else {"kv_moves": "off", "kv_moves_off": list(s.moves_off)}
                 if s.moves_off
                 else {"kv_moves": "on"}
                 if s.healthy

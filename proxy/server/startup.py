@@ -286,6 +286,8 @@ async def _connect(
     slots = [_slot_found(s, isolating, model_ns, moves=not moves_off) for s in slots_info["slots"]]
     n_ctx_slot = int(caps.get("n_ctx_slot") or caps.get("n_ctx") or 0)
     metrics.server_moves.labels(name).set(0 if moves_off else 1)
+    checkpoints = bool(moves_off) and _checkpoints_on(caps)
+    metrics.server_checkpoints.labels(name).set(1 if checkpoints else 0)
     sharing = await _sharing(config, name, backend, caps) if config.kv_share and not moves_off else None
     model = spec.model or await _server_model_name(backend)
     log.info(
@@ -298,25 +300,53 @@ async def _connect(
         f"via {shm}" if shm else "inline",
         ", resident sharing on" if sharing else "",
     )
-    if moves_off:
+    if moves_off and checkpoints:
         log.warning(
-            "%s: KV moves are off for model %r (%s): %s; served with routes A and prefill only "
-            "(the server's own prefix reuse; no host restore, save or sharing)",
+            "%s: KV moves are off for model %r (%s): %s; served with routes A, prefill, and H from "
+            "whole-state checkpoints taken where the server takes its own (no A+H, sharing or disk tier)",
             name,
             model,
             _memory_kind(caps),
             "; ".join(moves_off),
         )
+    elif moves_off:
+        log.warning(
+            "%s: KV moves are off for model %r (%s): %s; served with routes A and prefill only "
+            "(the server's own prefix reuse; no host restore, save or sharing)%s",
+            name,
+            model,
+            _memory_kind(caps),
+            "; ".join(moves_off),
+            _checkpoints_off(caps),
+        )
     state = ServerState(name, backend, mover, slots, n_ctx_slot, sharing)
     state.model, state.model_ns, state.named = model, model_ns, bool(spec.model)
     state.n_cells = int(caps.get("n_cells", 0))
     state.moves_off = moves_off
+    state.checkpoints = checkpoints
+    state.compat_id = str(caps.get("compat_id") or "")
     state.infill = InfillParams.from_caps(caps, n_ctx_slot)
     embedding = caps.get("embedding")
     state.embeddings = isinstance(embedding, dict) and embedding.get("on") is True
     state.pooling = int(embedding.get("pooling", -1)) if isinstance(embedding, dict) else -1
     state.instance = instance or None
     return state
+
+
+def _checkpoints_on(caps: dict[str, Any]) -> bool:
+    """Whole-state checkpoints, as the server's startup probe found them (caps.checkpoints)."""
+    ckpt = caps.get("checkpoints")
+    return isinstance(ckpt, dict) and ckpt.get("on") is True and bool(caps.get("compat_id"))
+
+
+def _checkpoints_off(caps: dict[str, Any]) -> str:
+    """Why a recurrent or hybrid model gets no whole-state checkpoints, for the log line."""
+    ckpt = caps.get("checkpoints")
+    memory = caps.get("memory")
+    kind = memory.get("kind") if isinstance(memory, dict) else None
+    if kind not in ("recurrent", "hybrid") or not isinstance(ckpt, dict):
+        return ""
+    return "; whole-state checkpoints are off: " + "; ".join(str(r) for r in ckpt.get("off") or ())
 
 
 def _memory_kind(caps: dict[str, Any]) -> str:

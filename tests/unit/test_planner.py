@@ -31,6 +31,7 @@ class Case:
     residents: list[ResidentView] = field(default_factory=list)
     policy: Policy = "longest"
     share: bool = True
+    whole: bool = False  # the host match is a whole-state checkpoint
 
 
 CASES = [
@@ -130,6 +131,34 @@ CASES = [
     Case(
         "share: H when neither A nor S", [slot(0)], (Route.H, 0, 0, None, 0, 90, 90), host=90, policy="share"
     ),
+    Case(
+        "checkpoint: never on top of A, replaces the slot whole",
+        [slot(0, 20)],
+        (Route.H, 0, 0, None, 0, 90, 90),
+        host=90,
+        whole=True,
+    ),
+    Case(
+        "checkpoint: a gain under min keeps A",
+        [slot(0, 85)],
+        (Route.A, 0, 85, None, 0, 0, 85),
+        host=85 + MIN - 1,
+        whole=True,
+    ),
+    Case(
+        "checkpoint: a gain of min restores it",
+        [slot(0, 80)],
+        (Route.H, 0, 0, None, 0, 80 + MIN, 80 + MIN),
+        host=80 + MIN,
+        whole=True,
+    ),
+    Case(
+        "checkpoint: cold",
+        [slot(0), slot(1, last_used=3)],
+        (Route.H, 0, 0, None, 0, 50, 50),
+        host=50,
+        whole=True,
+    ),
 ]
 
 
@@ -143,6 +172,7 @@ def test_plan_table(case: Case) -> None:
         case.policy,
         MIN,
         case.share,
+        case.whole,
     )
     got = plan(inp)
     assert got is not None

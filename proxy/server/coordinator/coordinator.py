@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from proxy.config import Config
+from proxy.core.checkpoints import CheckpointStore
 from proxy.core.radix import RadixTree
 from proxy.errors import FallbackCause, RadixError
 from proxy.server.coordinator.decisions import Decision, DecisionLog
@@ -31,10 +32,16 @@ class Coordinator:
         self.servers = servers
         self.tree = tree
         self.metrics = metrics
+        # Whole-state checkpoints (servers with moves off): their bytes count in the tree's budget.
+        self.checkpoints = CheckpointStore(tree.budget_bytes, on_hold=tree.reserve, on_free=tree.release)
         self.leases = Leases(
-            config, servers, tree, on_reject=lambda reason: metrics.rejected.labels(reason).inc()
+            config,
+            servers,
+            tree,
+            on_reject=lambda reason: metrics.rejected.labels(reason).inc(),
+            checkpoints=self.checkpoints,
         )
-        self.moves = KvMoves(config, tree, metrics)
+        self.moves = KvMoves(config, tree, metrics, self.checkpoints)
         self.log = DecisionLog(metrics)
         self.disk: DiskTier | None = None  # set by startup with --cache-disk
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from proxy.config import Config
 from proxy.core.admission import check_reservations
+from proxy.core.checkpoints import CheckpointStore
 from proxy.core.planner import Plan, PlanInput, Route, SlotView
 from proxy.core.planner import plan as choose_plan
 from proxy.core.prefix import common_prefix
@@ -78,10 +79,12 @@ class Leases:
         servers: list[ServerState],
         tree: RadixTree,
         on_reject: Callable[[RejectReason], None] = lambda reason: None,
+        checkpoints: CheckpointStore | None = None,
     ) -> None:
         self.config = config
         self.servers = servers
         self.tree = tree
+        self.checkpoints = checkpoints  # whole-state checkpoints of servers with moves off
         self._waiters: collections.deque[_Waiter] = collections.deque()
         self.inflight: dict[str, Lease] = {}
         self.waiting_for_prefix = 0
@@ -181,7 +184,7 @@ class Leases:
         on a cold server compute it once. Returns the scan of the state the wait ended in."""
         start = time.monotonic()
         while True:
-            found = scan(tokens, self.servers, self.tree, ns)
+            found = scan(tokens, self.servers, self.tree, ns, self.checkpoints)
             hit = self._blocker(found)
             if hit is None:
                 return found
@@ -249,7 +252,7 @@ class Leases:
     def _plan_and_lease(self, request_id: str, found: PrefixScan, want: _Want = _Want()) -> Lease | None:
         """Pick server, slot and route on pure data, and mark the slot busy (synchronous).
         Each server's planner gives its best plan; the routing cost model picks the server."""
-        plans: list[tuple[Plan, ServerState]] = []
+        plans: list[tuple[Plan, ServerScan]] = []
         loads: list[ServerLoad] = []
         for sv in found.servers:
             server = sv.server
@@ -259,11 +262,12 @@ class Leases:
             if plan is None:
                 continue
             loads.append(self._load(len(plans), plan, server, found, want))
-            plans.append((plan, server))
+            plans.append((plan, sv))
         chosen = choose_server(loads, self.cost_model)
         if chosen is None:
             return None
-        plan, server = plans[chosen.index]
+        plan, sv = plans[chosen.index]
+        server = sv.server
         if want.session:
             self._affinity[want.session] = server.name
             self._affinity.move_to_end(want.session)
@@ -273,9 +277,13 @@ class Leases:
         self.tree.touch(host)
         slot = server.slots[plan.slot_id]
         slot.busy = True
-        uses_host = plan.host_to > plan.host_from
+        # A host restore comes from the tree's segments, or with moves off from a checkpoint.
+        uses_host = plan.host_to > plan.host_from and server.moves
+        checkpoint = sv.checkpoint if plan.host_to > plan.host_from and not server.moves else None
         if uses_host:
             self.tree.pin(host)
+        if checkpoint is not None and self.checkpoints is not None:
+            self.checkpoints.touch(checkpoint)
         lease = Lease(
             request_id,
             server,
@@ -284,6 +292,8 @@ class Leases:
             found.tokens,
             host if uses_host else None,
             why=divergence(found),
+            checkpoint=checkpoint,
+            diverged_at=lcp if (lcp := sv.slot_lcp[plan.slot_id]) < len(slot.tokens) else None,
             route=plan.route,
             ns=found.ns,
             epoch=server.epoch,
@@ -334,7 +344,10 @@ class Leases:
         return PlanInput(
             n_prompt=len(found.tokens),
             slots=views,
-            host_len=found.host.length if server.moves else 0,
+            host_len=found.host.length
+            if server.moves
+            else (sv.checkpoint.n_tokens if sv.checkpoint is not None else 0),
+            host_whole=not server.moves,
             residents=sv.residents,
             policy=self.config.kv_share_route,
             min_restore_tokens=self.config.min_restore_tokens,
@@ -373,7 +386,7 @@ class Leases:
                 continue
             if any(_overlaps(waiter.want.model, m) for m in blocked):
                 continue
-            found = scan(waiter.tokens, self.servers, self.tree, waiter.ns)
+            found = scan(waiter.tokens, self.servers, self.tree, waiter.ns, self.checkpoints)
             granted = self._plan_and_lease(waiter.request_id, found, waiter.want)
             if granted is None:
                 blocked.add(waiter.want.model)

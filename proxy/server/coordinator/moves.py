@@ -18,6 +18,7 @@ import numpy as np
 
 from proxy.config import Config
 from proxy.core.admission import cells_needed, free_estimate, own_tail
+from proxy.core.checkpoints import CheckpointStore
 from proxy.core.planner import Route
 from proxy.core.prefix import common_prefix
 from proxy.core.radix import RadixTree
@@ -35,6 +36,7 @@ WAVE_YIELDS = 3
 RESTORES_FIRST_S = 5.0  # a request waits at most this long for other restores before it is sent
 BUSY_POLLS = 100  # a cancelled request may still be winding down: poll its slot this often
 BUSY_POLL_S = 0.02
+CHECKPOINTS_PER_ANSWER = 3  # whole-state checkpoints kept from one answer's prompt, newest first
 
 
 class RestoreAbandoned(Exception):
@@ -43,16 +45,24 @@ class RestoreAbandoned(Exception):
 
 
 class KvMoves:
-    def __init__(self, config: Config, tree: RadixTree, metrics: Metrics) -> None:
+    def __init__(
+        self, config: Config, tree: RadixTree, metrics: Metrics, checkpoints: CheckpointStore | None = None
+    ) -> None:
         self.config = config
         self.tree = tree
         self.metrics = metrics
+        self.checkpoints = checkpoints if checkpoints is not None else CheckpointStore(tree.budget_bytes)
 
     async def restore(self, lease: Lease, n_predict: int) -> None:
         """Do the plan's KV moves into the leased slot; on failure fall back to prefill."""
         started = time.monotonic()
         try:
-            moves = lease.host is not None or lease.erase_first or lease.plan.route in (Route.S, Route.SH)
+            moves = (
+                lease.host is not None
+                or lease.checkpoint is not None
+                or lease.erase_first
+                or lease.plan.route in (Route.S, Route.SH)
+            )
             if moves:
                 await self._unless_down(lease, self._restore(lease, n_predict))
             else:  # a plain request: only the books (room checks have deadlines of their own)
@@ -112,6 +122,10 @@ class KvMoves:
         try:
             if server.sharing is not None or server.n_cells > 0:
                 await self._reserve(lease, n_predict)
+            if lease.checkpoint is not None:
+                async with self._locked(lease):
+                    await self._restore_checkpoint(lease)
+                return
             if not (attach or lease.host is not None):
                 return  # nothing moves: the server's own reuse does it; the lock is for moves only
             if not attach:
@@ -286,6 +300,21 @@ class KvMoves:
         self.tree.record_load(p1 - p0)
         self.metrics.tree_loads.inc()
 
+    async def _restore_checkpoint(self, lease: Lease) -> None:
+        """Write a whole-state checkpoint into the slot: it then holds exactly its tokens, and the
+        server computes the rest of the prompt from there."""
+        cp = lease.checkpoint
+        assert cp is not None
+        started = time.monotonic()
+        try:
+            await lease.server.backend.restore(lease.slot.slot_id, cp.tokens, cp.data)
+        finally:
+            lease.import_s += time.monotonic() - started
+            lease.checkpoint = None
+        lease.slot.tokens = cp.tokens.copy()
+        self.metrics.checkpoint_restores.inc()
+        self.metrics.kv_move_bytes.labels("import").inc(len(cp.data))
+
     async def save(self, lease: Lease) -> None:
         """After the answer: learn what the slot holds, save what the tree lacks, share it.
         A failed save loses a future hit, never an answer: it is counted, not raised."""
@@ -296,7 +325,11 @@ class KvMoves:
         try:
             await self._refresh_slot(lease)
             if not lease.server.moves:
-                return  # the slot keeps its KV for the server's own reuse (route A)
+                # The slot keeps its KV for the server's own reuse (route A); with whole-state
+                # checkpoints the host keeps the states the server took of this prompt too.
+                if lease.server.checkpoints:
+                    await self._save_checkpoints(lease)
+                return
             await self._save(lease)
             await self._share(lease)
             await self._release_idle(lease)
@@ -326,6 +359,7 @@ class KvMoves:
             return
         tokens = np.asarray(entry.get("tokens", []), dtype=np.int32)
         held = int(entry.get("pos_max", -1)) + 1
+        lease.saved_checkpoints = [int(n) for n in entry.get("checkpoints", [])]
         # Invariant 1: only tokens whose KV the sequence really holds count. With moves off only
         # the server reuses a slot's KV (route A), and a sliding window's cache forgets the start
         # (pos_min > 0): the tokens then only steer the request to the slot.
@@ -356,6 +390,32 @@ class KvMoves:
             self.tree.unpin(match)
         self.metrics.tree_saves.inc()
         self.metrics.tree_saved_tokens.inc(stored)
+
+    async def _save_checkpoints(self, lease: Lease) -> None:
+        """Keep the whole-state checkpoints the server took while computing this prompt (at
+        the start of user messages and just before the prompt's end) that the host lacks, the
+        newest first. Each is exported as the state after exactly its tokens, which the slot
+        still holds (the server checks them: a 409 means the slot moved on)."""
+        slot, server = lease.slot, lease.server
+        if lease.fallback or slot.ns != lease.ns or lease.saved_checkpoints is None:
+            return
+        held = common_prefix(slot.tokens, lease.tokens)
+        todo = [
+            n
+            for n in sorted(lease.saved_checkpoints, reverse=True)
+            if self.config.min_restore_tokens <= n <= held
+            # A checkpoint the server kept from the slot's old tokens, one past where they parted,
+            # holds the old token there (the server drops only those past it): never exported.
+            and (lease.diverged_at is None or n != lease.diverged_at + 1)
+            and self.checkpoints.find(lease.ns, server.compat_id, lease.tokens[:n]) is None
+        ][:CHECKPOINTS_PER_ANSWER]
+        for n in todo:
+            tokens = lease.tokens[:n]
+            async with server.move_lock:
+                data = await server.backend.checkpoint(slot.slot_id, tokens)
+            if self.checkpoints.add(lease.ns, server.compat_id, tokens, data) is not None:
+                self.metrics.checkpoint_saves.inc()
+                self.metrics.kv_move_bytes.labels("export").inc(len(data))
 
     async def _release_idle(self, lease: Lease) -> None:
         """--cache-idle-release: erase the slot's KV from the server's pool once the host tree

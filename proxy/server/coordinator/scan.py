@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from proxy.core.checkpoints import Checkpoint, CheckpointStore
 from proxy.core.planner import ResidentView
 from proxy.core.prefix import common_prefix
 from proxy.core.radix import HostMatch, RadixTree
@@ -23,6 +24,7 @@ class ServerScan:
     server: ServerState
     slot_lcp: tuple[int, ...]  # per slot, in slot order: common prefix with the request
     residents: tuple[ResidentView, ...]  # resident prefixes sharing at least one token
+    checkpoint: Checkpoint | None = None  # moves off: the longest whole-state checkpoint it can restore
 
     def best_idle(self) -> int:
         """Longest prefix available now on this server (an idle slot or a resident prefix)."""
@@ -41,10 +43,21 @@ class PrefixScan:
         return max([self.host.length] + [s.best_idle() for s in self.servers])
 
 
-def scan(tokens: np.ndarray, servers: list[ServerState], tree: RadixTree, ns: str = "") -> PrefixScan:
+def scan(
+    tokens: np.ndarray,
+    servers: list[ServerState],
+    tree: RadixTree,
+    ns: str = "",
+    checkpoints: CheckpointStore | None = None,
+) -> PrefixScan:
     out = []
     for server in servers:
         lcps = tuple(common_prefix(s.tokens, tokens) if s.ns == ns else 0 for s in server.slots)
         residents = server.sharing.index.views(tokens, ns) if server.sharing is not None else ()
-        out.append(ServerScan(server, lcps, residents))
+        whole = (
+            checkpoints.match(ns, server.compat_id, tokens)
+            if checkpoints is not None and server.checkpoints
+            else None
+        )
+        out.append(ServerScan(server, lcps, residents, whole))
     return PrefixScan(tokens, ns, tree.match(tokens, touch=False, ns=ns), tuple(out))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from proxy.core.admission import CellNeed
+from proxy.core.checkpoints import Checkpoint
 from proxy.core.infill import InfillParams
 from proxy.core.planner import Plan, Route
 from proxy.core.radix import HostMatch, RadixTree
@@ -136,6 +137,10 @@ class ServerState:
     # Why KV moves are off for this server ((): on). Off, it is served with routes A and prefill
     # only: the server's own prefix reuse, no host restore, save or sharing (invariant 9).
     moves_off: tuple[str, ...] = ()
+    # Recurrent and hybrid memory with moves off: whole-state checkpoints (caps checkpoints.on)
+    # restore a prompt's exact prefix on any slot (route H), and are saved after each answer.
+    checkpoints: bool = False
+    compat_id: str = ""  # the server's compatibility id: which checkpoints it can restore
     infill: InfillParams | None = None  # what /infill builds its prompt from (caps; None: not reported)
     embeddings: bool = False  # started with --embeddings (caps embedding.on): serves /v1/embeddings
     pooling: int = -1  # its pooling type (caps embedding.pooling; 4: --reranking, serves /v1/rerank)
@@ -208,6 +213,7 @@ class Lease:
     tokens: np.ndarray
     host: HostMatch | None  # pinned host path the plan imports from, until the restore ends
     why: Divergence  # where cached prefixes stopped matching, at plan time
+    checkpoint: Checkpoint | None = None  # a whole-state checkpoint to restore (route H, moves off)
     ns: str = ""  # cache-isolation namespace of the request
     epoch: int = 0  # the server's epoch when leased
     reserved_cells: int = 0  # its part of server.reserved_cells, returned on release
@@ -226,6 +232,10 @@ class Lease:
     fallback: FallbackCause | None = None
     owner_pinned: bool = False
     finishing: bool = False  # the answer is complete; the slot is being saved
+    saved_checkpoints: list[int] | None = None  # after the answer: where the server took checkpoints
+    # Where the request's tokens left what its slot held (None: they did not): the server may
+    # keep a stale checkpoint of the slot's old tokens at exactly one more token.
+    diverged_at: int | None = None
     started: float = field(default_factory=time.monotonic)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 

@@ -1,0 +1,151 @@
+"""Whole-state checkpoints of recurrent and hybrid models (patch 0017), against real servers.
+
+A recurrent state cannot be cut at a position, so these models' KV moves are off. The server
+takes context checkpoints of its recurrent state while it computes a prompt; the proxy keeps
+the whole state at those positions in host memory after each answer and restores it into any
+slot later (route H), which stock llama-server cannot do once another conversation took the
+slot. Each answer is compared with stock computing the same prompt from scratch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from proxy.core.payload import tokens_sha256
+from proxy.native.launch import ServerProcess
+from proxy.server.runtime import Runtime
+from tests.helpers import ProxyThread, ServerFactory, assert_same_answer, get, post, proxy_config
+from tests.integration.test_architectures import KV_CONFIGS, _ask, _fallbacks, _from_scratch, _kvctl
+from tests.integration.test_proxy import convo, document
+from tests.tinymodels import tiny_model
+
+FAMILIES = ("lfm2", "mamba2")  # hybrid (short conv + attention), recurrent
+
+
+@pytest.fixture(scope="module", params=[(f, kv) for f in FAMILIES for kv in KV_CONFIGS], ids="-".join)
+def recurrent(
+    request: pytest.FixtureRequest, start_server: ServerFactory, patched_bin: Path, stock_bin: Path
+) -> Iterator[tuple[str, ProxyThread, ServerProcess, ServerProcess]]:
+    family, kv = request.param
+    model, args = tiny_model(family), KV_CONFIGS[kv]
+    # Two slots: a second conversation takes the first one's slot.
+    patched = start_server(patched_bin, model=model, ctx_size=4096, threads=1, n_parallel=2, extra_args=args)
+    stock = start_server(stock_bin, model=model, ctx_size=4096, threads=1, kvctl=False, extra_args=args)
+    proxy = ProxyThread(proxy_config(patched)).start()
+    yield family, proxy, patched, stock
+    proxy.stop()
+    patched.stop()
+    stock.stop()
+
+
+def _count(proxy: ProxyThread, name: str) -> float:
+    return float(proxy.call(lambda rt: getattr(rt.metrics, name)._value.get()))
+
+
+def _first_turn(proxy: ProxyThread, stock: ServerProcess, seed: int) -> list[dict[str, str]]:
+    messages = convo(document(seed, 120), "What is the first word?")
+    first = _ask(proxy, messages)
+    assert first.headers["X-Radix-Route"] == "prefill", first.headers
+    assert_same_answer(first, _from_scratch(stock, messages))
+    return messages + [
+        {"role": "assistant", "content": first.body["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And the last word?"},
+    ]
+
+
+def test_checkpoint_restores_a_conversation_on_a_taken_slot(
+    recurrent: tuple[str, ProxyThread, ServerProcess, ServerProcess],
+) -> None:
+    family, proxy, patched, stock = recurrent
+    caps = _kvctl(patched, "caps").body
+    assert caps["moves"] is False and caps["checkpoints"]["on"] is True, caps
+    entry = get(f"{proxy.url}/health").body["servers"][0]
+    assert entry["kv_moves"] == "off" and entry["kv_checkpoints"] == "on", entry
+    assert proxy.call(lambda rt: rt.metrics.server_checkpoints.labels("s0")._value.get()) == 1
+
+    saves = _count(proxy, "checkpoint_saves")
+    second_turn = _first_turn(proxy, stock, seed=21)
+    assert _count(proxy, "checkpoint_saves") > saves  # the states the server took of the prompt
+    # Two other conversations take both slots (the first one's slot first: it shares the
+    # system prompt's opening words).
+    _first_turn(proxy, stock, seed=22)
+    _first_turn(proxy, stock, seed=23)
+
+    restores = _count(proxy, "checkpoint_restores")
+    second = _ask(proxy, second_turn)
+    # Stock would compute the whole conversation again here; the proxy restored the state the
+    # server took just before the first turn's prompt ended, on whichever slot it leased.
+    assert second.headers["X-Radix-Route"] == "H", second.headers
+    assert int(second.headers["X-Radix-Cached-Tokens"]) > 150, second.headers
+    assert_same_answer(second, _from_scratch(stock, second_turn))
+    assert _count(proxy, "checkpoint_restores") == restores + 1
+    assert _fallbacks(proxy) == 0
+    # The tree holds no KV segments of such a model: only checkpoints.
+    assert proxy.call(lambda rt: rt.coordinator.tree.stats().unique_tokens) == 0
+
+
+def test_a_corrupt_checkpoint_falls_back_to_prefill(
+    recurrent: tuple[str, ProxyThread, ServerProcess, ServerProcess],
+) -> None:
+    """The server checks a checkpoint's bytes against the hash it wrote: a damaged one is
+    refused (400), the slot cleared, and the request prefilled, counted, with a right answer."""
+    family, proxy, patched, stock = recurrent
+    second_turn = _first_turn(proxy, stock, seed=31)
+    _first_turn(proxy, stock, seed=32)
+    _first_turn(proxy, stock, seed=33)
+
+    def damage(rt: Runtime) -> int:
+        store = rt.coordinator.checkpoints
+        for cp in store.entries:
+            data = bytearray(cp.data)
+            data[-1] ^= 0xFF
+            cp.data = bytes(data)
+        return len(store.entries)
+
+    assert proxy.call(damage) > 0
+    fallbacks = _fallbacks(proxy)
+    second = _ask(proxy, second_turn)
+    assert second.headers["X-Radix-Route"] == "prefill", second.headers
+    assert_same_answer(second, _from_scratch(stock, second_turn))
+    assert _fallbacks(proxy) == fallbacks + 1
+
+
+def test_checkpoint_api_binds_the_state_to_its_tokens(start_server: ServerFactory, patched_bin: Path) -> None:
+    """/kvctl/checkpoint and /kvctl/restore on a real server: the positions listed in
+    /kvctl/slots, a round trip into another slot, and every refusal leaving nothing half done."""
+    server = start_server(patched_bin, model=tiny_model("lfm2"), ctx_size=4096, threads=1, n_parallel=2)
+    try:
+        reply = _kvctl(server, "caps")
+        assert reply.body["checkpoints"]["on"] is True, reply.body
+        done = post(
+            f"{server.url}/completion",
+            {"prompt": document(41, 120), "n_predict": 4, "id_slot": 0, "cache_prompt": True},
+        )
+        assert done.status == 200, done.body
+        slots = _kvctl(server, "slots?tokens=1").body["slots"]
+        tokens = slots[0]["tokens"]
+        positions = slots[0]["checkpoints"]
+        assert positions and all(0 < n <= len(tokens) for n in positions), slots[0]
+        n = max(positions)
+
+        want = {"slot": 0, "n": n, "expect_sha256": tokens_sha256(tokens[:n])}
+        cp = _kvctl(server, "checkpoint", want)
+        assert cp.status == 200 and cp.body["n_tokens"] == n, cp.body
+        data = cp.body["data"]  # base64 in a JSON reply
+
+        # Wrong tokens, a position without a checkpoint: refused, nothing exported.
+        assert _kvctl(server, "checkpoint", {**want, "expect_sha256": "0" * 64}).status == 409
+        assert _kvctl(server, "checkpoint", {**want, "n": n - 1}).status == 404
+
+        restore = {"slot": 1, "tokens": tokens[:n], "segments": [{"data": data}]}
+        assert _kvctl(server, "restore", {**restore, "tokens": tokens[: n - 1]}).status == 409
+        assert _kvctl(server, "restore", {**restore, "segments": [{"data": "AAAA" + data[4:]}]}).status == 400
+        done = _kvctl(server, "restore", restore)
+        assert done.status == 200 and done.body["n_tokens"] == n, done.body
+        slot1 = _kvctl(server, "slots?tokens=1").body["slots"][1]
+        assert slot1["tokens"] == tokens[:n] and slot1["pos_max"] == n - 1, slot1
+    finally:
+        server.stop()
