@@ -15,12 +15,11 @@ compatibility id and the tokens, and bounds it by bytes (least recently used out
 
 from __future__ import annotations
 
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from proxy.core.prefix import common_prefix
 
 # Bookkeeping charged per checkpoint besides its payload (tokens array, entry, dict slot).
 ENTRY_OVERHEAD = 256
@@ -34,7 +33,6 @@ class Checkpoint:
     compat_id: str
     tokens: np.ndarray  # exactly the tokens whose state the payload is
     data: bytes
-    last_used: int = 0
 
     @property
     def n_tokens(self) -> int:
@@ -45,66 +43,82 @@ class Checkpoint:
         return len(self.data) + self.tokens.nbytes + ENTRY_OVERHEAD
 
 
+Key = tuple[str, str, int, bytes]  # namespace, compat id, token count, the tokens' int32 bytes
+
+
+def _key(ns: str, compat_id: str, tokens: np.ndarray) -> Key:
+    return ns, compat_id, len(tokens), tokens.astype(np.int32, copy=False).tobytes()
+
+
 @dataclass
 class CheckpointStore:
     """Checkpoints under a byte budget. ``on_hold(n)`` / ``on_free(n)`` tell the owner of the
-    memory budget (the host tree) what the store holds, so both share ``--cache-ram``."""
+    memory budget (the host tree) what the store holds, so both share ``--cache-ram``.
+
+    Looked up by exact key: ``find`` is one dict lookup, ``match`` one per distinct checkpoint
+    length of the namespace and server kind (longest first), so neither scans every entry."""
 
     budget_bytes: int
     max_entries: int = MAX_ENTRIES
     on_hold: Callable[[int], object] = lambda n: None
     on_free: Callable[[int], None] = lambda n: None
-    entries: list[Checkpoint] = field(default_factory=list)
     held_bytes: int = 0
-    _clock: int = 0
+    _lru: OrderedDict[Key, Checkpoint] = field(default_factory=OrderedDict)  # least recent first
+    _lengths: dict[tuple[str, str], Counter[int]] = field(default_factory=dict)  # lengths kept
+
+    @property
+    def entries(self) -> list[Checkpoint]:
+        return list(self._lru.values())
 
     def find(self, ns: str, compat_id: str, tokens: np.ndarray) -> Checkpoint | None:
         """The checkpoint of exactly ``tokens``, if kept."""
-        for cp in self.entries:
-            if cp.ns == ns and cp.compat_id == compat_id and np.array_equal(cp.tokens, tokens):
-                return cp
-        return None
+        return self._lru.get(_key(ns, compat_id, tokens))
 
     def match(self, ns: str, compat_id: str, prompt: np.ndarray, min_tokens: int = 1) -> Checkpoint | None:
         """The longest checkpoint a request can continue from: its tokens start the prompt and
         leave at least one prompt token to compute (the server needs one for the logits)."""
-        best: Checkpoint | None = None
-        for cp in self.entries:
-            n = cp.n_tokens
-            if cp.ns != ns or cp.compat_id != compat_id or not min_tokens <= n < len(prompt):
-                continue
-            if (best is None or n > best.n_tokens) and common_prefix(cp.tokens, prompt) == n:
-                best = cp
-        return best
+        lengths = self._lengths.get((ns, compat_id))
+        if not lengths:
+            return None
+        for n in sorted((n for n in lengths if min_tokens <= n < len(prompt)), reverse=True):
+            cp = self._lru.get(_key(ns, compat_id, prompt[:n]))
+            if cp is not None:
+                return cp
+        return None
 
     def touch(self, cp: Checkpoint) -> None:
-        self._clock += 1
-        cp.last_used = self._clock
+        key = _key(cp.ns, cp.compat_id, cp.tokens)
+        if key in self._lru:
+            self._lru.move_to_end(key)
 
     def add(self, ns: str, compat_id: str, tokens: np.ndarray, data: bytes) -> Checkpoint | None:
         """Keep a checkpoint (replacing one of the same tokens), evicting the least recently
         used ones to fit; None when it alone exceeds the budget."""
-        cp = Checkpoint(ns, compat_id, tokens.copy(), data)
+        cp = Checkpoint(ns, compat_id, tokens.astype(np.int32), data)
         if cp.nbytes > self.budget_bytes:
             return None
-        old = self.find(ns, compat_id, tokens)
-        if old is not None:
-            self._drop(old)
-        while self.entries and (
-            self.held_bytes + cp.nbytes > self.budget_bytes or len(self.entries) >= self.max_entries
+        key = _key(ns, compat_id, tokens)
+        if key in self._lru:
+            self._drop(key)
+        while self._lru and (
+            self.held_bytes + cp.nbytes > self.budget_bytes or len(self._lru) >= self.max_entries
         ):
-            self._drop(min(self.entries, key=lambda e: e.last_used))
-        self.entries.append(cp)
+            self._drop(next(iter(self._lru)))
+        self._lru[key] = cp
+        self._lengths.setdefault((ns, compat_id), Counter())[len(tokens)] += 1
         self.held_bytes += cp.nbytes
         self.on_hold(cp.nbytes)
-        self.touch(cp)
         return cp
 
     def clear(self) -> None:
-        for cp in list(self.entries):
-            self._drop(cp)
+        while self._lru:
+            self._drop(next(iter(self._lru)))
 
-    def _drop(self, cp: Checkpoint) -> None:
-        self.entries.remove(cp)
+    def _drop(self, key: Key) -> None:
+        cp = self._lru.pop(key)
+        lengths = self._lengths[(cp.ns, cp.compat_id)]
+        lengths[cp.n_tokens] -= 1
+        if lengths[cp.n_tokens] == 0:
+            del lengths[cp.n_tokens]
         self.held_bytes -= cp.nbytes
         self.on_free(cp.nbytes)

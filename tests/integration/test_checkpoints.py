@@ -9,6 +9,7 @@ slot. Each answer is compared with stock computing the same prompt from scratch.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -148,5 +149,59 @@ def test_checkpoint_api_binds_the_state_to_its_tokens(start_server: ServerFactor
         assert done.status == 200 and done.body["n_tokens"] == n, done.body
         slot1 = _kvctl(server, "slots?tokens=1").body["slots"][1]
         assert slot1["tokens"] == tokens[:n] and slot1["pos_max"] == n - 1, slot1
+    finally:
+        server.stop()
+
+
+def test_no_checkpoint_holds_tokens_a_prompt_replaced(start_server: ServerFactory, patched_bin: Path) -> None:
+    """A prompt that keeps only a slot's first k tokens leaves no checkpoint of the old tokens
+    past k (patch 0018): stock kept the one taken after k + 1 tokens, which holds the old token
+    at k, and a later prompt extending the new tokens could continue from it, on the server's
+    own reuse or through /kvctl/checkpoint. Every checkpoint the slot lists must then restore
+    into another slot and continue as a computation from scratch."""
+    server = start_server(patched_bin, model=tiny_model("lfm2"), ctx_size=4096, threads=1, n_parallel=2)
+    rnd = random.Random(5)
+
+    def toks(n: int) -> list[int]:
+        return [rnd.randrange(10, 1000) for _ in range(n)]
+
+    def complete(prompt: list[int], slot: int, cache: bool = True) -> list[tuple[int, float]]:
+        body = {
+            "prompt": prompt,
+            "n_predict": 1,
+            "id_slot": slot,
+            "cache_prompt": cache,
+            "temperature": 0,
+            "n_probs": 3,
+        }
+        reply = post(f"{server.url}/completion", body)
+        assert reply.status == 200, reply.body
+        return [(t["id"], t["logprob"]) for t in reply.body["completion_probabilities"][0]["top_logprobs"]]
+
+    try:
+        a = toks(200)
+        complete(a, 0)  # a checkpoint 4 tokens before the end: after 196 tokens
+        b = a[:197] + [a[197] + 1] + toks(3)  # keeps 197 tokens of a: a checkpoint after 197
+        complete(b, 0)
+        c = b[:196] + [b[196] + 1] + toks(103)  # keeps 196 tokens of b
+        complete(c, 0)
+        slot0 = _kvctl(server, "slots?tokens=1").body["slots"][0]
+        assert slot0["tokens"][: len(c)] == c, slot0["n_tokens"]
+        assert 197 not in slot0["checkpoints"], slot0["checkpoints"]  # b's, past the 196 kept
+        for n in slot0["checkpoints"]:
+            cp = _kvctl(server, "checkpoint", {"slot": 0, "n": n, "expect_sha256": tokens_sha256(c[:n])})
+            assert cp.status == 200, cp.body
+            done = _kvctl(
+                server, "restore", {"slot": 1, "tokens": c[:n], "segments": [{"data": cp.body["data"]}]}
+            )
+            assert done.status == 200, done.body
+            d = c[:n] + toks(10)
+            restored, scratch = complete(d, 1), complete(d, 1, cache=False)
+            assert restored[0][0] == scratch[0][0], (n, restored, scratch)
+            assert max(abs(x[1] - y[1]) for x, y in zip(restored, scratch, strict=True)) < 5e-3, (
+                n,
+                restored,
+                scratch,
+            )
     finally:
         server.stop()

@@ -25,6 +25,8 @@ from proxy.server.metrics import Metrics
 
 log = logging.getLogger("radix")
 
+CHECKPOINT_SHARE = 4  # with KV moves on some server: checkpoints take at most 1/4 of --cache-ram
+
 
 class Coordinator:
     def __init__(self, config: Config, servers: list[ServerState], tree: RadixTree, metrics: Metrics) -> None:
@@ -32,8 +34,13 @@ class Coordinator:
         self.servers = servers
         self.tree = tree
         self.metrics = metrics
-        # Whole-state checkpoints (servers with moves off): their bytes count in the tree's budget.
-        self.checkpoints = CheckpointStore(tree.budget_bytes, on_hold=tree.reserve, on_free=tree.release)
+        # Whole-state checkpoints (servers with moves off): their bytes count in the tree's budget,
+        # of which they may take a quarter when a server's KV goes to the tree too (the tree
+        # cannot evict them), all of it when none's does.
+        share = CHECKPOINT_SHARE if any(s.moves for s in servers) else 1
+        self.checkpoints = CheckpointStore(
+            tree.budget_bytes // share, on_hold=tree.reserve, on_free=tree.release
+        )
         self.leases = Leases(
             config,
             servers,

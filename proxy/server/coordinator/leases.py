@@ -293,7 +293,6 @@ class Leases:
             host if uses_host else None,
             why=divergence(found),
             checkpoint=checkpoint,
-            diverged_at=lcp if (lcp := sv.slot_lcp[plan.slot_id]) < len(slot.tokens) else None,
             route=plan.route,
             ns=found.ns,
             epoch=server.epoch,

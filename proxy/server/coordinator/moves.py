@@ -312,6 +312,7 @@ class KvMoves:
             lease.import_s += time.monotonic() - started
             lease.checkpoint = None
         lease.slot.tokens = cp.tokens.copy()
+        lease.slot.checkpoints = ()  # the server cleared the slot's own
         self.metrics.checkpoint_restores.inc()
         self.metrics.kv_move_bytes.labels("import").inc(len(cp.data))
 
@@ -360,6 +361,7 @@ class KvMoves:
         tokens = np.asarray(entry.get("tokens", []), dtype=np.int32)
         held = int(entry.get("pos_max", -1)) + 1
         lease.saved_checkpoints = [int(n) for n in entry.get("checkpoints", [])]
+        slot.checkpoints = tuple(lease.saved_checkpoints)
         # Invariant 1: only tokens whose KV the sequence really holds count. With moves off only
         # the server reuses a slot's KV (route A), and a sliding window's cache forgets the start
         # (pos_min > 0): the tokens then only steer the request to the slot.
@@ -404,15 +406,22 @@ class KvMoves:
             n
             for n in sorted(lease.saved_checkpoints, reverse=True)
             if self.config.min_restore_tokens <= n <= held
-            # A checkpoint the server kept from the slot's old tokens, one past where they parted,
-            # holds the old token there (the server drops only those past it): never exported.
-            and (lease.diverged_at is None or n != lease.diverged_at + 1)
-            and self.checkpoints.find(lease.ns, server.compat_id, lease.tokens[:n]) is None
         ][:CHECKPOINTS_PER_ANSWER]
         for n in todo:
             tokens = lease.tokens[:n]
-            async with server.move_lock:
-                data = await server.backend.checkpoint(slot.slot_id, tokens)
+            if self.checkpoints.find(lease.ns, server.compat_id, tokens) is not None:
+                continue
+            try:
+                async with server.move_lock:
+                    data = await server.backend.checkpoint(slot.slot_id, tokens)
+            except KvMoveError as exc:
+                if exc.cause in (FallbackCause.TRANSPORT, FallbackCause.TIMEOUT, FallbackCause.INSTANCE):
+                    raise  # the server is gone or stuck: the next ones would fail alike
+                # One refused (larger than the inline limit, the slot moved on): the smaller ones
+                # may still be kept. Counted, never the answer's failure.
+                self.metrics.fallbacks.labels(exc.cause).inc()
+                log.warning("checkpoint %d of %s slot %d not kept: %s", n, server.name, slot.slot_id, exc)
+                continue
             if self.checkpoints.add(lease.ns, server.compat_id, tokens, data) is not None:
                 self.metrics.checkpoint_saves.inc()
                 self.metrics.kv_move_bytes.labels("export").inc(len(data))

@@ -16,7 +16,7 @@ from proxy.core.checkpoints import Checkpoint, CheckpointStore
 from proxy.core.planner import ResidentView
 from proxy.core.prefix import common_prefix
 from proxy.core.radix import HostMatch, RadixTree
-from proxy.server.coordinator.state import ServerState
+from proxy.server.coordinator.state import ServerState, SlotState
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,16 @@ class PrefixScan:
         return max([self.host.length] + [s.best_idle() for s in self.servers])
 
 
+def _reusable(server: ServerState, slot: SlotState, tokens: np.ndarray) -> int:
+    """How much of the request the slot's KV serves. A recurrent state cannot be cut: when the
+    request parts from the slot's tokens, the server goes back to its latest context checkpoint
+    at or before the parting point (or to nothing), not to the parting point itself."""
+    lcp = common_prefix(slot.tokens, tokens)
+    if not server.checkpoints or lcp >= len(slot.tokens):
+        return lcp
+    return max((n for n in slot.checkpoints if n <= lcp), default=0)
+
+
 def scan(
     tokens: np.ndarray,
     servers: list[ServerState],
@@ -52,7 +62,7 @@ def scan(
 ) -> PrefixScan:
     out = []
     for server in servers:
-        lcps = tuple(common_prefix(s.tokens, tokens) if s.ns == ns else 0 for s in server.slots)
+        lcps = tuple(_reusable(server, s, tokens) if s.ns == ns else 0 for s in server.slots)
         residents = server.sharing.index.views(tokens, ns) if server.sharing is not None else ()
         whole = (
             checkpoints.match(ns, server.compat_id, tokens)

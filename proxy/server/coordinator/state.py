@@ -113,6 +113,9 @@ class SlotState:
     last_used: float = 0.0
     # Cache-isolation namespace of the KV it holds; None: unknown (erase before any reuse).
     ns: str | None = ""
+    # Recurrent and hybrid memory: where the server took context checkpoints of its tokens (as
+    # /kvctl/slots lists them after each answer): how far its own reuse can go back.
+    checkpoints: tuple[int, ...] = ()
 
 
 @dataclass
@@ -233,9 +236,6 @@ class Lease:
     owner_pinned: bool = False
     finishing: bool = False  # the answer is complete; the slot is being saved
     saved_checkpoints: list[int] | None = None  # after the answer: where the server took checkpoints
-    # Where the request's tokens left what its slot held (None: they did not): the server may
-    # keep a stale checkpoint of the slot's old tokens at exactly one more token.
-    diverged_at: int | None = None
     started: float = field(default_factory=time.monotonic)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
