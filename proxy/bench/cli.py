@@ -190,6 +190,7 @@ def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: P
 
     binaries = {name: arm_binary(ARMS[name], settings.build_backend) for name in arm_names}  # build first
     arms: dict[str, Any] = {}
+    limit: dict[str, Any] | None = None
     for name in arm_names:
         _say(f"arm {name}: {ARMS[name].description}")
         start = start_cluster_arm if settings.n_servers > 1 else start_arm
@@ -205,6 +206,8 @@ def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: P
                 )
             )
             stats = arm.stats()
+            if name == arm_names[0]:  # the prompts as the server tokenizes them, once the run is over
+                limit = tokenized_limit(arm.server_url, workload)
         write_results(out_dir / f"results-{name}.jsonl", results)
         arms[name] = {"results": results, "stats": stats}
     shared = {
@@ -226,11 +229,27 @@ def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: P
         },
         arms,
         shared,
+        limit,
     )
     for path in write_report(report, out_dir):
         _say(f"wrote {path}")
     click.echo((out_dir / "report.md").read_text())
     return report
+
+
+def tokenized_limit(server_url: str, workload: Workload) -> dict[str, Any] | None:
+    """The workload's minimum prefill on the server's own tokenization (None, said, if it fails)."""
+    import aiohttp
+
+    from proxy.bench.limit import prompt_token_lists, workload_limit
+
+    try:
+        prompts = asyncio.run(prompt_token_lists(server_url, workload.requests))
+    except (aiohttp.ClientError, OSError, TimeoutError, KeyError, ValueError) as exc:
+        _say(f"could not tokenize the workload ({type(exc).__name__}: {exc}): the report has no limit")
+        return None
+    reqs = workload.requests
+    return workload_limit([r.id for r in reqs], [r.group for r in reqs], prompts)
 
 
 def run_capacity_arms(
