@@ -119,6 +119,9 @@ _SIZE_OPTIONS: dict[str, tuple[str, str]] = {
     "pairs": ("--pairs", "Front/server request pairs."),
     "sessions": ("--sessions", "Sessions per scenario."),
     "system_tokens": ("--system-tokens", "Approximate system prompt size in tokens."),
+    "users": ("--users", "Users, each with a conversation of its own."),
+    "question_tokens": ("--question-tokens", "Approximate size of each question in tokens."),
+    "interval_ms": ("--interval-ms", "Milliseconds between two questions (over all users; open loop)."),
     "max_tokens": ("--max-tokens", "Tokens generated per request."),
     "seed": ("--seed", "Seed of the generated text."),
 }
@@ -144,6 +147,8 @@ HELP = {
     "coding-agent": "A coding agent through the Anthropic Messages API (or --api chat): one long system prompt "
     "and the same tool schemas on every request, concurrent sessions whose tool loops return code and "
     "test output, and a sub-agent branching off each session's history.",
+    "multi-round": "Many users of one chat service: a shared system prompt, a private history growing by one "
+    "question and a short answer per round, questions arriving at a fixed rate (open loop).",
 }
 
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from proxy.bench import limit as lim
 from proxy.bench.report import build_report, write_report
 from proxy.bench.runner import RequestResult
+from proxy.bench.workloads import DEFAULT_ARMS, make_workload
 
 pytestmark = pytest.mark.unit
 
@@ -227,3 +228,27 @@ def test_report_carries_the_limit_beside_the_arms(tmp_path: Path) -> None:
         == 10
     )
     assert lim.render_limit({"arms": {}}) == []
+
+
+# ---- the multi-round workload ---------------------------------------------------------------------
+
+
+def test_multi_round_users_share_the_system_prompt_and_grow_their_history() -> None:
+    wl = make_workload("multi-round", users=3, rounds=3, system_tokens=100, interval_ms=500, max_tokens=24)
+    assert DEFAULT_ARMS["multi-round"] == ("legacy", "proxy")
+    assert len(wl.requests) == 9 and wl.concurrency == 9  # open loop: nothing caps the requests in flight
+    assert [r.id for r in wl.requests[:4]] == ["u0-r1", "u1-r1", "u2-r1", "u0-r2"]
+    assert [r.delay_s for r in wl.requests] == [k * 0.5 for k in range(9)]
+    assert all(r.after == () for r in wl.requests)
+    systems = {r.body["messages"][0]["content"] for r in wl.requests}
+    assert len(systems) == 1
+    by_id = {r.id: r.body["messages"] for r in wl.requests}
+    for user in range(3):
+        for rnd in (2, 3):
+            before, now = by_id[f"u{user}-r{rnd - 1}"], by_id[f"u{user}-r{rnd}"]
+            assert now[: len(before)] == before  # the history extends the previous prompt
+            assert [m["role"] for m in now[len(before) :]] == ["assistant", "user"]
+    assert all(r.body["max_tokens"] == 24 for r in wl.requests)
+    assert {r.group for r in wl.requests} == {"round 1", "round 2", "round 3"}
+    with pytest.raises(ValueError):
+        make_workload("multi-round", users=0)
