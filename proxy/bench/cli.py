@@ -190,6 +190,7 @@ def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: P
     """Each arm in turn: start it, replay the workload, collect its figures, stop it."""
     from proxy.bench.arms import ARMS, arm_binary, start_arm
     from proxy.bench.cluster import start_cluster_arm
+    from proxy.bench.limit import tokenized_limit
     from proxy.bench.report import build_report, write_report
     from proxy.bench.runner import run_workload, write_results
 
@@ -212,7 +213,7 @@ def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: P
             )
             stats = arm.stats()
             if name == arm_names[0]:  # the prompts as the server tokenizes them, once the run is over
-                limit = tokenized_limit(arm.server_url, workload)
+                limit = tokenized_limit(arm.server_url, workload, _say)
         write_results(out_dir / f"results-{name}.jsonl", results)
         arms[name] = {"results": results, "stats": stats}
     shared = {
@@ -240,21 +241,6 @@ def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: P
         _say(f"wrote {path}")
     click.echo((out_dir / "report.md").read_text())
     return report
-
-
-def tokenized_limit(server_url: str, workload: Workload) -> dict[str, Any] | None:
-    """The workload's minimum prefill on the server's own tokenization (None, said, if it fails)."""
-    import aiohttp
-
-    from proxy.bench.limit import prompt_token_lists, workload_limit
-
-    try:
-        prompts = asyncio.run(prompt_token_lists(server_url, workload.requests))
-    except (aiohttp.ClientError, OSError, TimeoutError, KeyError, ValueError) as exc:
-        _say(f"could not tokenize the workload ({type(exc).__name__}: {exc}): the report has no limit")
-        return None
-    reqs = workload.requests
-    return workload_limit([r.id for r in reqs], [r.group for r in reqs], prompts)
 
 
 def run_capacity_arms(

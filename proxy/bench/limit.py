@@ -22,13 +22,16 @@ the same decode, and only the minimum prefill at the arm's own rate. ``busy_s``,
 least one request was outstanding (client view: queueing, restores and the proxy included),
 splits into the oracle, the extra prefill ``(prefilled - min) / rate`` and the rest.
 
-Pure: no event loop or HTTP here except :func:`prompt_token_lists`, which asks a server.
+Pure: no event loop or HTTP here except :func:`prompt_token_lists` and :func:`tokenized_limit`,
+which ask a server.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
+
+from proxy.bench.spec import Workload
 
 Window = tuple[float, float]
 
@@ -205,6 +208,22 @@ async def prompt_token_lists(server_url: str, requests: Iterable[Any]) -> list[l
             )
             out.append([int(t["id"]) if isinstance(t, dict) else int(t) for t in tokens["tokens"]])
     return out
+
+
+def tokenized_limit(server_url: str, workload: Workload, say: Callable[[str], None]) -> dict[str, Any] | None:
+    """:func:`workload_limit` of a ``Workload`` on the server's own tokenization (None, said, if
+    the server cannot tokenize it)."""
+    import asyncio
+
+    import aiohttp
+
+    try:
+        prompts = asyncio.run(prompt_token_lists(server_url, workload.requests))
+    except (aiohttp.ClientError, OSError, TimeoutError, KeyError, ValueError) as exc:
+        say(f"could not tokenize the workload ({type(exc).__name__}: {exc}): the report has no limit")
+        return None
+    reqs = workload.requests
+    return workload_limit([r.id for r in reqs], [r.group for r in reqs], prompts)
 
 
 # ---- the report's section -------------------------------------------------------------------------
