@@ -11,6 +11,9 @@ earlier prompt is a walk down a token trie of the earlier prompts, so the whole 
 is linear in the workload's tokens. The arrival order is the workload's order (the order
 requests become ready; those sent together in the order listed); without the one-token floor
 the total would not depend on the order at all (it is the size of the trie of all prompts).
+Only prompts count: tokens a request generated that happen to begin the scripted assistant
+turn after it (an agent's tool call) are reused by real caches too, so an arm can come in a
+few tokens under the minimum on workloads with such turns.
 
 **Oracle time.** From an arm's own results (llama-server's ``timings``): a request was
 prefilling from ``ttft - prompt_ms`` to its first token, and decoding from then to its last

@@ -23,10 +23,10 @@ from proxy.bench.text import prose, seeded, words_for
 def multi_round(
     users: int = 8,
     rounds: int = 4,
-    system_tokens: int = 1000,
+    system_tokens: int = 800,
     question_tokens: int = 40,
     max_tokens: int = 32,
-    interval_ms: int = 2500,
+    interval_ms: int = 3000,
     seed: int = 0,
 ) -> Workload:
     """``users`` conversations of ``rounds`` questions each, one question every ``interval_ms``."""
