@@ -285,28 +285,6 @@ def _summarize_probe(
     )
 
 
-async def prompt_token_lists(server_url: str, workload: Workload) -> list[list[int]]:
-    """Each request's prompt as the server tokenizes it (its own chat template and vocabulary)."""
-    import aiohttp
-
-    async def post(session: aiohttp.ClientSession, path: str, body: dict[str, Any]) -> Any:
-        async with session.post(f"{server_url}{path}", json=body) as resp:
-            resp.raise_for_status()
-            return await resp.json()
-
-    out = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        for req in workload.requests:
-            rendered = await post(session, "/apply-template", {"messages": req.body["messages"]})
-            tokens = await post(
-                session,
-                "/tokenize",
-                {"content": rendered["prompt"], "add_special": True, "parse_special": True},
-            )
-            out.append([int(t["id"]) if isinstance(t, dict) else int(t) for t in tokens["tokens"]])
-    return out
-
-
 def run_capacity(
     workload: Workload,
     arm_names: list[str],
@@ -321,6 +299,7 @@ def run_capacity(
 ) -> dict[str, Any]:
     """Tokenize the wave on the first arm's server, then search each arm's smallest pool."""
     from proxy.bench.arms import ARMS, _get_json, arm_binary, pool_cells, start_arm
+    from proxy.bench.limit import prompt_token_lists
     from proxy.bench.runner import run_workload, write_results
 
     max_tokens = int(workload.params["max_tokens"])
@@ -333,7 +312,7 @@ def run_capacity(
     calib = dataclasses.replace(settings, log_dir=out_dir / "logs" / "tokenize")
     say(f"tokenizing the wave on a {first} server")
     with start_arm(first, calib, binaries[first]) as arm:
-        token_lists = asyncio.run(prompt_token_lists(arm.server_url, workload))
+        token_lists = asyncio.run(prompt_token_lists(arm.server_url, workload.requests))
     prompt_tokens = [len(t) for t in token_lists]
     shared = common_prefix(token_lists)
     lower = max(prompt_tokens) + max_tokens

@@ -119,6 +119,9 @@ _SIZE_OPTIONS: dict[str, tuple[str, str]] = {
     "pairs": ("--pairs", "Front/server request pairs."),
     "sessions": ("--sessions", "Sessions per scenario."),
     "system_tokens": ("--system-tokens", "Approximate system prompt size in tokens."),
+    "users": ("--users", "Users, each with a conversation of its own."),
+    "question_tokens": ("--question-tokens", "Approximate size of each question in tokens."),
+    "interval_ms": ("--interval-ms", "Milliseconds between two questions (over all users; open loop)."),
     "max_tokens": ("--max-tokens", "Tokens generated per request."),
     "seed": ("--seed", "Seed of the generated text."),
 }
@@ -144,6 +147,8 @@ HELP = {
     "coding-agent": "A coding agent through the Anthropic Messages API (or --api chat): one long system prompt "
     "and the same tool schemas on every request, concurrent sessions whose tool loops return code and "
     "test output, and a sub-agent branching off each session's history.",
+    "multi-round": "Many users of one chat service: a shared system prompt, a private history growing by one "
+    "question and a short answer per round, questions arriving at a fixed rate (open loop).",
 }
 
 
@@ -185,11 +190,13 @@ def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: P
     """Each arm in turn: start it, replay the workload, collect its figures, stop it."""
     from proxy.bench.arms import ARMS, arm_binary, start_arm
     from proxy.bench.cluster import start_cluster_arm
+    from proxy.bench.limit import tokenized_limit
     from proxy.bench.report import build_report, write_report
     from proxy.bench.runner import run_workload, write_results
 
     binaries = {name: arm_binary(ARMS[name], settings.build_backend) for name in arm_names}  # build first
     arms: dict[str, Any] = {}
+    limit: dict[str, Any] | None = None
     for name in arm_names:
         _say(f"arm {name}: {ARMS[name].description}")
         start = start_cluster_arm if settings.n_servers > 1 else start_arm
@@ -205,6 +212,8 @@ def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: P
                 )
             )
             stats = arm.stats()
+            if name == arm_names[0]:  # the prompts as the server tokenizes them, once the run is over
+                limit = tokenized_limit(arm.server_url, workload, _say)
         write_results(out_dir / f"results-{name}.jsonl", results)
         arms[name] = {"results": results, "stats": stats}
     shared = {
@@ -226,6 +235,7 @@ def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: P
         },
         arms,
         shared,
+        limit,
     )
     for path in write_report(report, out_dir):
         _say(f"wrote {path}")

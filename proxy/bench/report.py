@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from proxy.bench.limit import arm_limit, render_limit
 from proxy.bench.runner import RequestResult
 
 
@@ -162,10 +163,16 @@ def fanout_figures(results: Sequence[RequestResult]) -> dict[str, Any] | None:
 
 
 def build_report(
-    workload: dict[str, Any], arms: dict[str, dict[str, Any]], settings: dict[str, Any] | None = None
+    workload: dict[str, Any],
+    arms: dict[str, dict[str, Any]],
+    settings: dict[str, Any] | None = None,
+    limit: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``arms``: name -> {"results": [RequestResult], "stats": {...}} in run order."""
+    """``arms``: name -> {"results": [RequestResult], "stats": {...}} in run order; ``limit``:
+    the workload's minimum prefill (``proxy.bench.limit.workload_limit``), when known."""
     out: dict[str, Any] = {"workload": workload, "settings": settings or {}, "arms": {}}
+    if limit:
+        out["limit"] = limit
     for name, arm in arms.items():
         results: list[RequestResult] = arm["results"]
         stats = dict(arm.get("stats") or {})
@@ -188,6 +195,8 @@ def build_report(
         fan = fanout_figures(results)
         if fan:
             entry["fanout"] = fan
+        if limit:
+            entry["limit"] = arm_limit(results, limit["min_prefill_by_request"])
         out["arms"][name] = entry
     legacy = out["arms"].get("legacy")
     for entry in out["arms"].values():
@@ -294,12 +303,19 @@ def render_markdown(report: dict[str, Any], chart_note: str = "") -> str:
             "",
             f"Host cache optimum seen by `{name}` (its distinct tokens x KV bytes per token): {_mib(best)}.",
         ]
+    lines += render_limit(report)
     groups = list(dict.fromkeys(g for a in arms.values() for g in a["groups"]))
     if len(groups) > 1:
-        lines += ["", "TTFT p50 (s) by group, and cache_n / prompt_n:", ""]
+        group_min = (report.get("limit") or {}).get("min_prefill_by_group") or {}
+        lines += [
+            "",
+            "TTFT p50 (s) by group, and cache_n / prompt_n (min prefill: the limit's, per group):",
+            "",
+        ]
         grows = [
             [
                 g,
+                _n(group_min.get(g)),
                 *[
                     f"{_s(a['groups'].get(g, {}).get('ttft_p50_s'))} ({_n(a['groups'].get(g, {}).get('cache_n'))}"
                     f" / {_n(a['groups'].get(g, {}).get('prompt_n'))})"
@@ -308,7 +324,7 @@ def render_markdown(report: dict[str, Any], chart_note: str = "") -> str:
             ]
             for g in groups
         ]
-        lines += _table(["group", *arms], grows)
+        lines += _table(["group", "min prefill", *arms], grows)
     over = {n: a["overhead"] for n, a in arms.items() if "overhead" in a}
     if over:
         lines += [

@@ -16,6 +16,7 @@ from typing import Any
 
 from proxy.bench.agents import agents
 from proxy.bench.coding import coding_agent
+from proxy.bench.multiround import multi_round
 from proxy.bench.spec import BenchRequest, Workload
 from proxy.bench.text import prose, seeded, words_for
 
@@ -358,6 +359,7 @@ DEFAULT_ARMS: dict[str, tuple[str, ...]] = {
     "capacity": ("legacy", "proxy-hs"),
     "fanout": ("legacy", "proxy", "proxy-hs"),
     "coding-agent": ("legacy", "proxy"),
+    "multi-round": ("legacy", "proxy"),
 }
 
 GENERATORS: dict[str, Callable[..., Workload]] = {
@@ -369,6 +371,7 @@ GENERATORS: dict[str, Callable[..., Workload]] = {
     "capacity": capacity,
     "fanout": fanout,
     "coding-agent": coding_agent,
+    "multi-round": multi_round,
 }
 
 
