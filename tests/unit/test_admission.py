@@ -20,10 +20,12 @@ from proxy.core.admission import (
 from proxy.core.payload import KvSegment
 from proxy.core.planner import Plan, Route
 from proxy.server.coordinator import Coordinator, Lease, ServerState
+from proxy.server.kvctl import Cells
 from tests.unit.test_coordinator import (
     LAYOUT,
     FakeSharing,
     coordinator,
+    pool,
     rows,
     server,
     settle,
@@ -148,9 +150,9 @@ def pool_server(n_slots: int, n_cells: int) -> ServerState:
     fake: Any = s0.backend
     fake.cells_asked = 0
 
-    async def cells() -> dict[str, Any]:
+    async def cells() -> Cells:
         fake.cells_asked += 1
-        return {"free": n_cells - sum(len(t) for t in fake.held.values())}
+        return pool(n_cells - sum(len(t) for t in fake.held.values()))
 
     fake.cells = cells
     return s0
