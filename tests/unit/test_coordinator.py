@@ -21,10 +21,12 @@ from proxy.config import Config
 from proxy.core.payload import KvLayout, KvSegment
 from proxy.core.planner import Route
 from proxy.core.prefix import common_prefix
-from proxy.core.radix import RadixTree
+from proxy.core.radix import RadixTree, Spill
 from proxy.errors import FallbackCause, KvMoveError, RejectReason, TooManyRequests, Unavailable
 from proxy.server.coordinator import Coordinator, Lease, RestoreAbandoned, ServerState, SlotState
 from proxy.server.coordinator import scan as scan_module
+from proxy.server.disk import DiskTier
+from proxy.server.disk_metrics import DiskMetrics
 from proxy.server.kvctl import Cells, EraseReply, ReleaseReply, SeqInfo, Slots
 from proxy.server.metrics import REJECT_REASONS, Metrics
 
@@ -275,6 +277,50 @@ async def test_common_prefixes_are_computed_once_per_request(monkeypatch: pytest
     coord = coordinator(server("s0", n_slots=4), server("s1", n_slots=4))
     await coord.acquire("r", toks(0, 100))
     assert len(calls) == 8  # one per slot: shared by the fan-out check, the plan and the divergence
+
+
+async def test_common_prefixes_are_computed_once_with_a_disk_tier(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With --cache-disk the promotion check runs on the scan the lease plans on (it scanned
+    twice: once for the disk's floor, once for the plan); only a disk read scans again."""
+    calls = []
+    real = common_prefix
+
+    def counting(a: np.ndarray, b: np.ndarray) -> int:
+        calls.append(1)
+        return real(a, b)
+
+    monkeypatch.setattr(scan_module, "common_prefix", counting)
+    coord = coordinator(server("s0", n_slots=4), server("s1", n_slots=4))
+    metrics = DiskMetrics(CollectorRegistry())
+    tier = DiskTier(
+        tmp_path / "tier",
+        1 << 30,
+        b"q" * 32,
+        LAYOUT,
+        metrics,
+        min_tokens=8,
+        queue_bytes=1 << 20,
+        timeout_s=10,
+    )
+    await tier.open()
+    coord.disk = tier
+    lease = await coord.acquire("r", toks(0, 100))
+    assert len(calls) == 8 and lease.plan.route is Route.PREFILL
+    coord.release(lease)
+
+    # A prefix only the disk holds: read into the tree, then planned (as H) on a new scan.
+    held = toks(0, 60)
+    tier.demote(Spill("", held, KvSegment.from_rows(0, LAYOUT, rows(held.tolist()))))
+    while tier._queue or tier._queued:
+        await asyncio.sleep(0.01)
+    calls.clear()
+    lease = await coord.acquire("h", toks(0, 100))
+    assert len(calls) == 16 and lease.plan.route is Route.H and lease.plan.host_to == 60
+    coord.release(lease)
+    await tier.close(coord.tree, 10)
+    check(coord)
 
 
 async def test_finish_saves_what_the_slot_holds_and_releases() -> None:
@@ -1168,6 +1214,9 @@ async def test_a_promotion_the_tree_refuses_is_skipped_not_failed() -> None:
 
     class RefusingDisk:
         calls = 0
+
+        def would_promote(self, tree: RadixTree, tokens: np.ndarray, ns: str, floor: int = 0) -> bool:
+            return True
 
         async def promote(self, tree: RadixTree, tokens: np.ndarray, ns: str, floor: int = 0) -> int:
             RefusingDisk.calls += 1
