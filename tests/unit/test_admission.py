@@ -14,7 +14,6 @@ from proxy.core.admission import (
     cells_needed,
     check_reservations,
     free_estimate,
-    has_room,
     own_tail,
 )
 from proxy.core.payload import KvSegment
@@ -100,21 +99,6 @@ def test_free_estimate(n_cells: int, held: list[int], admitted: int, expected: i
 )
 def test_own_tail(held: np.ndarray, prompt: np.ndarray, tail: int) -> None:
     assert own_tail(held, prompt) == tail
-
-
-@pytest.mark.parametrize(
-    ("free", "reserved", "need", "fits"),
-    [
-        (1024, 0, 435, True),
-        (1024, 435, 432, True),
-        (1024, 867, 432, False),  # the third of a wave: the first two's cells are not free
-        (589, 229, 229, True),
-        (589, 458, 229, False),
-        (100, 0, 101, False),
-    ],
-)
-def test_has_room(free: int, reserved: int, need: int, fits: bool) -> None:
-    assert has_room(free, reserved, need) is fits
 
 
 @pytest.mark.parametrize(
