@@ -24,13 +24,13 @@ import numpy as np
 import orjson
 from prometheus_client import CollectorRegistry
 
-from proxy.bench.text import prose, seeded
 from proxy.core.payload import KvLayout, blob_size
 from proxy.errors import FallbackCause
 from proxy.server.backend import MOVE_BASE_S, ServerClient
 from proxy.server.kvctl import KvRoute
 from proxy.server.metrics import Metrics
 from proxy.server.mover import KvMover
+from proxy.traffic.text import prose, seeded
 
 DEFAULT_SIZES = (512, 2048, 8192)
 PREFILL_READ_S = 3600.0

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from proxy.bench.runner import RequestResult
+from proxy.traffic.runner import RequestResult
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
