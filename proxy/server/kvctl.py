@@ -69,10 +69,6 @@ class _Reader:
     def integer(self, key: str) -> int:
         return int(self._get(key, int, "an integer", False))
 
-    def opt_int(self, key: str) -> int | None:
-        value = self._get(key, int, "an integer", True)
-        return None if value is None else int(value)
-
     def number(self, key: str) -> float | None:
         value = self._get(key, (int, float), "a number", True)
         return None if value is None else float(value)

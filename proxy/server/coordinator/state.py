@@ -177,9 +177,6 @@ class ServerState:
         self.reservation_ended(lease.reserved_cells)
         lease.reserved_cells = 0
 
-    def busy_count(self) -> int:
-        return sum(s.busy for s in self.slots)
-
     def free_cells_estimate(self) -> int:
         """Free KV cells as the proxy knows them (no I/O): the pool less what idle and busy
         slots hold, what admitted requests reserved, and cells only owner sequences hold."""
