@@ -9,6 +9,8 @@ are optional; everything the proxy relies on is required.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -74,8 +76,11 @@ class _Reader:
         return None if value is None else float(value)
 
     def flag(self, key: str, default: bool | None = None) -> bool:
+        """A boolean; ``default``: the value when the field is absent (else it is required)."""
         value = self._get(key, bool, "a boolean", default is not None)
-        return default if value is None else bool(value)  # type: ignore[return-value]
+        if value is None:
+            return bool(default)
+        return bool(value)
 
     def string(self, key: str) -> str:
         return str(self._get(key, str, "a string", False))
@@ -114,9 +119,6 @@ class _Reader:
         if value is None:
             return None
         if isinstance(value, str):  # base64 in a JSON reply
-            import base64
-            import binascii
-
             try:
                 return base64.b64decode(value, validate=True)
             except (binascii.Error, ValueError) as exc:
