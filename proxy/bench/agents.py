@@ -15,9 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.bench.spec import BenchRequest, Workload
-from proxy.bench.text import fill_to, prose, seeded
-from proxy.workbench.data import (
+from proxy.traffic.data import (
     COMPANIES,
     DEVICE_MODELS,
     ERROR_CODES,
@@ -30,6 +28,8 @@ from proxy.workbench.data import (
     ratio,
     service_status,
 )
+from proxy.traffic.spec import BenchRequest, Workload
+from proxy.traffic.text import fill_to, prose, seeded
 
 SCENARIOS = ("finance", "maintenance", "incident")
 
@@ -84,7 +84,7 @@ def _call(name: str, **arguments: Any) -> dict[str, Any]:
     return {"name": name, "arguments": arguments}
 
 
-# ---- financial research (data: proxy.workbench.data) -------------------------------------
+# ---- financial research (data: proxy.traffic.data) -------------------------------------
 
 _COMPANIES = COMPANIES
 _YEARS = (2022, 2023)

@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from proxy.bench.runner import RequestResult
-from proxy.bench.spec import Workload
+from proxy.traffic.runner import RequestResult
+from proxy.traffic.spec import Workload
 
 DEFAULT_STEP = 64
 DEFAULT_UPPER_FACTOR = 4.0
@@ -300,7 +300,7 @@ def run_capacity(
     """Tokenize the wave on the first arm's server, then search each arm's smallest pool."""
     from proxy.bench.arms import ARMS, _get_json, arm_binary, pool_cells, start_arm
     from proxy.bench.limit import prompt_token_lists
-    from proxy.bench.runner import run_workload, write_results
+    from proxy.traffic.runner import run_workload, write_results
 
     max_tokens = int(workload.params["max_tokens"])
     if min_together is None:

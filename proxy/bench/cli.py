@@ -13,11 +13,11 @@ import click
 
 import proxy.cli.options as options
 from proxy.bench.capacity import DEFAULT_PROBE_TIMEOUT_S, DEFAULT_STEP, DEFAULT_UPPER_FACTOR
-from proxy.bench.spec import Workload
 from proxy.bench.workloads import DEFAULT_ARMS, GENERATORS, make_workload
 from proxy.cli.common import fail_cleanly
 from proxy.cli.options import model_option
 from proxy.errors import ConfigError
+from proxy.traffic.spec import Workload
 
 ALL_ARMS = ("nocache", "legacy", "proxy")
 
@@ -192,7 +192,7 @@ def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: P
     from proxy.bench.cluster import start_cluster_arm
     from proxy.bench.limit import tokenized_limit
     from proxy.bench.report import build_report, write_report
-    from proxy.bench.runner import run_workload, write_results
+    from proxy.traffic.runner import run_workload, write_results
 
     binaries = {name: arm_binary(ARMS[name], settings.build_backend) for name in arm_names}  # build first
     arms: dict[str, Any] = {}
@@ -293,7 +293,7 @@ def run_workload_command(
 ) -> None:
     """``radixctl bench NAME``: write the request list, then (unless ``dry_run``) run it on each arm."""
     from proxy.bench.arms import parse_arms
-    from proxy.bench.runner import ManifestEntry, write_manifest
+    from proxy.traffic.runner import ManifestEntry, write_manifest
 
     search = {
         k: sizes.pop(k) for k in ("step", "upper_factor", "probe_timeout_s", "min_together") if k in sizes
@@ -507,7 +507,7 @@ def kvctl(
 def replay(manifest: Path, url: str, speed: float, out_dir: Path | None) -> None:
     """Replay a manifest (manifest-ARM.jsonl of a run) against any OpenAI URL with its original timing."""
     from proxy.bench.report import build_report, render_markdown, write_report
-    from proxy.bench.runner import read_manifest, replay_manifest, write_results
+    from proxy.traffic.runner import read_manifest, replay_manifest, write_results
 
     if speed <= 0:
         raise ConfigError("--speed must be positive", fix="pass e.g. --speed 1")

@@ -15,8 +15,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from proxy.bench.spec import BenchRequest, Workload
-from proxy.bench.text import fill_to, prose, seeded
+from proxy.traffic.spec import BenchRequest, Workload
+from proxy.traffic.text import fill_to, prose, seeded
 
 MESSAGES_PATH = "/v1/messages"
 CHAT_PATH = "/v1/chat/completions"

@@ -34,10 +34,10 @@ from typing import Any
 import click
 
 from proxy.bench.arms import ArmDef, ArmSettings, _start_proxy, _stop, patched_server, start_arm
-from proxy.bench.runner import RequestResult, _session, send
-from proxy.bench.text import prose, seeded, words_for
 from proxy.bench.workloads import QUESTION_WORDS, chat, question
 from proxy.native.launch import free_port
+from proxy.traffic.runner import RequestResult, _session, send
+from proxy.traffic.text import prose, seeded, words_for
 
 ARMS = ("disk", "ram", "legacy", "prefill")
 

@@ -24,19 +24,20 @@ import numpy as np
 import orjson
 from prometheus_client import CollectorRegistry
 
-from proxy.bench.text import prose, seeded
 from proxy.core.payload import KvLayout, blob_size
 from proxy.errors import FallbackCause
-from proxy.server.backend import MOVE_BASE_S, Backend
+from proxy.server.backend import MOVE_BASE_S, ServerClient
+from proxy.server.kvctl import KvRoute
 from proxy.server.metrics import Metrics
 from proxy.server.mover import KvMover
+from proxy.traffic.text import prose, seeded
 
 DEFAULT_SIZES = (512, 2048, 8192)
 PREFILL_READ_S = 3600.0
 
 
-class TimedBackend(Backend):
-    """A Backend that records the wall time of every /kvctl POST."""
+class TimedBackend(ServerClient):
+    """A ServerClient that records the wall time of every /kvctl POST."""
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
@@ -44,7 +45,7 @@ class TimedBackend(Backend):
         self.last_loop_ms: float | None = None
 
     async def kv_post(
-        self, route: str, body: Mapping[str, Any], cause: FallbackCause, timeout_s: float = MOVE_BASE_S
+        self, route: KvRoute, body: Mapping[str, Any], cause: FallbackCause, timeout_s: float = MOVE_BASE_S
     ) -> Any:
         started = time.perf_counter()
         self.last_loop_ms = None
@@ -71,7 +72,7 @@ def clamp_sizes(sizes: tuple[int, ...], n_ctx_slot: int, say: Any) -> tuple[int,
     return tuple(sorted({min(n, limit) for n in sizes}))
 
 
-async def _prefill(backend: Backend, tokens: list[int]) -> None:
+async def _prefill(backend: ServerClient, tokens: list[int]) -> None:
     """Slot 0 computes ``tokens`` (a long prefill: not the 10 s deadline of plain calls)."""
     body = {"prompt": tokens, "n_predict": 1, "id_slot": 0, "cache_prompt": True, "temperature": 0}
     async with backend.request(
@@ -91,7 +92,7 @@ def kvctl_ctx_size(sizes: tuple[int, ...]) -> int:
     return 2 * max(sizes) + 1024
 
 
-async def _tokens(backend: Backend, n: int) -> list[int]:
+async def _tokens(backend: ServerClient, n: int) -> list[int]:
     text = prose(seeded("kvctl"), max(64, n))
     ids = await backend.tokenize(text, add_special=False)
     while len(ids) < n:
@@ -99,7 +100,7 @@ async def _tokens(backend: Backend, n: int) -> list[int]:
     return ids[:n]
 
 
-async def _probe(backend: Backend) -> float:
+async def _probe(backend: ServerClient) -> float:
     started = time.perf_counter()
     await backend.post_json(
         "/completion", {"prompt": "Hi", "n_predict": 1, "id_slot": 3, "cache_prompt": False}
@@ -118,7 +119,7 @@ def memcpy_mb_s(nbytes: int, reps: int) -> float:
     return nbytes / statistics.median(times) / 1e6
 
 
-async def _timed(coro: Any, probe: Backend | None) -> tuple[float, float | None]:
+async def _timed(coro: Any, probe: ServerClient | None) -> tuple[float, float | None]:
     started = time.perf_counter()
     if probe is None:
         await coro
@@ -143,24 +144,20 @@ async def run_kvctl_bench(
     sizes = tuple(sorted(set(sizes)))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
         backend = TimedBackend(server_url, session, kvctl_key)
-        plain = Backend(server_url, session)
+        plain = ServerClient(server_url, session)
         caps = await backend.caps()
-        compat = dict(caps["compat"])
+        compat = dict(caps.compat)
         layout = KvLayout.from_caps(compat)
-        shm = (
-            shm_dir
-            if shm_dir and caps.get("dir") and Path(caps["dir"]).resolve() == shm_dir.resolve()
-            else None
-        )
+        shm = shm_dir if shm_dir and caps.dir and Path(caps.dir).resolve() == shm_dir.resolve() else None
         mover = KvMover(backend, layout, compat, shm, Metrics(CollectorRegistry(), ("s0",)))
-        sizes = clamp_sizes(sizes, int(caps["n_ctx_slot"]), say)
+        sizes = clamp_sizes(sizes, caps.n_ctx_slot, say)
         tokens = await _tokens(plain, max(sizes))
         say(f"prefilling {len(tokens)} tokens into slot 0")
         started = time.perf_counter()
         await _prefill(plain, tokens)
         prefill_s = time.perf_counter() - started
-        slot0 = next(s for s in (await backend.slots(tokens=True))["slots"] if int(s["id"]) == 0)
-        held = [int(t) for t in slot0.get("tokens", [])][: int(slot0.get("pos_max", -1)) + 1]
+        slot0 = (await backend.slots(tokens=True)).slot(0)
+        held = slot0.held_tokens().tolist()[: slot0.pos_max + 1]
         probe_idle = statistics.median([await _probe(plain) for _ in range(3)]) if probe else None
         rows = []
         for n in sizes:

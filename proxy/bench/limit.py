@@ -34,13 +34,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from proxy.bench.spec import Workload
+from proxy.traffic.spec import Workload
 
 Window = tuple[float, float]
 
 
 class Timed(Protocol):
-    """What the limit reads of a request's result (``proxy.bench.runner.RequestResult``)."""
+    """What the limit reads of a request's result (``proxy.traffic.runner.RequestResult``)."""
 
     id: str
     group: str

@@ -16,8 +16,8 @@ history across its rounds, which other users' turns push out of the slots in bet
 
 from __future__ import annotations
 
-from proxy.bench.spec import BenchRequest, Workload
-from proxy.bench.text import prose, seeded, words_for
+from proxy.traffic.spec import BenchRequest, Workload
+from proxy.traffic.text import prose, seeded, words_for
 
 
 def multi_round(

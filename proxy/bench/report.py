@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.bench.limit import arm_limit, render_limit
-from proxy.bench.runner import RequestResult
+from proxy.traffic.runner import RequestResult
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

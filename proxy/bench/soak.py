@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from proxy.bench.agents import agents
-from proxy.bench.runner import RequestResult, run_workload
 from proxy.errors import ConfigError
 from proxy.native.launch import free_port, llama_server_pids
+from proxy.traffic.runner import RequestResult, run_workload
 
 RSS_EVERY_S = 10.0
 

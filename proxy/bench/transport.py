@@ -45,10 +45,10 @@ async def warm_slot0(server_url: str, n_tokens: int) -> None:
     import aiohttp
 
     from proxy.bench.kvbench import _tokens
-    from proxy.server.backend import Backend
+    from proxy.server.backend import ServerClient
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
-        backend = Backend(server_url, session)
+        backend = ServerClient(server_url, session)
         async with session.get(f"{server_url}/props") as resp:
             resp.raise_for_status()
             n_ctx_slot = int((await resp.json())["default_generation_settings"]["n_ctx"])

@@ -17,8 +17,8 @@ from typing import Any
 from proxy.bench.agents import agents
 from proxy.bench.coding import coding_agent
 from proxy.bench.multiround import multi_round
-from proxy.bench.spec import BenchRequest, Workload
-from proxy.bench.text import prose, seeded, words_for
+from proxy.traffic.spec import BenchRequest, Workload
+from proxy.traffic.text import prose, seeded, words_for
 
 QUESTION_WORDS = 12
 

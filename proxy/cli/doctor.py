@@ -57,11 +57,11 @@ async def check_server(
     """Check one llama-server for use behind the proxy; every problem comes with its fix."""
     import aiohttp
 
-    from proxy.server.backend import Backend
+    from proxy.server.backend import ServerClient
 
     timeout = aiohttp.ClientTimeout(total=60, sock_connect=5)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        backend = Backend(url, session, kvctl_key, api_key=api_key)
+        backend = ServerClient(url, session, kvctl_key, api_key=api_key)
         return await _doctor(backend, kvctl_key, shm_dir, tokenizer_cache)
 
 
@@ -145,9 +145,11 @@ async def _doctor(
     model_path = Path(str(props.get("model_path", "")))
 
     # 3. /kvctl: the patch, its flags and capabilities
+    from proxy.server.kvctl import Caps, KvRoute
+
     caps: dict[str, Any] | None = None
     try:
-        caps = await backend.caps()
+        caps = await backend.kv_get(KvRoute.CAPS, adopt=True)
     except RadixError as exc:
         text, code = exc.message, getattr(exc, "backend_status", 0)
         if code == 401:
@@ -187,8 +189,19 @@ async def _doctor(
                 "--cache-reuse 0 and no SWA/recurrent/draft/multimodal are enforced by --kvctl at startup",
             )
         )
+        try:  # what the proxy reads of it, parsed as the proxy parses it
+            Caps.parse(caps)
+        except RadixError as exc:
+            add(
+                Check(
+                    "kvctl reply",
+                    "fail",
+                    exc.message,
+                    "use the patch series of this proxy version (`radixctl build`)",
+                )
+            )
         checks += _caps_checks(caps, shm_dir, KvLayout)
-        for route in ("slots", "cells"):
+        for route in (KvRoute.SLOTS, KvRoute.CELLS):
             try:
                 got = await backend.kv_get(route)
                 detail = (

@@ -1,6 +1,8 @@
-"""KV-cell admission on pure data: the cells a planned request will fill, whether the pool
-has room for them on top of what requests admitted before it still have to fill, and the
-invariant that ties one server's reservations to its leases.
+"""KV-cell admission on pure data: the cells a planned request will fill, the pool's free
+cells as the proxy's own books show them (``free_estimate``), and the invariant that ties one
+server's reservations to its leases. The room checks against a measured pool (the reserved
+cells on top, owners' headroom with sharing) are made where the pool is measured
+(``KvMoves._make_room``, ``Sharing.ensure_free``).
 
 Every request admitted to a slot reserves the cells it will add to the pool: its prompt
 past what the slot keeps or attaches (an import of host KV writes new cells, an attach of a
@@ -59,12 +61,6 @@ def free_estimate(n_cells: int, held_by_slots: Iterable[int], admitted: int) -> 
     if n_cells <= 0:
         return None
     return n_cells - sum(held_by_slots) - admitted
-
-
-def has_room(free: int, reserved: int, need: int) -> bool:
-    """``need`` cells fit in ``free`` measured cells on top of the ``reserved`` cells that
-    admitted requests will still fill (the measured count does not show them yet)."""
-    return need + reserved <= free
 
 
 def check_reservations(n_cells: int, reserved: int, admitted: int, leases: Iterable[tuple[int, int]]) -> None:

@@ -220,14 +220,6 @@ class KvSegment:
         return cls(p0, layout, _carve(layout, n, np.zeros(n * layout.bytes_per_token, np.uint8)))
 
     @classmethod
-    def from_store(cls, p0: int, layout: KvLayout, n: int, store: np.ndarray) -> KvSegment:
-        """A segment viewing `store`: n positions' parts laid end to end (what `store_bytes`
-        gives), no copy."""
-        if store.dtype != np.uint8 or store.ndim != 1 or store.size != n * layout.bytes_per_token:
-            raise PayloadError(f"store of {store.size} bytes for {n} tokens of {layout.bytes_per_token}")
-        return cls(p0, layout, _carve(layout, n, store))
-
-    @classmethod
     def from_rows(cls, p0: int, layout: KvLayout, rows: np.ndarray) -> KvSegment:
         """A segment (a copy) from per-token rows: uint8 (n, bytes_per_token), each row all
         layers' K rows of the token, then all layers' V rows (V elements in order)."""

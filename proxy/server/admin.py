@@ -244,37 +244,38 @@ async def _slots(request: web.Request, runtime: Runtime) -> dict[str, Any]:
     for server in runtime.coordinator.servers:
         info, err1 = await server_json(server, "/kvctl/slots", server.backend.slots(tokens=True))
         cells, err2 = await server_json(server, "/kvctl/cells", server.backend.cells())
-        theirs = {int(s["id"]): s for s in (info or {}).get("slots", [])}
+        theirs = {e.id: e for e in info.slots} if info is not None else {}
         slots = []
         for s in server.slots:
-            entry = theirs.get(s.slot_id, {})
+            entry = theirs.get(s.slot_id)
             slots.append(
                 {
                     "id": s.slot_id,
                     "busy": s.busy,
                     "n_tokens": int(len(s.tokens)),
-                    "server_n_tokens": entry.get("n_tokens"),
-                    "n_cells": entry.get("n_cells"),
+                    "server_n_tokens": entry.n_tokens if entry else None,
+                    "n_cells": entry.n_cells if entry else None,
                     "idle_s": round(now - s.last_used, 3) if s.last_used else None,
                     "preview": await preview(runtime, s.tokens.tolist()),
                 }
             )
-        runtime.metrics.set_pool(server.name, cells)
+        pool = cells.as_json() if cells is not None else None
+        runtime.metrics.set_pool(server.name, pool)
         set_resident(runtime, server, cells)
         index = server.sharing.index.entries if server.sharing is not None else {}
         residents = []
-        for o in (info or {}).get("owners", []):
-            entry = index.get(int(o["id"]))
+        for o in info.owners if info is not None else ():
+            indexed = index.get(o.id)
             residents.append(
                 {
-                    "owner": int(o["id"]),
-                    "n_tokens": int(o.get("n_tokens", 0)),
-                    "n_cells": o.get("n_cells"),
-                    "indexed": entry is not None,
-                    "hits": entry.hits if entry else None,
-                    "pins": entry.pins if entry else None,
-                    "sharers": dict(entry.sharers) if entry else None,
-                    "preview": await preview(runtime, o.get("tokens", [])),
+                    "owner": o.id,
+                    "n_tokens": o.n_tokens,
+                    "n_cells": o.n_cells,
+                    "indexed": indexed is not None,
+                    "hits": indexed.hits if indexed else None,
+                    "pins": indexed.pins if indexed else None,
+                    "sharers": dict(indexed.sharers) if indexed else None,
+                    "preview": await preview(runtime, o.held_tokens().tolist()),
                 }
             )
         out.append(
@@ -284,7 +285,7 @@ async def _slots(request: web.Request, runtime: Runtime) -> dict[str, Any]:
                 "n_ctx_slot": server.n_ctx_slot,
                 "slots": slots,
                 "residents": residents,
-                "pool": cells,
+                "pool": pool,
                 "errors": [e for e in (err1, err2) if e],
             }
         )

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from proxy.errors import RadixError, TooLarge
 from proxy.server import anthropic, responses
-from proxy.server.backend import Backend
+from proxy.server.backend import ServerClient
 from proxy.server.forward import forward_headers
 from proxy.server.models import pick_model
 from proxy.server.routes import _read_json, _steered
@@ -77,7 +77,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         model = pick_model(runtime.models, body)
         data, headers = orjson.dumps(body), {**forward_headers(request), "Content-Type": "application/json"}
 
-        async def call(backend: Backend) -> web.Response:
+        async def call(backend: ServerClient) -> web.Response:
             async with backend.request("POST", COUNT_TOKENS, data=data, headers=headers) as up:
                 raw = await up.read()
                 if up.status >= 400:

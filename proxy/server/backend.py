@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -16,6 +15,19 @@ import orjson
 
 from proxy.core.payload import tokens_sha256
 from proxy.errors import BackendError, FallbackCause, KvMoveError, RadixError
+from proxy.server.kvctl import (
+    Caps,
+    Cells,
+    CheckpointReply,
+    EraseReply,
+    ExportReply,
+    ImportReply,
+    KvRoute,
+    ReleaseReply,
+    RestoreReply,
+    SeqInfo,
+    Slots,
+)
 from proxy.server.wire import json_or_error
 
 log = logging.getLogger("radix")
@@ -44,8 +56,10 @@ def move_timeout_s(nbytes: int) -> float:
     return MOVE_BASE_S + nbytes / MOVE_MIN_RATE
 
 
-class Backend:
-    """One llama-server. All KV moves on it are serialized by the coordinator's lock."""
+class ServerClient:
+    """The HTTP client of one llama-server: its plain API and its /kvctl routes, whose replies
+    are parsed into typed replies (proxy/server/kvctl.py) here. All KV moves on it are
+    serialized by the coordinator's lock."""
 
     def __init__(
         self,
@@ -147,7 +161,7 @@ class Backend:
 
     # ---- /kvctl -----------------------------------------------------------------------
 
-    def check_instance(self, reply: Any, route: str, adopt: bool = False) -> None:
+    def check_instance(self, reply: Any, route: KvRoute, adopt: bool = False) -> None:
         """Refuse a reply from another server process than the one this proxy knows at this URL.
 
         ``adopt`` (caps only: the startup handshake and the health monitor, which resets the
@@ -174,7 +188,10 @@ class Backend:
                 f"/kvctl/{route}: another server instance ({got}, expected {self.instance})",
             )
 
-    async def kv_get(self, route: str, params: Mapping[str, str] | None = None, adopt: bool = False) -> Any:
+    async def kv_get(
+        self, route: KvRoute, params: Mapping[str, str] | None = None, adopt: bool = False
+    ) -> Any:
+        """GET a /kvctl route: the reply as sent (the typed getters below parse it)."""
         try:
             async with self.request(
                 "GET", f"/kvctl/{route}", params=params, headers=self._auth, timeout=KV_READ_TIMEOUT
@@ -192,10 +209,11 @@ class Backend:
         return data
 
     async def kv_post(
-        self, route: str, body: Mapping[str, Any], cause: FallbackCause, timeout_s: float = MOVE_BASE_S
+        self, route: KvRoute, body: Mapping[str, Any], cause: FallbackCause, timeout_s: float = MOVE_BASE_S
     ) -> Any:
         """POST a /kvctl operation; a refusal becomes a KvMoveError naming ``cause``, no
-        answer within ``timeout_s`` a KvMoveError(TIMEOUT)."""
+        answer within ``timeout_s`` a KvMoveError(TIMEOUT). The reply as sent: the typed
+        operations below parse it."""
         has_bytes = any(isinstance(v, bytes | bytearray | memoryview) for v in _walk(body))
         if has_bytes:
             data = msgpack.packb(body, use_bin_type=True)
@@ -203,7 +221,7 @@ class Backend:
         else:
             data = orjson.dumps(body)
             headers = {**self._auth, "Content-Type": "application/json"}
-            if route in ("export", "checkpoint") and "file" not in body:
+            if route in (KvRoute.EXPORT, KvRoute.CHECKPOINT) and "file" not in body:
                 # An inline export: its KV comes back as msgpack bin (raw bytes), not base64 in JSON.
                 headers["Accept"] = "application/msgpack"
         try:
@@ -245,20 +263,20 @@ class Backend:
         """Whether the server process ``instance`` still answers here (not dead, not replaced)."""
         try:
             async with asyncio.timeout(timeout_s):
-                await self.kv_get("caps")
+                await self.kv_get(KvRoute.CAPS)
         except (RadixError, TimeoutError):
             return False
         return instance is None or self.instance == instance
 
-    async def caps(self) -> dict[str, Any]:
+    async def caps(self) -> Caps:
         """The server's capabilities; a new instance id is adopted here (see check_instance)."""
-        return dict(await self.kv_get("caps", adopt=True))
+        return Caps.parse(await self.kv_get(KvRoute.CAPS, adopt=True))
 
-    async def slots(self, tokens: bool = False) -> dict[str, Any]:
-        return dict(await self.kv_get("slots", {"tokens": "1"} if tokens else None))
+    async def slots(self, tokens: bool = False) -> Slots:
+        return Slots.parse(await self.kv_get(KvRoute.SLOTS, {"tokens": "1"} if tokens else None))
 
-    async def cells(self) -> dict[str, Any]:
-        return dict(await self.kv_get("cells"))
+    async def cells(self) -> Cells:
+        return Cells.parse(await self.kv_get(KvRoute.CELLS))
 
     async def export(
         self,
@@ -268,7 +286,7 @@ class Backend:
         file: str | None,
         timeout_s: float = MOVE_BASE_S,
         in_place: bool = False,
-    ) -> dict[str, Any]:
+    ) -> ExportReply:
         """Export ``[p0, len(tokens))`` of a sequence that must hold ``tokens`` (else 409: CONFLICT).
         ``in_place``: into the existing ``file`` (its first bytes), not a new one."""
         body: dict[str, Any] = {**seq, "p0": p0, "p1": len(tokens), "expect_sha256": tokens_sha256(tokens)}
@@ -276,33 +294,52 @@ class Backend:
             body["file"] = file
             if in_place:
                 body["in_place"] = True
-        reply = dict(await self.kv_post("export", body, cause=FallbackCause.EXPORT, timeout_s=timeout_s))
-        if isinstance(reply.get("data"), str):
-            reply["data"] = base64.b64decode(reply["data"])
-        return reply
+        reply = await self.kv_post(KvRoute.EXPORT, body, cause=FallbackCause.EXPORT, timeout_s=timeout_s)
+        return ExportReply.parse(reply)
 
-    async def checkpoint(self, slot: int, tokens: np.ndarray) -> bytes:
+    async def import_(self, body: Mapping[str, Any], timeout_s: float = MOVE_BASE_S) -> ImportReply:
+        """Write segments into an idle slot (the body as docs/kvctl.md's import; built by the mover)."""
+        reply = await self.kv_post(KvRoute.IMPORT, body, cause=FallbackCause.IMPORT, timeout_s=timeout_s)
+        return ImportReply.parse(reply)
+
+    async def erase(self, slot: int) -> EraseReply:
+        """Clear an idle slot's KV and tokens."""
+        reply = await self.kv_post(KvRoute.ERASE, {"slot": slot}, cause=FallbackCause.ERASE)
+        return EraseReply.parse(reply)
+
+    async def release(self, owner: int) -> ReleaseReply:
+        """Drop an owner sequence (a resident prefix)."""
+        reply = await self.kv_post(KvRoute.RELEASE, {"owner": owner}, cause=FallbackCause.RELEASE)
+        return ReleaseReply.parse(reply)
+
+    async def publish(self, slot: int, owner: int, n: int, expect_sha256: str) -> SeqInfo:
+        """The owner now holds the slot's ``[0, n)`` (shared cells); the owner's entry."""
+        body = {"slot": slot, "owner": owner, "n": n, "expect_sha256": expect_sha256}
+        reply = await self.kv_post(KvRoute.PUBLISH, body, cause=FallbackCause.PUBLISH)
+        return SeqInfo.parse(reply, KvRoute.PUBLISH, FallbackCause.PUBLISH)
+
+    async def attach(self, owner: int, slot: int, m: int, expect_sha256: str) -> SeqInfo:
+        """The slot now holds the owner's ``[0, m)`` (shared cells); the slot's entry."""
+        body = {"owner": owner, "slot": slot, "m": m, "expect_sha256": expect_sha256}
+        reply = await self.kv_post(KvRoute.ATTACH, body, cause=FallbackCause.ATTACH)
+        return SeqInfo.parse(reply, KvRoute.ATTACH, FallbackCause.ATTACH)
+
+    async def checkpoint(self, slot: int, tokens: np.ndarray) -> CheckpointReply:
         """The whole state of ``slot`` after ``tokens`` (recurrent and hybrid memory), from the
         context checkpoint the server took at ``len(tokens)``; 409 (CONFLICT) when the slot does
         not hold these tokens, 404 when it kept no checkpoint there."""
         body = {"slot": slot, "n": len(tokens), "expect_sha256": tokens_sha256(tokens)}
-        reply = await self.kv_post("checkpoint", body, cause=FallbackCause.EXPORT)
-        data = reply.get("data") if isinstance(reply, dict) else None
-        if isinstance(data, str):
-            data = base64.b64decode(data)
-        if not isinstance(data, bytes) or len(data) != int(reply.get("size", -1)):
-            raise KvMoveError(FallbackCause.PAYLOAD, "/kvctl/checkpoint: no payload of the size it names")
-        return data
+        reply = await self.kv_post(KvRoute.CHECKPOINT, body, cause=FallbackCause.EXPORT)
+        return CheckpointReply.parse(reply)
 
-    async def restore(self, slot: int, tokens: np.ndarray, data: bytes) -> dict[str, Any]:
+    async def restore(self, slot: int, tokens: np.ndarray, data: bytes) -> RestoreReply:
         """Write a checkpoint of exactly ``tokens`` into an idle slot (the server checks it is
         theirs); on any failure the server cleared the slot."""
         body = {"slot": slot, "tokens": tokens.tolist(), "segments": [{"data": data}]}
-        return dict(
-            await self.kv_post(
-                "restore", body, cause=FallbackCause.IMPORT, timeout_s=move_timeout_s(len(data))
-            )
+        reply = await self.kv_post(
+            KvRoute.RESTORE, body, cause=FallbackCause.IMPORT, timeout_s=move_timeout_s(len(data))
         )
+        return RestoreReply.parse(reply)
 
 
 def backend_error(status: int, data: Any, what: str) -> BackendError:

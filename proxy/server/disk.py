@@ -47,7 +47,7 @@ from proxy.core.diskindex import (
     verify_entry,
 )
 from proxy.core.payload import KvLayout, KvSegment
-from proxy.core.radix import RadixTree, Spill
+from proxy.core.radix import HostMatch, RadixTree, Spill
 from proxy.server.disk_metrics import DiskMetrics
 
 log = logging.getLogger("radix")
@@ -246,17 +246,31 @@ class DiskTier:
 
     # ---- promotion ---------------------------------------------------------------------
 
+    def would_promote(self, tree: RadixTree, tokens: np.ndarray, ns: str, floor: int = 0) -> bool:
+        """Whether ``promote`` would read from the disk (and wait for it); else it returns 0 at
+        once, without yielding to the event loop."""
+        return self._worth(tree, tokens, ns, floor) is not None
+
+    def _worth(
+        self, tree: RadixTree, tokens: np.ndarray, ns: str, floor: int
+    ) -> tuple[HostMatch, DiskMatch] | None:
+        if not self.usable:
+            return None
+        ram = tree.match(tokens, touch=False, ns=ns)
+        found = self.index.walk(tokens, ns, ram.length)
+        if found.reach - max(floor, ram.length) < self.min_tokens:
+            return None
+        return ram, found
+
     async def promote(self, tree: RadixTree, tokens: np.ndarray, ns: str, floor: int = 0) -> int:
         """When the disk carries the request's match past both the RAM tree and `floor` (what a
         slot or a resident prefix already offers) by at least `min_tokens`, read those entries,
         check every byte, and insert them into the RAM tree. Returns the tokens inserted; 0
         when nothing was worth it or anything failed (then the request is planned as before)."""
-        if not self.usable:
+        worth = self._worth(tree, tokens, ns, floor)
+        if worth is None:
             return 0
-        ram = tree.match(tokens, touch=False, ns=ns)
-        found = self.index.walk(tokens, ns, ram.length)
-        if found.reach - max(floor, ram.length) < self.min_tokens:
-            return 0
+        ram, found = worth
         entries = [p.entry for p in found.pieces]
         tree.pin(ram)
         self.index.pin(entries)

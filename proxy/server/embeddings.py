@@ -22,7 +22,7 @@ import orjson
 from aiohttp import web
 
 from proxy.errors import BackendError, BadRequest, NotSupported, Unavailable
-from proxy.server.backend import Backend
+from proxy.server.backend import ServerClient
 from proxy.server.coordinator import RestoreAbandoned
 from proxy.server.forward import forward_headers, radix_headers, read_capped
 from proxy.server.front import cache_namespace, prompt_token_ids
@@ -97,7 +97,7 @@ async def _leased(
     try:
         await coord.restore(lease, 0)  # erases another namespace's KV first (isolation)
         body["id_slot"] = lease.slot.slot_id
-        raw, status = await _forward(lease.server.backend, request, body, config.max_answer_bytes)
+        raw, status = await _forward(lease.server.client, request, body, config.max_answer_bytes)
     except RestoreAbandoned as exc:  # taken out of routing before anything was sent
         raise BackendError(f"llama-server went out of routing before the request ran: {exc}") from exc
     finally:
@@ -121,7 +121,7 @@ async def _leased(
 
 
 async def _forward(
-    backend: Backend, request: web.Request, body: dict[str, Any], limit: int
+    backend: ServerClient, request: web.Request, body: dict[str, Any], limit: int
 ) -> tuple[bytes, int]:
     """The server's answer, at most ``limit`` bytes (--max-answer: thousands of vectors add up)."""
     headers = {**forward_headers(request), "Content-Type": "application/json"}

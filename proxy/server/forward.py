@@ -143,7 +143,7 @@ async def forward_completion(
 ) -> web.StreamResponse:
     """``body`` to the server's ``path`` (the request's own by default); the answer back in
     ``shape`` (the server's own by default)."""
-    backend = lease.server.backend
+    backend = lease.server.client
     shape = shape if shape is not None else AnswerShape(show)
     headers = {**forward_headers(request), "Content-Type": "application/json"}
     started = False

@@ -17,6 +17,7 @@ import aiohttp
 
 from proxy.errors import RadixError
 from proxy.server.coordinator import Coordinator, ServerState
+from proxy.server.kvctl import Caps
 
 log = logging.getLogger("radix")
 
@@ -50,13 +51,13 @@ class HealthMonitor:
         server is generating is no sign of death, so only a failed /health takes it out."""
         try:
             async with asyncio.timeout(self.timeout_s):
-                await server.backend.get_json("/health")
+                await server.client.get_json("/health")
         except (TimeoutError, aiohttp.ClientError, RadixError, ValueError) as exc:
             self.coordinator.server_down(server, _why(exc))
             return
         try:
             async with asyncio.timeout(self.timeout_s * 5):
-                caps = await server.backend.caps()
+                caps = await server.client.caps()
         except TimeoutError:
             return  # busy: alive, as /health said; a server that was down stays down until caps answers
         except (aiohttp.ClientError, RadixError, ValueError) as exc:
@@ -66,17 +67,15 @@ class HealthMonitor:
         if reason:
             self.coordinator.server_down(server, reason)
             return
-        instance = caps.get("instance")
-        self.coordinator.server_up(server, instance if isinstance(instance, str) else None)
+        self.coordinator.server_up(server, caps.instance)
 
     @staticmethod
-    def _incompatible(server: ServerState, caps: dict[str, object]) -> str:
+    def _incompatible(server: ServerState, caps: Caps) -> str:
         """Why the server cannot take this proxy's requests any more ("" when it can)."""
-        compat = caps.get("compat")
-        if not isinstance(compat, dict) or compat != server.mover.compat:
+        if caps.compat != server.mover.compat:
             return "it now runs another model or KV layout (restart the proxy to serve it)"
-        if caps.get("n_parallel") != len(server.slots):
-            return f"it now has {caps.get('n_parallel')} slots, not {len(server.slots)} (restart the proxy)"
+        if caps.n_parallel != len(server.slots):
+            return f"it now has {caps.n_parallel} slots, not {len(server.slots)} (restart the proxy)"
         return ""
 
 

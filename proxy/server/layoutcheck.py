@@ -19,7 +19,7 @@ import numpy as np
 
 from proxy.core.payload import build_blob
 from proxy.errors import BackendError, FallbackCause, KvMoveError, RadixError
-from proxy.server.backend import Backend
+from proxy.server.backend import ServerClient
 from proxy.server.mover import KvMover
 
 log = logging.getLogger("radix")
@@ -59,7 +59,7 @@ class LayoutChecks:
         self._verdicts: dict[str, tuple[str, ...]] = {}
         self._pause = pause  # between tries (a test passes one that does not wait)
 
-    async def verdict(self, instance: str, backend: Backend, mover: KvMover) -> tuple[str, ...]:
+    async def verdict(self, instance: str, backend: ServerClient, mover: KvMover) -> tuple[str, ...]:
         """() when moves are exact on this instance, else why they are off; raises
         LayoutCheckDeferred when no verdict could be reached in TRIES attempts."""
         known = self._verdicts.get(instance)
@@ -82,7 +82,7 @@ class LayoutChecks:
         self._verdicts.pop(instance, None)
 
 
-async def check_layout(backend: Backend, mover: KvMover) -> tuple[str, ...]:
+async def check_layout(backend: ServerClient, mover: KvMover) -> tuple[str, ...]:
     """() when a round trip of a few tokens' KV through the mover is exact; else why moves are
     off. Uses an idle slot (an empty one if there is one) and erases it afterwards: read the
     slots after this check. Raises LayoutCheckDeferred when the server could not be checked
@@ -105,7 +105,7 @@ async def check_layout(backend: Backend, mover: KvMover) -> tuple[str, ...]:
         return (f"the layout check could not run: {exc.message}",)
 
 
-async def _round_trip(backend: Backend, mover: KvMover) -> tuple[str, ...]:
+async def _round_trip(backend: ServerClient, mover: KvMover) -> tuple[str, ...]:
     slot_id = await _idle_slot(backend)
     if slot_id is None:
         raise LayoutCheckDeferred("every slot is busy")
@@ -128,7 +128,7 @@ async def _round_trip(backend: Backend, mover: KvMover) -> tuple[str, ...]:
         again = await mover.export({"slot": slot_id}, 0, tokens)
     finally:
         try:
-            await backend.kv_post("erase", {"slot": slot_id}, cause=FallbackCause.ERASE)
+            await backend.erase(slot_id)
         except (RadixError, aiohttp.ClientError, TimeoutError) as exc:
             # The slots are read after the check: one holding unknown KV is erased before reuse.
             log.warning("%s: erasing the layout check's slot %d failed: %s", backend.url, slot_id, exc)
@@ -142,21 +142,20 @@ async def _round_trip(backend: Backend, mover: KvMover) -> tuple[str, ...]:
     return ()
 
 
-async def _idle_slot(backend: Backend) -> int | None:
+async def _idle_slot(backend: ServerClient) -> int | None:
     info = await backend.slots(tokens=False)
-    idle = [e for e in info["slots"] if not e.get("busy")]
+    idle = [e for e in info.slots if not e.busy]
     if not idle:
         return None
-    empty = [e for e in idle if int(e.get("n_tokens", 0)) == 0]
-    return int((empty or idle)[-1]["id"])
+    empty = [e for e in idle if e.n_tokens == 0]
+    return (empty or idle)[-1].id
 
 
-async def _held_tokens(backend: Backend, slot_id: int) -> np.ndarray:
+async def _held_tokens(backend: ServerClient, slot_id: int) -> np.ndarray:
     """The first tokens whose KV the slot holds (at most _PROBE_TOKENS)."""
-    info = await backend.slots(tokens=True)
-    entry = next(e for e in info["slots"] if int(e["id"]) == slot_id)
-    tokens = np.asarray(entry.get("tokens", []), dtype=np.int32)
-    if int(entry.get("pos_min", 0)) > 0:
+    entry = (await backend.slots(tokens=True)).slot(slot_id)
+    tokens = entry.held_tokens()
+    if entry.pos_min > 0:
         return tokens[:0]
-    held = int(entry.get("pos_max", -1)) + 1
+    held = entry.pos_max + 1
     return tokens[: min(held, len(tokens), _PROBE_TOKENS)]

@@ -34,7 +34,7 @@ import numpy as np
 
 from proxy.core.payload import KvLayout, KvSegment, blob_size, parse_blob, write_blob
 from proxy.errors import FallbackCause, KvMoveError, PayloadError
-from proxy.server.backend import Backend, move_timeout_s
+from proxy.server.backend import ServerClient, move_timeout_s
 from proxy.server.metrics import Metrics
 from proxy.server.paydir import private_dir_fd
 
@@ -46,7 +46,7 @@ INLINE_LIMIT = 64 << 20  # the server's limit on an inline (in-body) payload
 class KvMover:
     def __init__(
         self,
-        backend: Backend,
+        backend: ServerClient,
         layout: KvLayout | None,
         compat: dict[str, Any],
         shm_dir: Path | None,
@@ -111,11 +111,13 @@ class KvMover:
             name = file.name if file is not None else None
             async with hold or contextlib.nullcontext():
                 reply = await self.backend.export(seq, p0, tokens, name, move_timeout_s(size), in_place=True)
-            if reply.get("compat") not in (None, self.compat):
+            if reply.compat != self.compat:
                 raise KvMoveError(FallbackCause.COMPAT, "exported payload has another compatibility key")
             if file is None:
-                segment = await asyncio.to_thread(parse_blob, reply["data"], layout)
-            elif reply.get("in_place") is True:
+                if reply.data is None:
+                    raise KvMoveError(FallbackCause.EXPORT, "an inline export's reply holds no data")
+                segment = await asyncio.to_thread(parse_blob, reply.data, layout)
+            elif reply.in_place:
                 # Answered: the server wrote the file and is done with it.
                 segment = await asyncio.to_thread(self._read_mapped, file, size)
                 self._put_idle_out(file)
@@ -126,7 +128,7 @@ class KvMover:
                 segment = await asyncio.to_thread(self._read_file, file.name)
         except PayloadError as exc:
             raise KvMoveError(FallbackCause.PAYLOAD, str(exc)) from exc
-        except (OSError, KeyError) as exc:
+        except OSError as exc:
             raise KvMoveError(FallbackCause.TRANSPORT, f"export payload unreadable: {exc}") from exc
         finally:
             if file is not None:
@@ -183,9 +185,7 @@ class KvMover:
                 await asyncio.to_thread(write_blob, segments, buf)
                 body["segments"] = [{"data": bytes(buf)}]
             async with hold or contextlib.nullcontext():
-                await self.backend.kv_post(
-                    "import", body, cause=FallbackCause.IMPORT, timeout_s=move_timeout_s(size)
-                )
+                await self.backend.import_(body, timeout_s=move_timeout_s(size))
             # Answered: the server is done reading the file, so it may be written again.
             file, done = None, file
             if done is not None:

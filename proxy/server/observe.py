@@ -6,23 +6,25 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
 from proxy.errors import RadixError
 from proxy.server.coordinator import ServerState
+from proxy.server.kvctl import Cells
 from proxy.server.metrics import FALLBACK_CAUSES
 from proxy.server.runtime import Runtime
 
 log = logging.getLogger("radix")
 
 POOL_TIMEOUT_S = 2.0
+T = TypeVar("T")
 
 
 async def server_json(
-    server: ServerState, what: str, call: Awaitable[Any], timeout_s: float = POOL_TIMEOUT_S
-) -> tuple[Any, str | None]:
+    server: ServerState, what: str, call: Awaitable[T], timeout_s: float = POOL_TIMEOUT_S
+) -> tuple[T | None, str | None]:
     try:
         return await asyncio.wait_for(call, timeout_s), None
     except (RadixError, aiohttp.ClientError, TimeoutError) as exc:
@@ -43,15 +45,16 @@ async def refresh_pool_gauges(
         cells, err = await server_json(server, "/kvctl/cells", server.backend.cells(), timeout_s)
         if err:
             log.debug("pool gauges: %s", err)
-        runtime.metrics.set_pool(server.name, cells)
+        pool = cells.as_json() if cells is not None else None
+        runtime.metrics.set_pool(server.name, pool)
         set_resident(runtime, server, cells)
-        return dict(cells) if cells is not None else None
+        return pool
 
     results = await asyncio.gather(*(one(s) for s in servers))
     return {s.name: r for s, r in zip(servers, results, strict=True)}
 
 
-def set_resident(runtime: Runtime, server: ServerState, cells: dict[str, Any] | None) -> None:
+def set_resident(runtime: Runtime, server: ServerState, cells: Cells | None) -> None:
     """Resident entries from the proxy's index; their cells are the pool's owner cells."""
     m = runtime.metrics
     if server.sharing is None:
@@ -64,7 +67,7 @@ def set_resident(runtime: Runtime, server: ServerState, cells: dict[str, Any] | 
     m.resident_evictions[server.name].set(stats.evicted)
     m.resident_admitted[server.name].set(stats.admitted)
     if cells is not None:
-        m.resident_cells.labels(server.name).set(float(cells.get("owner", 0)))
+        m.resident_cells.labels(server.name).set(float(cells.owner))
 
 
 async def refresh_metrics(runtime: Runtime) -> None:

@@ -20,7 +20,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from proxy.config import Config
 from proxy.errors import BackendError, BadRequest, NotFound, RequestTimeout, TooLarge
 from proxy.server.admin import refuse_admin
-from proxy.server.backend import Backend
+from proxy.server.backend import ServerClient
 from proxy.server.coordinator import Lease, RestoreAbandoned
 from proxy.server.forward import (
     HOP_HEADERS,
@@ -183,7 +183,7 @@ async def _steered(
             _request_id(), tokens, ns, model=model.name, session=session, n_predict=_n_predict(body)
         )
         outcome = Outcome()
-        instance = lease.server.backend.instance  # the process this attempt is sent to
+        instance = lease.server.client.instance  # the process this attempt is sent to
         done = _once(functools.partial(_finish, runtime, lease, outcome, api))
         try:
             await coord.restore(lease, _n_predict(body))
@@ -246,7 +246,7 @@ async def _steered(
 async def _killed_by(lease: Lease, instance: str | None, exc: NotStarted) -> bool:
     """Whether the server died (or was replaced) after it took this request: then the request
     may be what killed it. A request that never reached it (connection refused) is not."""
-    return exc.delivered and not await lease.server.backend.survived(instance)
+    return exc.delivered and not await lease.server.client.survived(instance)
 
 
 def _finish(runtime: Runtime, lease: Lease, outcome: Outcome, api: str) -> None:
@@ -347,7 +347,7 @@ async def forward_plain(request: web.Request) -> web.StreamResponse:
             f"the body is {len(data)} bytes; read-only requests take at most {limit} (--max-passthrough-body)"
         )
 
-    async def call(backend: Backend) -> web.Response:
+    async def call(backend: ServerClient) -> web.Response:
         async with (
             runtime.passthrough.turn(backend.url),
             backend.request(request.method, request.path_qs, data=data, headers=headers) as up,

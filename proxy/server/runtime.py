@@ -14,7 +14,7 @@ from aiohttp import web
 from proxy.config import Config
 from proxy.core.infill import PieceCache
 from proxy.errors import Unavailable
-from proxy.server.backend import Backend
+from proxy.server.backend import ServerClient
 from proxy.server.coordinator import Coordinator, ServerState
 from proxy.server.health import HealthMonitor
 from proxy.server.layoutcheck import LayoutChecks
@@ -122,7 +122,7 @@ class Runtime:
             (s for s in self.coordinator.servers if s.healthy and (not model or s.model == model)), None
         )
 
-    async def on_any_server(self, call: Callable[[Backend], Awaitable[T]], model: str = "") -> T:
+    async def on_any_server(self, call: Callable[[ServerClient], Awaitable[T]], model: str = "") -> T:
         """``call`` on a healthy server of ``model`` ("" = any): template rendering, tokenizing;
         one that fails to answer is marked down and the next is tried. Waits, bounded by the
         queue deadline, while none is serving."""
@@ -136,7 +136,7 @@ class Runtime:
                 await asyncio.sleep(0.1)
                 server = self._healthy(model)
             try:
-                return await call(server.backend)
+                return await call(server.client)
             except aiohttp.ClientConnectionError as exc:  # refused, reset: it is gone
                 self.coordinator.server_down(server, f"{type(exc).__name__}: {exc}")
             except TimeoutError as exc:

@@ -10,30 +10,30 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any
 
 import numpy as np
 
 from proxy.core.payload import tokens_sha256
 from proxy.core.resident import ResidentIndex
 from proxy.errors import FallbackCause, KvMoveError
-from proxy.server.backend import Backend
+from proxy.server.kvctl import Cells
+from proxy.server.ports import KvServer
 
 log = logging.getLogger("radix")
 
 
 class Sharing:
     def __init__(
-        self, backend: Backend, index: ResidentIndex, *, budget_cells: int, headroom: int, min_tokens: int
+        self, backend: KvServer, index: ResidentIndex, *, budget_cells: int, headroom: int, min_tokens: int
     ) -> None:
         self.backend = backend
         self.index = index
         self.budget_cells = budget_cells
         self.headroom = headroom
         self.min_tokens = min_tokens
-        self.last_cells: dict[str, Any] = {}
+        self.last_cells: Cells | None = None  # the pool's counts, as last measured
 
-    async def cells(self) -> dict[str, Any]:
+    async def cells(self) -> Cells:
         self.last_cells = await self.backend.cells()
         return self.last_cells
 
@@ -42,11 +42,7 @@ class Sharing:
         if entry is None or m > entry.n:
             raise KvMoveError(FallbackCause.ATTACH, f"owner {owner_id} is not known to hold {m} tokens")
         # Bound to the tokens the index files under this owner: the server refuses (409) if it holds others.
-        await self.backend.kv_post(
-            "attach",
-            {"owner": owner_id, "slot": slot_id, "m": m, "expect_sha256": tokens_sha256(entry.tokens[:m])},
-            cause=FallbackCause.ATTACH,
-        )
+        await self.backend.attach(owner_id, slot_id, m, tokens_sha256(entry.tokens[:m]))
         self.index.attached(owner_id, slot_id, m, time.monotonic())
 
     async def publish_prefixes(
@@ -67,12 +63,8 @@ class Sharing:
                         break
             if owner is None:
                 return added
-            before = int((await self.cells())["owner"])
-            await self.backend.kv_post(
-                "publish",
-                {"slot": slot_id, "owner": owner, "n": n, "expect_sha256": tokens_sha256(slot_tokens[:n])},
-                cause=FallbackCause.PUBLISH,
-            )
+            before = (await self.cells()).owner
+            await self.backend.publish(slot_id, owner, n, tokens_sha256(slot_tokens[:n]))
             self.index.add(owner, slot_tokens[:n], slot_id, time.monotonic(), ns)
             added += 1
             if not await self._within_budget(owner, before):
@@ -81,14 +73,14 @@ class Sharing:
 
     async def _within_budget(self, new_owner: int, before: int) -> bool:
         """Admission by the real growth of the owners' cell union: evict others, else the newcomer."""
-        owner_cells = int((await self.cells())["owner"])
+        owner_cells = (await self.cells()).owner
         if owner_cells <= self.budget_cells:
             return True
         self.index.pin(new_owner)
         try:
             for victim in self.index.release_order():
                 await self._release(victim)
-                owner_cells = int((await self.cells())["owner"])
+                owner_cells = (await self.cells()).owner
                 if owner_cells <= self.budget_cells:
                     return True
         finally:
@@ -107,15 +99,15 @@ class Sharing:
         could not give that many."""
         cells = await self.cells()
         for victim in self.index.release_order():
-            if int(cells["free"]) >= need + self.headroom:
+            if cells.free >= need + self.headroom:
                 return True
             await self._release(victim)
             cells = await self.cells()
-        return int(cells["free"]) >= need + self.headroom
+        return cells.free >= need + self.headroom
 
     async def _release(self, owner_id: int) -> None:
         try:
-            await self.backend.kv_post("release", {"owner": owner_id}, cause=FallbackCause.RELEASE)
+            await self.backend.release(owner_id)
         except KvMoveError as exc:
             log.warning("resident: release of owner %d failed: %s", owner_id, exc)
         finally:  # cancelled too: the owner may be gone, so it is no longer offered

@@ -20,9 +20,10 @@ from proxy.core.payload import KvLayout
 from proxy.core.radix import RadixTree
 from proxy.core.resident import ResidentIndex
 from proxy.errors import ConfigError, FallbackCause, KvMoveError, PayloadError, RadixError
-from proxy.server.backend import Backend
+from proxy.server.backend import ServerClient
 from proxy.server.coordinator import Coordinator, ServerState, SlotState
 from proxy.server.disk import DiskTier, compat_key
+from proxy.server.kvctl import Caps, KvctlReplyError, SeqInfo
 from proxy.server.layoutcheck import LayoutCheckDeferred, LayoutChecks
 from proxy.server.metrics import Metrics
 from proxy.server.models import ModelEntry, compat_ns
@@ -73,7 +74,7 @@ async def create_runtime(
     runtime.layout_checks = checks
     runtime.models = models
     for entry in models.values():
-        backend = next(s.backend for s in servers if s.model == entry.name)
+        backend = next(s.client for s in servers if s.model == entry.name)
         await _setup_tokenizer(runtime, entry, backend)
         await _setup_template(runtime, entry, backend)
         entry.n_vocab = await _n_vocab(backend)
@@ -90,7 +91,7 @@ async def _models(servers: list[ServerState]) -> dict[str, ModelEntry]:
     for server in servers:
         entry = models.get(server.model)
         if entry is None:
-            listing = await _listing(server.backend)
+            listing = await _listing(server.client)
             models[server.model] = ModelEntry(
                 server.model, server.model_ns, server.mover.compat, server.named, listing
             )
@@ -102,7 +103,7 @@ async def _models(servers: list[ServerState]) -> dict[str, ModelEntry]:
     return models
 
 
-async def _listing(backend: Backend) -> dict[str, Any]:
+async def _listing(backend: ServerClient) -> dict[str, Any]:
     """The server's own /v1/models entry (listed under the operator's name)."""
     reply = await backend.get_json("/v1/models")
     data = reply.get("data") or [{}]
@@ -201,10 +202,10 @@ async def connect_pending(runtime: Runtime) -> None:
 
 
 async def _add_model(runtime: Runtime, server: ServerState) -> None:
-    listing = await _listing(server.backend)
+    listing = await _listing(server.client)
     entry = ModelEntry(server.model, server.model_ns, server.mover.compat, server.named, listing)
-    await _setup_tokenizer(runtime, entry, server.backend)
-    entry.n_vocab = await _n_vocab(server.backend)
+    await _setup_tokenizer(runtime, entry, server.client)
+    entry.n_vocab = await _n_vocab(server.client)
     runtime.models[server.model] = entry
     log.warning("model %r is served from now on (%s answers)", server.model, server.name)
 
@@ -213,7 +214,7 @@ class _Unreachable(ConfigError):
     """The server does not answer (yet): not a configuration error."""
 
 
-async def _n_vocab(backend: Backend) -> int:
+async def _n_vocab(backend: ServerClient) -> int:
     """The vocabulary size (token ids in prompts are checked against it)."""
     models = await backend.get_json("/v1/models")
     for entry in models.get("data") or []:
@@ -235,7 +236,7 @@ async def _connect(
 ) -> ServerState:
     spec = parse_backend(spec_text)
     url = spec.url
-    backend = Backend(
+    backend = ServerClient(
         url,
         session,
         config.kvctl_key,
@@ -249,7 +250,11 @@ async def _connect(
             f"cannot reach llama-server at {url}: {exc}", fix="start it, or fix --backend-url"
         ) from exc
     except RadixError as exc:
-        if isinstance(exc, KvMoveError) and exc.cause in (FallbackCause.TRANSPORT, FallbackCause.TIMEOUT):
+        if (
+            isinstance(exc, KvMoveError)
+            and not isinstance(exc, KvctlReplyError)
+            and exc.cause in (FallbackCause.TRANSPORT, FallbackCause.TIMEOUT)
+        ):
             raise _Unreachable(
                 f"cannot reach llama-server at {url}: {exc.message}", fix="start it, or fix --backend-url"
             ) from exc
@@ -258,12 +263,12 @@ async def _connect(
             fix="run the patched llama-server (`radixctl build`) with --kvctl -kvu --cache-ram 0 "
             "-sps 0, and pass --kvctl-key if it has one",
         ) from exc
-    compat = dict(caps["compat"])
+    compat = dict(caps.compat)
     layout, moves_off = _layout_or_why_not(caps)
-    shm = await _payload_dir(config.shm_dir, caps.get("dir"), spec, caps.get("dir_id"))
+    shm = await _payload_dir(config.shm_dir, caps.dir, spec, caps.dir_id)
     mover = KvMover(backend, layout, compat, shm, metrics)
-    instance = str(caps.get("instance") or "")
-    if caps.get("sharing"):
+    instance = caps.instance or ""
+    if caps.sharing:
         # Owners left by an earlier proxy hold cells nobody accounts for (and the check's cells).
         await _release_owners(backend, caps)
     if not moves_off:
@@ -283,10 +288,10 @@ async def _connect(
     slots_info = await backend.slots(tokens=True)
     model_ns = compat_ns(compat)
     isolating = bool(config.cache_isolation)
-    slots = [_slot_found(s, isolating, model_ns, moves=not moves_off) for s in slots_info["slots"]]
-    n_ctx_slot = int(caps.get("n_ctx_slot") or caps.get("n_ctx") or 0)
+    slots = [_slot_found(s, isolating, model_ns, moves=not moves_off) for s in slots_info.slots]
+    n_ctx_slot = caps.n_ctx_slot
     metrics.server_moves.labels(name).set(0 if moves_off else 1)
-    checkpoints = bool(moves_off) and _checkpoints_on(caps)
+    checkpoints = bool(moves_off) and caps.checkpoints and bool(caps.compat_id)
     metrics.server_checkpoints.labels(name).set(1 if checkpoints else 0)
     sharing = await _sharing(config, name, backend, caps) if config.kv_share and not moves_off else None
     model = spec.model or await _server_model_name(backend)
@@ -296,7 +301,7 @@ async def _connect(
         url,
         model,
         len(slots),
-        int(caps.get("n_cells", 0)),
+        caps.n_cells,
         f"via {shm}" if shm else "inline",
         ", resident sharing on" if sharing else "",
     )
@@ -306,7 +311,7 @@ async def _connect(
             "whole-state checkpoints taken where the server takes its own (no A+H, sharing or disk tier)",
             name,
             model,
-            _memory_kind(caps),
+            caps.memory_kind,
             "; ".join(moves_off),
         )
     elif moves_off:
@@ -315,96 +320,78 @@ async def _connect(
             "(the server's own prefix reuse; no host restore, save or sharing)%s",
             name,
             model,
-            _memory_kind(caps),
+            caps.memory_kind,
             "; ".join(moves_off),
             _checkpoints_off(caps),
         )
     state = ServerState(name, backend, mover, slots, n_ctx_slot, sharing)
     state.model, state.model_ns, state.named = model, model_ns, bool(spec.model)
-    state.n_cells = int(caps.get("n_cells", 0))
+    state.n_cells = caps.n_cells
     state.moves_off = moves_off
     state.checkpoints = checkpoints
-    state.compat_id = str(caps.get("compat_id") or "")
-    state.infill = InfillParams.from_caps(caps, n_ctx_slot)
-    embedding = caps.get("embedding")
-    state.embeddings = isinstance(embedding, dict) and embedding.get("on") is True
-    state.pooling = int(embedding.get("pooling", -1)) if isinstance(embedding, dict) else -1
+    state.compat_id = caps.compat_id
+    state.infill = InfillParams.from_caps({"infill": caps.infill}, n_ctx_slot)
+    state.embeddings = caps.embedding is not None and caps.embedding.on
+    state.pooling = caps.embedding.pooling if caps.embedding is not None else -1
     state.instance = instance or None
     return state
 
 
-def _checkpoints_on(caps: dict[str, Any]) -> bool:
-    """Whole-state checkpoints, as the server's startup probe found them (caps.checkpoints)."""
-    ckpt = caps.get("checkpoints")
-    return isinstance(ckpt, dict) and ckpt.get("on") is True and bool(caps.get("compat_id"))
-
-
-def _checkpoints_off(caps: dict[str, Any]) -> str:
+def _checkpoints_off(caps: Caps) -> str:
     """Why a recurrent or hybrid model gets no whole-state checkpoints, for the log line."""
-    ckpt = caps.get("checkpoints")
-    memory = caps.get("memory")
-    kind = memory.get("kind") if isinstance(memory, dict) else None
-    if kind not in ("recurrent", "hybrid") or not isinstance(ckpt, dict):
+    if caps.memory_kind not in ("recurrent", "hybrid"):
         return ""
-    return "; whole-state checkpoints are off: " + "; ".join(str(r) for r in ckpt.get("off") or ())
+    return "; whole-state checkpoints are off: " + "; ".join(caps.checkpoints_off)
 
 
-def _memory_kind(caps: dict[str, Any]) -> str:
-    memory = caps.get("memory")
-    return str(memory.get("kind", "unknown")) if isinstance(memory, dict) else "memory unknown"
-
-
-def _layout_or_why_not(caps: dict[str, Any]) -> tuple[KvLayout | None, tuple[str, ...]]:
+def _layout_or_why_not(caps: Caps) -> tuple[KvLayout | None, tuple[str, ...]]:
     """The payload layout, or why KV moves are off: the server says so (`moves`, `moves_off`:
     a sliding window, a recurrent state, a layout its probe does not know), or its caps do not
     describe a layout the proxy can read. Never guessed from the architecture's name."""
-    if caps.get("moves") is False:
-        reasons = caps.get("moves_off")
-        if isinstance(reasons, list) and reasons:
-            return None, tuple(str(r) for r in reasons)
-        return None, ("the server turned KV moves off",)
+    if not caps.moves:
+        return None, caps.moves_off or ("the server turned KV moves off",)
     try:
-        return KvLayout.from_caps(dict(caps["compat"])), ()
+        return KvLayout.from_caps(dict(caps.compat)), ()
     except (PayloadError, KeyError, TypeError, ValueError) as exc:
         message = exc.message if isinstance(exc, PayloadError) else str(exc)
         return None, (f"the server's KV layout cannot be read: {message}",)
 
 
-async def _server_model_name(backend: Backend) -> str:
+async def _server_model_name(backend: ServerClient) -> str:
     """The name the server reports (its --alias, else its model file's)."""
     entry = await _listing(backend)
     return str(entry.get("id") or "default")
 
 
-def _slot_found(entry: dict[str, Any], isolating: bool, model_ns: str, moves: bool = True) -> SlotState:
+def _slot_found(entry: SeqInfo, isolating: bool, model_ns: str, moves: bool = True) -> SlotState:
     """A slot as the proxy finds it at startup. Its KV is reused as the shared namespace's only
     without isolation keys: with them, whose KV it is cannot be known, so it is erased first.
     With moves off its KV may start past position 0 (a sliding window forgot it): only the
     server reuses it, so it still steers requests to the slot."""
-    tokens = np.asarray(entry.get("tokens", []), dtype=np.int32)
-    consistent = int(entry.get("pos_max", -1)) + 1 == len(tokens)
-    consistent = consistent and (int(entry.get("pos_min", 0)) <= 0 or not moves)
+    tokens = entry.held_tokens()
+    consistent = entry.pos_max + 1 == len(tokens)
+    consistent = consistent and (entry.pos_min <= 0 or not moves)
     if not len(tokens):
-        return SlotState(int(entry["id"]), ns=model_ns)
+        return SlotState(entry.id, ns=model_ns)
     if consistent and not isolating:
-        return SlotState(int(entry["id"]), tokens, ns=model_ns)
-    return SlotState(int(entry["id"]), np.zeros(0, np.int32), ns=None)
+        return SlotState(entry.id, tokens, ns=model_ns)
+    return SlotState(entry.id, np.zeros(0, np.int32), ns=None)
 
 
-async def _sharing(config: Config, name: str, backend: Backend, caps: dict[str, Any]) -> Sharing:
-    if not caps.get("sharing"):
-        reasons = "; ".join(caps.get("reasons") or ["the server does not offer owner sequences"])
+async def _sharing(config: Config, name: str, backend: ServerClient, caps: Caps) -> Sharing:
+    if not caps.sharing:
+        reasons = "; ".join(caps.reasons or ["the server does not offer owner sequences"])
         raise ConfigError(
             f"{name} cannot share resident KV: {reasons}",
             fix="start llama-server with --kvctl-owners N (N > 0), or use --cache-kv-share off",
         )
-    n_cells = int(caps["n_cells"])
+    n_cells = caps.n_cells
     props = await backend.get_json("/props")
     n_ubatch = int(
         props.get("n_ubatch") or (props.get("default_generation_settings") or {}).get("n_ubatch") or 512
     )
-    first, end = caps["owner_ids"]
-    index = ResidentIndex(range(int(first), int(end)), config.kv_share_max_entries)
+    first, end = caps.owner_ids
+    index = ResidentIndex(range(first, end), config.kv_share_max_entries)
     budget = config.kv_share_cells or n_cells // 2
     headroom = config.kv_share_headroom or min(n_ubatch, max(1, n_cells // 8))
     log.info(
@@ -419,10 +406,10 @@ async def _sharing(config: Config, name: str, backend: Backend, caps: dict[str, 
     )
 
 
-async def _release_owners(backend: Backend, caps: dict[str, Any]) -> None:
-    first, end = caps["owner_ids"]
-    for owner in range(int(first), int(end)):
-        await backend.kv_post("release", {"owner": owner}, cause=FallbackCause.RELEASE)
+async def _release_owners(backend: ServerClient, caps: Caps) -> None:
+    first, end = caps.owner_ids
+    for owner in range(first, end):
+        await backend.release(owner)
 
 
 async def _payload_dir(
@@ -469,7 +456,7 @@ async def _payload_dir(
     return mine if os.access(mine, os.W_OK) else None
 
 
-async def _setup_tokenizer(runtime: Runtime, entry: ModelEntry, backend: Backend) -> None:
+async def _setup_tokenizer(runtime: Runtime, entry: ModelEntry, backend: ServerClient) -> None:
     """Use the local tokenizer only if it matches the server's on the built-in corpus."""
     props = await backend.get_json("/props")
     model_path = Path(str(props.get("model_path", "")))
@@ -494,7 +481,7 @@ async def _setup_tokenizer(runtime: Runtime, entry: ModelEntry, backend: Backend
         )
 
 
-async def _setup_template(runtime: Runtime, entry: ModelEntry, backend: Backend) -> None:
+async def _setup_template(runtime: Runtime, entry: ModelEntry, backend: ServerClient) -> None:
     """Render chat templates locally only if the template renders as the server's does on the
     parity conversations (tokenizer/template.py); else every request asks /apply-template."""
     result = await probe_chat_template(backend)
@@ -510,7 +497,7 @@ async def _setup_template(runtime: Runtime, entry: ModelEntry, backend: Backend)
             log.warning("chat template parity: %s", line)
 
 
-async def probe_chat_template(backend: Backend) -> TemplateProbe:
+async def probe_chat_template(backend: ServerClient) -> TemplateProbe:
     """The proxy's startup probe of the chat template (also run by `radixctl doctor`)."""
     props = await backend.get_json("/props")
     bos, eos = str(props.get("bos_token") or ""), str(props.get("eos_token") or "")

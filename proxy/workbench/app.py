@@ -17,7 +17,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from proxy.bench.runner import ManifestEntry, base_url, replay_manifest
+from proxy.traffic.runner import ManifestEntry, base_url, replay_manifest
 from proxy.workbench.graph import RunContext, build_graph, run_turn
 from proxy.workbench.guard import JSON_TYPE, MANIFEST_TYPE, REPLAY_PATHS, check_content_type, host_guard
 from proxy.workbench.llm import OpenAIModel

@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.workbench import data
+from proxy.traffic import data
 
 STATES = ("healthy", "degraded", "down")
 LEVELS = {"error": 0, "warn": 1, "info": 2}

@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 
-from proxy.workbench import data
+from proxy.traffic import data
 from proxy.workbench.tools import Tool, ToolContext, ToolError, enum, integer, number, pick, text
 
 SEED = 0

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from proxy.bench.runner import read_results
+from proxy.traffic.runner import read_results
 
 pytestmark = pytest.mark.integration
 

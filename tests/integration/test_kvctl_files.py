@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from proxy.core.payload import KvLayout, KvSegment, tokens_sha256
 from proxy.errors import FallbackCause, KvMoveError
 from proxy.native.launch import ServerProcess
-from proxy.server.backend import Backend
+from proxy.server.backend import ServerClient
 from proxy.server.metrics import Metrics
 from proxy.server.mover import KvMover
 from tests.helpers import ServerFactory, request
@@ -122,9 +122,9 @@ async def _mover_moves(server: ServerProcess, tokens: list[int]) -> None:
     directory = server.spec.kvctl_dir
     assert directory is not None
     async with aiohttp.ClientSession() as session:
-        backend = Backend(server.url, session, server.spec.kvctl_key)
+        backend = ServerClient(server.url, session, server.spec.kvctl_key)
         caps = await backend.caps()
-        compat = dict(caps["compat"])
+        compat = dict(caps.compat)
         mover = KvMover(
             backend, KvLayout.from_caps(compat), compat, directory, Metrics(CollectorRegistry(), ("s0",))
         )

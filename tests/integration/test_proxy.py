@@ -300,7 +300,7 @@ def test_next_turn_sent_at_once_reuses_its_own_prefix(proxy: ProxyThread) -> Non
 
 
 def test_received_requests_are_recorded_as_a_replayable_manifest(proxy: ProxyThread) -> None:
-    from proxy.bench.runner import read_manifest
+    from proxy.traffic.runner import read_manifest
 
     body = chat_body(convo(document(13, 30), "Say maybe."), 2)
     reply = post(f"{proxy.url}/v1/chat/completions", body, headers={"X-Session-Id": "sess-7"})

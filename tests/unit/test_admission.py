@@ -14,16 +14,17 @@ from proxy.core.admission import (
     cells_needed,
     check_reservations,
     free_estimate,
-    has_room,
     own_tail,
 )
 from proxy.core.payload import KvSegment
 from proxy.core.planner import Plan, Route
 from proxy.server.coordinator import Coordinator, Lease, ServerState
+from proxy.server.kvctl import Cells
 from tests.unit.test_coordinator import (
     LAYOUT,
     FakeSharing,
     coordinator,
+    pool,
     rows,
     server,
     settle,
@@ -101,21 +102,6 @@ def test_own_tail(held: np.ndarray, prompt: np.ndarray, tail: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("free", "reserved", "need", "fits"),
-    [
-        (1024, 0, 435, True),
-        (1024, 435, 432, True),
-        (1024, 867, 432, False),  # the third of a wave: the first two's cells are not free
-        (589, 229, 229, True),
-        (589, 458, 229, False),
-        (100, 0, 101, False),
-    ],
-)
-def test_has_room(free: int, reserved: int, need: int, fits: bool) -> None:
-    assert has_room(free, reserved, need) is fits
-
-
-@pytest.mark.parametrize(
     ("n_cells", "reserved", "admitted", "leases", "ok"),
     [
         (1024, 0, 0, [], True),
@@ -148,9 +134,9 @@ def pool_server(n_slots: int, n_cells: int) -> ServerState:
     fake: Any = s0.backend
     fake.cells_asked = 0
 
-    async def cells() -> dict[str, Any]:
+    async def cells() -> Cells:
         fake.cells_asked += 1
-        return {"free": n_cells - sum(len(t) for t in fake.held.values())}
+        return pool(n_cells - sum(len(t) for t in fake.held.values()))
 
     fake.cells = cells
     return s0

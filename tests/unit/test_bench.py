@@ -15,7 +15,9 @@ from click.testing import CliRunner
 from proxy.bench import capacity as cap
 from proxy.bench import report as report_mod
 from proxy.bench.arms import legacy_cache_bytes, parse_arms
-from proxy.bench.runner import (
+from proxy.bench.workloads import make_workload, prompt_words
+from proxy.errors import ConfigError
+from proxy.traffic.runner import (
     ManifestEntry,
     RequestResult,
     base_url,
@@ -27,10 +29,8 @@ from proxy.bench.runner import (
     write_manifest,
     write_results,
 )
-from proxy.bench.spec import BenchRequest, Workload
-from proxy.bench.text import approx_tokens, prose, seeded, word_prefix, words_for
-from proxy.bench.workloads import make_workload, prompt_words
-from proxy.errors import ConfigError
+from proxy.traffic.spec import BenchRequest, Workload
+from proxy.traffic.text import approx_tokens, prose, seeded, word_prefix, words_for
 
 pytestmark = pytest.mark.unit
 
@@ -825,8 +825,8 @@ def test_report_prints_the_host_cache_optimum() -> None:
 
 
 def test_soak_summary_windows_warm_up_and_rss() -> None:
-    from proxy.bench.runner import RequestResult
     from proxy.bench.soak import summarize
+    from proxy.traffic.runner import RequestResult
 
     def result(t: float, ttft: float, cache_n: int = 0, status: int = 200) -> RequestResult:
         return RequestResult(

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from proxy.bench import limit as lim
 from proxy.bench.report import build_report, write_report
-from proxy.bench.runner import RequestResult
 from proxy.bench.workloads import DEFAULT_ARMS, make_workload
+from proxy.traffic.runner import RequestResult
 
 pytestmark = pytest.mark.unit
 

@@ -27,11 +27,16 @@ def caps(**over: Any) -> dict[str, Any]:
     base = {
         "format_version": 1,
         "compat": COMPAT,
+        "compat_id": "749b",
         "sharing": True,
         "reasons": [],
         "owner_ids": [4, 12],
         "n_ctx_slot": 8192,
         "n_cells": 8192,
+        "n_parallel": 4,
+        "moves": True,
+        "moves_off": [],
+        "memory": {"kind": "kv"},
         "dir": None,
         "fault_injection": False,
     }
@@ -99,12 +104,11 @@ class FakeBackend:
             }
         )
 
-    async def caps(self) -> dict[str, Any]:
-        if self.caps_error:
-            raise BackendError("nope", backend_status=self.caps_error)
-        return caps()
-
-    async def kv_get(self, route: str) -> Any:
+    async def kv_get(self, route: str, adopt: bool = False) -> Any:
+        if route == "caps":
+            if self.caps_error:
+                raise BackendError("nope", backend_status=self.caps_error)
+            return caps()
         return {"slots": [{}] * 4, "owners": []} if route == "slots" else {"used": 0, "n_cells": 8192}
 
     async def apply_template(self, body: Any, headers: Any) -> str:
@@ -151,3 +155,18 @@ def test_doctor_tokenizer_check_uses_the_startup_probe(tmp_path: Path) -> None:
     assert (
         tokenizer.detail.startswith("no local tokenizer for this model (") and "/tokenize" in tokenizer.detail
     )
+
+
+def test_doctor_fails_a_caps_reply_the_proxy_cannot_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broken = caps()
+    del broken["n_parallel"]
+
+    async def kv_get(self: FakeBackend, route: str, adopt: bool = False) -> Any:
+        return broken if route == "caps" else {"slots": [], "owners": []}
+
+    monkeypatch.setattr(FakeBackend, "kv_get", kv_get)
+    checks = asyncio.run(cli_doctor._doctor(FakeBackend(), None, None, tmp_path))
+    (reply,) = [c for c in checks if c.name == "kvctl reply"]
+    assert reply.status == "fail" and "'n_parallel' is missing" in reply.detail

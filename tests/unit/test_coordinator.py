@@ -21,10 +21,21 @@ from proxy.config import Config
 from proxy.core.payload import KvLayout, KvSegment
 from proxy.core.planner import Route
 from proxy.core.prefix import common_prefix
-from proxy.core.radix import RadixTree
+from proxy.core.radix import RadixTree, Spill
 from proxy.errors import FallbackCause, KvMoveError, RejectReason, TooManyRequests, Unavailable
 from proxy.server.coordinator import Coordinator, Lease, RestoreAbandoned, ServerState, SlotState
 from proxy.server.coordinator import scan as scan_module
+from proxy.server.disk import DiskTier
+from proxy.server.disk_metrics import DiskMetrics
+from proxy.server.kvctl import (
+    Cells,
+    CheckpointReply,
+    EraseReply,
+    ReleaseReply,
+    RestoreReply,
+    SeqInfo,
+    Slots,
+)
 from proxy.server.metrics import REJECT_REASONS, Metrics
 
 pytestmark = pytest.mark.unit
@@ -36,12 +47,19 @@ def rows(tokens: Sequence[int]) -> np.ndarray:
     return np.asarray([[t % 256] * 8 for t in tokens], dtype=np.uint8).reshape(-1, 8)
 
 
+def pool(free: int, owner: int = 0, owner_only: int = 0) -> Cells:
+    """A /kvctl/cells reply with these counts (the rest: 0)."""
+    return Cells(0, 0, free, 0, owner, owner_only, 0, {})
+
+
 class FakeServer:
-    """What the coordinator asks a server for: slot contents, export and import of KV."""
+    """What the coordinator asks a server for (ports.KvServer and ports.Mover, as one object):
+    slot contents, erase, export and import of KV."""
 
     def __init__(self, n_slots: int) -> None:
         self.url = "http://fake"
-        self.layout = LAYOUT
+        self.layout: KvLayout | None = LAYOUT
+        self.compat: dict[str, Any] = {}
         self.bytes_per_token = LAYOUT.bytes_per_token
         self.shm_dir: Path | None = None  # as a mover: inline payloads
         self.held: dict[int, list[int]] = {i: [] for i in range(n_slots)}
@@ -51,21 +69,42 @@ class FakeServer:
         self.erased: list[int] = []
         self.erased_cells: list[int] = []  # what each erased slot held (sharing_server)
 
-    async def kv_post(self, route: str, body: dict[str, Any], cause: FallbackCause) -> dict[str, Any]:
-        assert route == "erase", route
+    async def erase(self, slot: int) -> EraseReply:
         if self.fail_erase:
-            raise KvMoveError(cause, "refused")
-        self.erased.append(body["slot"])
-        self.held[body["slot"]] = []
-        return {"slot": body["slot"]}
+            raise KvMoveError(FallbackCause.ERASE, "refused")
+        self.erased.append(slot)
+        n, self.held[slot] = len(self.held[slot]), []
+        return EraseReply(slot, n)
 
-    async def slots(self, tokens: bool = False) -> dict[str, Any]:
-        return {
-            "slots": [
-                {"id": i, "busy": False, "tokens": t, "pos_min": 0, "pos_max": len(t) - 1}
+    async def slots(self, tokens: bool = False) -> Slots:
+        return Slots(
+            tuple(
+                SeqInfo(i, len(t), 0 if t else -1, len(t) - 1, len(t), False, np.asarray(t, np.int32))
                 for i, t in self.held.items()
-            ]
-        }
+            ),
+            (),
+        )
+
+    async def cells(self) -> Cells:
+        raise AssertionError("not measured in these tests")
+
+    async def release(self, owner: int) -> ReleaseReply:
+        raise AssertionError("no owners here")
+
+    async def publish(self, slot: int, owner: int, n: int, expect_sha256: str) -> SeqInfo:
+        raise AssertionError("no owners here")
+
+    async def attach(self, owner: int, slot: int, m: int, expect_sha256: str) -> SeqInfo:
+        raise AssertionError("no owners here")
+
+    async def checkpoint(self, slot: int, tokens: np.ndarray) -> CheckpointReply:
+        raise AssertionError("KV models here: no whole-state checkpoints")
+
+    async def restore(self, slot: int, tokens: np.ndarray, data: bytes) -> RestoreReply:
+        raise AssertionError("KV models here: no whole-state checkpoints")
+
+    def close(self) -> None:
+        pass
 
     async def export(
         self,
@@ -100,7 +139,7 @@ def server(name: str, n_slots: int = 2, held: dict[int, list[int]] | None = None
     for slot_id, tokens in (held or {}).items():
         fake.held[slot_id] = tokens
     slots = [SlotState(i, np.asarray(fake.held[i], np.int32)) for i in range(n_slots)]
-    return ServerState(name, fake, fake, slots, n_ctx_slot=4096)  # type: ignore[arg-type]
+    return ServerState(name, fake, fake, slots, n_ctx_slot=4096)
 
 
 def coordinator(*servers: ServerState, **config: Any) -> Coordinator:
@@ -254,6 +293,50 @@ async def test_common_prefixes_are_computed_once_per_request(monkeypatch: pytest
     assert len(calls) == 8  # one per slot: shared by the fan-out check, the plan and the divergence
 
 
+async def test_common_prefixes_are_computed_once_with_a_disk_tier(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With --cache-disk the promotion check runs on the scan the lease plans on (it scanned
+    twice: once for the disk's floor, once for the plan); only a disk read scans again."""
+    calls = []
+    real = common_prefix
+
+    def counting(a: np.ndarray, b: np.ndarray) -> int:
+        calls.append(1)
+        return real(a, b)
+
+    monkeypatch.setattr(scan_module, "common_prefix", counting)
+    coord = coordinator(server("s0", n_slots=4), server("s1", n_slots=4))
+    metrics = DiskMetrics(CollectorRegistry())
+    tier = DiskTier(
+        tmp_path / "tier",
+        1 << 30,
+        b"q" * 32,
+        LAYOUT,
+        metrics,
+        min_tokens=8,
+        queue_bytes=1 << 20,
+        timeout_s=10,
+    )
+    await tier.open()
+    coord.disk = tier
+    lease = await coord.acquire("r", toks(0, 100))
+    assert len(calls) == 8 and lease.plan.route is Route.PREFILL
+    coord.release(lease)
+
+    # A prefix only the disk holds: read into the tree, then planned (as H) on a new scan.
+    held = toks(0, 60)
+    tier.demote(Spill("", held, KvSegment.from_rows(0, LAYOUT, rows(held.tolist()))))
+    while tier._queue or tier._queued:
+        await asyncio.sleep(0.01)
+    calls.clear()
+    lease = await coord.acquire("h", toks(0, 100))
+    assert len(calls) == 16 and lease.plan.route is Route.H and lease.plan.host_to == 60
+    coord.release(lease)
+    await tier.close(coord.tree, 10)
+    check(coord)
+
+
 async def test_finish_saves_what_the_slot_holds_and_releases() -> None:
     s0 = server("s0", n_slots=1)
     coord = coordinator(s0)
@@ -289,7 +372,7 @@ async def test_a_bug_in_a_save_is_counted_internal_and_logged_with_its_traceback
     lease = await coord.acquire("r", toks(0, 100))
     fake: FakeServer = s0.backend  # type: ignore[assignment]
 
-    async def broken(tokens: bool = False) -> dict[str, Any]:
+    async def broken(tokens: bool = False) -> Slots:
         raise KeyError("a bug, not a server failure")
 
     fake.slots = broken  # type: ignore[method-assign]
@@ -747,9 +830,9 @@ async def test_a_save_past_its_deadline_releases_the_slot_as_unknown() -> None:
     lease = await coord.acquire("r", toks(0, 100))
     fake: FakeServer = s0.backend  # type: ignore[assignment]
 
-    async def hang(tokens: bool = False) -> dict[str, Any]:
+    async def hang(tokens: bool = False) -> Slots:
         await asyncio.sleep(10)
-        return {}
+        return Slots((), ())
 
     fake.slots = hang  # type: ignore[method-assign]
     await asyncio.wait_for(coord.finish(lease), 2)
@@ -800,12 +883,12 @@ class FakeSharing:
         self.asked: list[int] = []
         self.fake, self.free = fake, free
         self.headroom = 0
-        self.last_cells: dict[str, int] = {}
+        self.last_cells: Cells | None = None
 
     async def ensure_free(self, need: int) -> bool:
         self.asked.append(need)
-        self.last_cells = {"free": self.free + sum(self.fake.erased_cells)}
-        return need + self.headroom <= self.last_cells["free"]
+        self.last_cells = pool(self.free + sum(self.fake.erased_cells))
+        return need + self.headroom <= self.last_cells.free
 
 
 def sharing_server(
@@ -813,13 +896,13 @@ def sharing_server(
 ) -> ServerState:
     s0 = server("s0", n_slots=n_slots, held=held)
     fake: FakeServer = s0.backend  # type: ignore[assignment]
-    real_post = fake.kv_post
+    real_erase = fake.erase
 
-    async def kv_post(route: str, body: dict[str, Any], cause: FallbackCause) -> dict[str, Any]:
-        fake.erased_cells.append(len(fake.held[body["slot"]]))
-        return await real_post(route, body, cause)
+    async def erase(slot: int) -> EraseReply:
+        fake.erased_cells.append(len(fake.held[slot]))
+        return await real_erase(slot)
 
-    fake.kv_post = kv_post  # type: ignore[method-assign]
+    fake.erase = erase  # type: ignore[method-assign]
     s0.sharing = FakeSharing(fake, free)  # type: ignore[assignment]
     return s0
 
@@ -1145,6 +1228,9 @@ async def test_a_promotion_the_tree_refuses_is_skipped_not_failed() -> None:
 
     class RefusingDisk:
         calls = 0
+
+        def would_promote(self, tree: RadixTree, tokens: np.ndarray, ns: str, floor: int = 0) -> bool:
+            return True
 
         async def promote(self, tree: RadixTree, tokens: np.ndarray, ns: str, floor: int = 0) -> int:
             RefusingDisk.calls += 1

@@ -38,6 +38,9 @@ ALLOWED: dict[str, set[str]] = {
         "proxy.native",
         "proxy.server",
     },
+    # Traffic the bench and the workbench share (text, fictional data, the runner and its
+    # manifests): over HTTP only, below both.
+    "proxy.traffic": set(),
     "proxy.bench": {
         "proxy.errors",
         "proxy.config",
@@ -46,13 +49,13 @@ ALLOWED: dict[str, set[str]] = {
         "proxy.server",
         "proxy.cli.common",
         "proxy.cli.options",
-        "proxy.workbench.data",
+        "proxy.traffic",
     },
     # The simulator drives the pure core only (docs/scale.md).
     "proxy.sim": {"proxy.errors", "proxy.config", "proxy.core"},
     # An app on top of the proxy: it reaches the proxy only over HTTP, so it imports none of
-    # the server; it shares the bench's text generator and manifest format.
-    "proxy.workbench": {"proxy.bench.text", "proxy.bench.runner"},
+    # the server; it shares the bench's traffic (text, data, manifests) through proxy.traffic.
+    "proxy.workbench": {"proxy.traffic"},
     # The command line's root is the one place that puts the benchmarks in.
     "proxy.cli.main": {
         "proxy.errors",

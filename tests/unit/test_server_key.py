@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from proxy.native.launch import NO_CORS_ARGS, ServerProcess, ServerSpec
-from proxy.server.backend import Backend
+from proxy.server.backend import ServerClient
 
 pytestmark = pytest.mark.unit
 
@@ -44,6 +44,6 @@ def test_both_keys_are_written_owner_only(tmp_path: Path) -> None:
 
 async def test_the_proxy_sends_its_key_instead_of_the_clients() -> None:
     async with aiohttp.ClientSession() as session:
-        backend = Backend("http://x", session, "kv", api_key="server-key")
+        backend = ServerClient("http://x", session, "kv", api_key="server-key")
         sent = backend.with_api_key({"authorization": "Bearer tenant", "X-Api-Key": "t", "Accept": "*/*"})
     assert sent == {"Accept": "*/*", "Authorization": "Bearer server-key"}

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("langgraph", reason="needs the workbench extra: pip install -e '.[workbench]'")
 
-from proxy.bench.runner import ManifestEntry  # noqa: E402
+from proxy.traffic.runner import ManifestEntry  # noqa: E402
 from proxy.workbench.app import manifest_lines  # noqa: E402
 from proxy.workbench.graph import RunContext, build_graph, run_turn  # noqa: E402
 from proxy.workbench.llm import OnText, Reply  # noqa: E402

@@ -14,7 +14,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.bench.agents import agents
-from proxy.workbench import data, scenarios
+from proxy.traffic import data
+from proxy.workbench import scenarios
 from proxy.workbench.incident import build_incident_app
 from proxy.workbench.scenarios import SCENARIOS
 from proxy.workbench.tools import ToolContext, run_tool

@@ -64,17 +64,23 @@ class Coordinator:
     ) -> Lease:
         """A slot for the request, with its plan (may wait: see ``Leases.acquire``). A match
         the disk tier carries further than anything in RAM or a slot is read into the host
-        tree first, so the plan sees it as a host hit."""
+        tree first, so the plan sees it as a host hit. The prefix scan that decides it is the
+        one the lease plans on, unless the disk was read (an ``await``: the slots may have
+        changed meanwhile, so the lease scans again)."""
+        found = None
         if self.disk is not None:
-            floor = scan_prefixes(tokens, self.servers, self.tree, ns).best_available()
-            try:
-                await self.disk.promote(self.tree, tokens, ns, floor)
-            except (RadixError, ValueError) as exc:
-                # The tree changed under the read (an admin clear) or refused the segment:
-                # the request is planned without the disk's KV (a prefill), never failed.
-                log.warning("disk tier: promotion for %s skipped: %s", request_id, exc)
+            found = scan_prefixes(tokens, self.servers, self.tree, ns, self.checkpoints)
+            floor = found.best_available()
+            if self.disk.would_promote(self.tree, tokens, ns, floor):
+                found = None
+                try:
+                    await self.disk.promote(self.tree, tokens, ns, floor)
+                except (RadixError, ValueError) as exc:
+                    # The tree changed under the read (an admin clear) or refused the segment:
+                    # the request is planned without the disk's KV (a prefill), never failed.
+                    log.warning("disk tier: promotion for %s skipped: %s", request_id, exc)
         return await self.leases.acquire(
-            request_id, tokens, ns, model=model, session=session, n_predict=n_predict
+            request_id, tokens, ns, model=model, session=session, n_predict=n_predict, scanned=found
         )
 
     async def restore(self, lease: Lease, n_predict: int) -> None:

@@ -115,10 +115,12 @@ class Leases:
         model: str = "",
         session: str = "",
         n_predict: int = 0,
+        scanned: PrefixScan | None = None,
     ) -> Lease:
         """A leased slot and its plan; waits in a fair FIFO queue while every slot is busy.
         ``ns``: the request's cache-isolation namespace (see ``RadixTree``); ``model``: only
-        servers of this model ("" = any); ``session``: the affinity tie-break."""
+        servers of this model ("" = any); ``session``: the affinity tie-break; ``scanned``: the
+        request's prefix scan when the caller just took it (no ``await`` since)."""
         want = _Want(model, session_key(session), n_predict)
         limit = min((s.n_ctx_slot for s in self.servers if not model or s.model == model), default=0)
         if len(tokens) >= limit:
@@ -128,7 +130,7 @@ class Leases:
             )
         self._admit()
         waited = time.monotonic()
-        found = await self._wait_for_shared_prefix(tokens, ns)
+        found = await self._wait_for_shared_prefix(tokens, ns, scanned)
         waited = time.monotonic() - waited
         if self.closed:
             raise self._refuse(RejectReason.SHUTTING_DOWN, Unavailable("the proxy is shutting down"))
@@ -174,7 +176,9 @@ class Leases:
         elif not waiter.future.done():
             waiter.future.cancel()
 
-    async def _wait_for_shared_prefix(self, tokens: np.ndarray, ns: str) -> PrefixScan:
+    async def _wait_for_shared_prefix(
+        self, tokens: np.ndarray, ns: str, scanned: PrefixScan | None = None
+    ) -> PrefixScan:
         """Wait for a request in flight that holds a much longer prefix of this one than
         anything available now, then reuse it instead of computing it again: a session's
         next turn waits the few milliseconds its previous turn needs to save; requests that
@@ -184,7 +188,12 @@ class Leases:
         on a cold server compute it once. Returns the scan of the state the wait ended in."""
         start = time.monotonic()
         while True:
-            found = scan(tokens, self.servers, self.tree, ns, self.checkpoints)
+            found = (
+                scanned
+                if scanned is not None
+                else scan(tokens, self.servers, self.tree, ns, self.checkpoints)
+            )
+            scanned = None  # after a wait the state may have changed: scan again
             hit = self._blocker(found)
             if hit is None:
                 return found

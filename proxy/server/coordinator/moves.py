@@ -14,8 +14,6 @@ import time
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
-import numpy as np
-
 from proxy.config import Config
 from proxy.core.admission import cells_needed, free_estimate, own_tail
 from proxy.core.checkpoints import CheckpointStore
@@ -227,8 +225,9 @@ class KvMoves:
         server = lease.server
         if server.sharing is not None:
             ok = await server.sharing.ensure_free(cells)
-            return ok, int(server.sharing.last_cells.get("free", 0))
-        free = int((await server.backend.cells())["free"])
+            last = server.sharing.last_cells
+            return ok, last.free if last is not None else 0
+        free = (await server.backend.cells()).free
         return free >= cells, free
 
     async def _make_room(self, lease: Lease, cells: int) -> bool:
@@ -244,7 +243,7 @@ class KvMoves:
         for slot in sorted(idle, key=lambda s: s.last_used):
             slot.busy = True  # not leased while the server erases it
             try:
-                await server.backend.kv_post("erase", {"slot": slot.slot_id}, cause=FallbackCause.ERASE)
+                await server.backend.erase(slot.slot_id)
                 slot.tokens, slot.ns = EMPTY, ""
                 if server.sharing is not None:
                     server.sharing.index.slot_changed(slot.slot_id, EMPTY)
@@ -268,7 +267,7 @@ class KvMoves:
         slot, server = lease.slot, lease.server
         try:
             async with self._locked(lease):
-                await server.backend.kv_post("erase", {"slot": slot.slot_id}, cause=FallbackCause.ERASE)
+                await server.backend.erase(slot.slot_id)
         except KvMoveError as exc:
             lease.fallback, lease.no_cache, lease.route = exc.cause, True, Route.PREFILL
             slot.tokens, slot.ns = EMPTY, None
@@ -350,22 +349,21 @@ class KvMoves:
             slot.tokens, slot.ns = EMPTY, None
             return
         for _ in range(BUSY_POLLS):
-            info = await lease.server.backend.slots(tokens=True)
-            entry = next(s for s in info["slots"] if int(s["id"]) == slot.slot_id)
-            if not entry.get("busy"):
+            entry = (await lease.server.backend.slots(tokens=True)).slot(slot.slot_id)
+            if not entry.busy:
                 break
             await asyncio.sleep(BUSY_POLL_S)
         else:  # still busy: what it will hold is unknown
             slot.tokens, slot.ns = EMPTY, None
             return
-        tokens = np.asarray(entry.get("tokens", []), dtype=np.int32)
-        held = int(entry.get("pos_max", -1)) + 1
-        lease.saved_checkpoints = [int(n) for n in entry.get("checkpoints", [])]
-        slot.checkpoints = tuple(lease.saved_checkpoints)
+        tokens = entry.held_tokens()
+        held = entry.pos_max + 1
+        lease.saved_checkpoints = list(entry.checkpoints)
+        slot.checkpoints = entry.checkpoints
         # Invariant 1: only tokens whose KV the sequence really holds count. With moves off only
         # the server reuses a slot's KV (route A), and a sliding window's cache forgets the start
         # (pos_min > 0): the tokens then only steer the request to the slot.
-        starts_at_0 = int(entry.get("pos_min", 0)) <= 0 or not lease.server.moves
+        starts_at_0 = entry.pos_min <= 0 or not lease.server.moves
         if held == len(tokens) and starts_at_0:
             slot.tokens = tokens
         else:  # holds KV it does not account for: erase before anyone reuses it
@@ -413,7 +411,7 @@ class KvMoves:
                 continue
             try:
                 async with server.move_lock:
-                    data = await server.backend.checkpoint(slot.slot_id, tokens)
+                    data = (await server.backend.checkpoint(slot.slot_id, tokens)).data
             except KvMoveError as exc:
                 if exc.cause in (FallbackCause.TRANSPORT, FallbackCause.TIMEOUT, FallbackCause.INSTANCE):
                     raise  # the server is gone or stuck: the next ones would fail alike
@@ -444,7 +442,7 @@ class KvMoves:
             return  # the tree lacks part of it: keep it resident
         try:
             async with server.move_lock:
-                await server.backend.kv_post("erase", {"slot": slot.slot_id}, cause=FallbackCause.ERASE)
+                await server.backend.erase(slot.slot_id)
         except KvMoveError as exc:
             slot.tokens, slot.ns = EMPTY, None  # unknown: erased before anyone reuses it
             log.warning("releasing idle %s slot %d failed: %s", server.name, slot.slot_id, exc)

@@ -18,8 +18,8 @@ from proxy.core.planner import Plan, Route
 from proxy.core.radix import HostMatch, RadixTree
 from proxy.core.routing import MeasuredRates
 from proxy.errors import FallbackCause
-from proxy.server.backend import Backend
-from proxy.server.mover import KvMover
+from proxy.server.backend import ServerClient
+from proxy.server.ports import KvServer, Mover
 from proxy.server.sharing import Sharing
 
 EMPTY = np.zeros(0, dtype=np.int32)
@@ -121,8 +121,8 @@ class SlotState:
 @dataclass
 class ServerState:
     name: str
-    backend: Backend
-    mover: KvMover
+    backend: KvServer  # its client (a ServerClient; a fake in the coordinator's unit tests)
+    mover: Mover
     slots: list[SlotState]
     n_ctx_slot: int
     sharing: Sharing | None = None
@@ -158,6 +158,14 @@ class ServerState:
     def moves(self) -> bool:
         return not self.moves_off
 
+    @property
+    def client(self) -> ServerClient:
+        """The server's HTTP client for what is not a /kvctl operation (completions, tokenize,
+        health): always the real one, never a test fake."""
+        if not isinstance(self.backend, ServerClient):
+            raise TypeError(f"{self.name}: no HTTP client ({type(self.backend).__name__})")
+        return self.backend
+
     def reservation_ended(self, cells: int) -> None:
         self.reserved_cells -= cells
         if cells:
@@ -177,9 +185,6 @@ class ServerState:
         self.reservation_ended(lease.reserved_cells)
         lease.reserved_cells = 0
 
-    def busy_count(self) -> int:
-        return sum(s.busy for s in self.slots)
-
     def free_cells_estimate(self) -> int:
         """Free KV cells as the proxy knows them (no I/O): the pool less what idle and busy
         slots hold, what admitted requests reserved, and cells only owner sequences hold."""
@@ -187,7 +192,7 @@ class ServerState:
             return 1 << 30
         held = sum(len(s.tokens) for s in self.slots) + self.reserved_cells
         if self.sharing is not None:
-            held += int(self.sharing.last_cells.get("owner_only", 0))
+            held += self.sharing.last_cells.owner_only if self.sharing.last_cells else 0
         return max(0, self.n_cells - held)
 
 

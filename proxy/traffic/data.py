@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from proxy.bench.text import prose, seeded
+from proxy.traffic.text import prose, seeded
 
 # ---- financial research -------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from typing import IO, Any
 import aiohttp
 import orjson
 
-from proxy.bench.spec import BenchRequest, Workload
+from proxy.traffic.spec import BenchRequest, Workload
 
 CHAT_PATH = "/v1/chat/completions"
 
