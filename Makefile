@@ -85,6 +85,8 @@ portability:
 # engine is reachable.
 .PHONY: deploy-test
 deploy-test: $(STAMP)
+	@$(BIN)/python -c 'import matplotlib' 2>/dev/null || $(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dashboard]' || \
+	echo "skip: matplotlib not installed (pip install -e '.[dashboard]'): no panel pictures"
 	deploy/test/run.sh
 
 # Not part of `make test`: KV in device memory (issue 26, docs/devices.md). The KV-move tests
