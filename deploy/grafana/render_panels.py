@@ -10,7 +10,7 @@ value (Grafana's `lastNotNull`) with the sparkline under it. Field overrides and
 not drawn.
 
     python deploy/grafana/render_panels.py --prometheus http://127.0.0.1:9090 \
-        --out DIR [--dashboard deploy/grafana/llama-radix-proxy.json] [--minutes 10]
+        --out DIR [--dashboard deploy/grafana/llama-radix-proxy.json] [--minutes 10 | --since UNIXTIME]
 
 Writes DIR/panel-<id>.png for each panel, DIR/dashboard.png with all of them laid out on
 Grafana's grid, and DIR/panels.json (per panel: title, queries, series drawn). Needs
@@ -177,8 +177,8 @@ def fmt_unit(value: float, unit: str) -> str:
     return f"{si(value)} {unit}"
 
 
-def clock(epoch: float) -> str:
-    return time.strftime("%H:%M", time.gmtime(epoch))
+def clock(epoch: float, seconds: bool = False) -> str:
+    return time.strftime("%H:%M:%S" if seconds else "%H:%M", time.gmtime(epoch))
 
 
 def draw(panel: Panel, ax: Any, start: float, end: float) -> None:
@@ -215,7 +215,11 @@ def draw(panel: Panel, ax: Any, start: float, end: float) -> None:
             lower = [stacked.get(t, 0.0) for t in s.times]
             values = [lo + v for lo, v in zip(lower, s.values, strict=True)]
             stacked.update(zip(s.times, values, strict=True))
-        (line,) = ax.plot(s.times, values, linewidth=1.2, label=s.name)
+        # Grafana's showPoints "auto": points where the series is sparse (a lone point shows).
+        sparse = len(s.times) < 30
+        (line,) = ax.plot(
+            s.times, values, linewidth=1.2, label=s.name, marker="o" if sparse else None, markersize=3
+        )
         if panel.stacked:
             ax.fill_between(s.times, lower, values, alpha=max(panel.fill, 0.1), color=line.get_color())
         elif panel.fill:
@@ -223,7 +227,8 @@ def draw(panel: Panel, ax: Any, start: float, end: float) -> None:
     if not panel.series:
         ax.text(0.5, 0.5, "No data", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlim(start, end)
-    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: clock(x)))
+    short = end - start < 600  # under 10 min: ticks with seconds
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: clock(x, short)))
     ax.xaxis.set_major_locator(ticker.MaxNLocator(5))
     ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _: fmt_unit(y, panel.unit)))
     ax.tick_params(labelsize=7)
@@ -285,6 +290,7 @@ def main() -> None:
         "--dashboard", type=Path, default=Path(__file__).resolve().parent / "llama-radix-proxy.json"
     )
     parser.add_argument("--minutes", type=float, default=10.0, help="the time range, ending now")
+    parser.add_argument("--since", type=float, help="the time range's start (Unix time) instead of --minutes")
     args = parser.parse_args()
     try:
         import matplotlib  # noqa: F401
@@ -295,7 +301,7 @@ def main() -> None:
         )
         sys.exit(SKIP)
     end = time.time()
-    start = end - args.minutes * 60
+    start = args.since if args.since else end - args.minutes * 60
     panels = load_panels(args.dashboard)
     try:
         for panel in panels:

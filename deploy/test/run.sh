@@ -186,7 +186,7 @@ cleanup() {
         return
     fi
     if [ $rc -ne 0 ]; then
-        if [ -f "$work/race.yml" ] && [ -n "$(race_compose ps -q 2>/dev/null)" ]; then
+        if [ -f "$work/race.yml" ] && [ -n "$(race_compose ps -a -q 2>/dev/null)" ]; then
             for service in "${RACE_SERVICES[@]}"; do
                 log "--- race check: $service log (tail) ---"
                 race_compose logs --no-color --tail 25 "$service" 2>&1 | sed 's/^/    /' >&2 || true
@@ -301,7 +301,7 @@ wait_healthy() {  # wait_healthy COMPOSE-FUNCTION SERVICE...: each healthy withi
 }
 init_done() {  # init_done COMPOSE-FUNCTION: models-init ran, exited 0, and filled the volume
     local run=$1 id state
-    id=$("$run" ps -q models-init)
+    id=$("$run" ps -a -q models-init)  # -a: compose v2 lists only running containers without it
     [ -n "$id" ] || { log "FAIL: models-init did not run"; exit 1; }
     state=$("$ENGINE" inspect -f '{{.State.Status}} {{.State.ExitCode}}' "$id")
     [ "$state" = "exited 0" ] || { log "FAIL: models-init is $state"; exit 1; }
@@ -383,8 +383,16 @@ for name in s0 s1; do
         || { log "FAIL: the proxy does not move KV for $name through the shared payload directory"; exit 1; }
 done
 log "the restore on $restorer came through the shared payload volume"
+# The workbench container, driven through its HTTP API as its page does, against the proxy.
+if ! "$ROOT/.venv/bin/radixctl" workbench verify --base-url "http://127.0.0.1:$P_PROXY/v1" \
+        --workbench-url "http://127.0.0.1:$P_WB" 2>&1 | tee "$work/workbench.log" >&2; then
+    log "FAIL: radixctl workbench verify against the workbench container"
+    exit 1
+fi
+log "the workbench container ran every scenario through the proxy"
 # The dashboard: Grafana's schema for the version compose pins (deploy/grafana/check_dashboard.py),
-# and a picture of every panel drawn from this Prometheus (deploy/grafana/render_panels.py).
+# and a picture of every panel drawn from this Prometheus (deploy/grafana/render_panels.py),
+# after all the traffic (the chats, then the workbench's scenarios).
 rc=0
 schema_out=$("$PYTHON" "$ROOT/deploy/grafana/check_dashboard.py" 2>&1) || rc=$?
 echo "$schema_out" | sed 's/^/[deploy-test]   /' >&2
@@ -393,24 +401,18 @@ case $rc in
     3) dashboard_schema="not checked (no node/npm)" ;;
     *) log "FAIL: the dashboard does not fit the pinned Grafana's schema"; exit 1 ;;
 esac
+sleep 10  # a scrape (every 5 s) after the last request
 rc=0
 "$PYTHON" "$ROOT/deploy/grafana/render_panels.py" --prometheus "http://127.0.0.1:$P_PROM" --out "$work/panels" \
-    --minutes "$(( ($(date +%s) - t_up) / 60 + 2 ))" || rc=$?
+    --since "$(( t_up - 10 ))" || rc=$?
 case $rc in
     0) panels=$(ls "$work/panels"/panel-*.png | wc -l); log "drew the dashboard's $panels panels from Prometheus" ;;
     3) panels=0 ;;
     *) log "FAIL: drawing the dashboard's panels"; exit 1 ;;
 esac
-# The workbench container, driven through its HTTP API as its page does, against the proxy.
-if ! "$ROOT/.venv/bin/radixctl" workbench verify --base-url "http://127.0.0.1:$P_PROXY/v1" \
-        --workbench-url "http://127.0.0.1:$P_WB" 2>&1 | tee "$work/workbench.log" >&2; then
-    log "FAIL: radixctl workbench verify against the workbench container"
-    exit 1
-fi
-log "the workbench container ran every scenario through the proxy"
 
 # ---- stop: graceful, nothing left ---------------------------------------------------------------------
-ids=$(compose ps -q)
+ids=$(compose ps -a -q)
 compose stop >/dev/null 2>&1
 for id in $ids; do
     read -r name status code oom < <("$ENGINE" inspect -f '{{.Name}} {{.State.Status}} {{.State.ExitCode}} {{.State.OOMKilled}}' "$id")

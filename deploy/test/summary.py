@@ -60,8 +60,9 @@ def markdown(data: dict[str, Any]) -> str:
     lines.append(f"- dashboard: {run.get('dashboard_schema', '?')}")
     if run.get("panels", "0") != "0":
         lines += [
-            f"- its {run['panels']} panels drawn from this Prometheus without Grafana:"
-            " [`panels/dashboard.png`](panels/dashboard.png) (each panel: `panels/panel-ID.png`)",
+            f"- its {run['panels']} panels drawn from this Prometheus without Grafana into `panels/`"
+            " (each passing run replaces them: they are the latest run's):"
+            " [`panels/dashboard.png`](panels/dashboard.png), one `panels/panel-ID.png` per panel",
         ]
     if data.get("workbench"):
         lines += ["", "`radixctl workbench verify` against the workbench container:", ""]
