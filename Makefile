@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint unit integration native model venv clean-cache help browser nginx
+.PHONY: run test lint unit integration native model venv clean-cache help browser nginx grafana-schema
 
 help:
 	@echo "make run    build what is missing (patched llama-server, default model) and serve the proxy"
@@ -43,12 +43,19 @@ nginx:
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light; } || \
 	echo "skip: nginx not installed (the multi-proxy tests will skip)"
 
+# The Grafana dashboard schema of the version deploy/docker-compose.yml pins, from the npm
+# registry (deploy/grafana/schema/install.sh: pinned and hashed, installed once under the cache),
+# for tests/unit/test_grafana_dashboard.py; that test runs the same install itself. Prints a
+# "skip:" line where node or npm is missing (the test then says it skipped and why).
+grafana-schema:
+	@deploy/grafana/schema/install.sh >/dev/null; rc=$$?; [ $$rc = 0 ] || [ $$rc = 3 ]
+
 run: $(STAMP)
 	$(BIN)/radixctl up
 
 lint: $(STAMP)
-	$(BIN)/ruff check proxy tests
-	$(BIN)/ruff format --check proxy tests
+	$(BIN)/ruff check proxy tests deploy
+	$(BIN)/ruff format --check proxy tests deploy
 	$(BIN)/mypy
 
 unit: $(STAMP)
@@ -57,7 +64,7 @@ unit: $(STAMP)
 integration: native model browser nginx
 	$(BIN)/python -m pytest -m integration
 
-test: lint native model browser nginx
+test: lint native model browser nginx grafana-schema
 	$(BIN)/python -m pytest
 
 clean-cache:
@@ -78,6 +85,8 @@ portability:
 # engine is reachable.
 .PHONY: deploy-test
 deploy-test: $(STAMP)
+	@$(BIN)/python -c 'import matplotlib' 2>/dev/null || $(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dashboard]' || \
+	echo "skip: matplotlib not installed (pip install -e '.[dashboard]'): no panel pictures"
 	deploy/test/run.sh
 
 # Not part of `make test`: KV in device memory (issue 26, docs/devices.md). The KV-move tests

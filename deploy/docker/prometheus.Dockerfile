@@ -4,6 +4,7 @@ ARG BASE=debian:bookworm-slim
 FROM ${BASE}
 # policy-rc.d: the package's maintainer scripts must not try to start a service in the build.
 RUN --mount=type=secret,id=ca_bundle,required=false \
+    --mount=type=bind,source=deploy/ca,target=/run/radix-ca \
     --mount=type=bind,source=deploy/docker/ca-env.sh,target=/opt/radix-build/ca-env.sh \
     . /opt/radix-build/ca-env.sh \
     && printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d \

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # make deploy-test: the compose stack built and run for real (docs/deploy.md).
 #
-# Builds the CPU images (llama-server, proxy, Prometheus) from a local Debian 12 base made
-# with debootstrap (deploy/portability/base-image.sh), starts deploy/docker-compose.yml with
+# Builds the CPU images (llama-server, proxy, workbench, Prometheus) as docs/deploy.md says:
+# `compose build` (v1 or v2, whichever COMPOSE is) from a local Debian 12 base made with
+# debootstrap (deploy/local-base.sh, deploy/portability/base-image.sh), the CA bundle's
+# non-public certificates given through deploy/ca/; then searches every layer, config and
+# history of the images for them (after two control images that hold them). Starts deploy/docker-compose.yml with
 # host networking (compose.hostnet.yml: all traffic on loopback, free ports) and the `multi`
 # profile (two llama-servers behind one proxy) and the `workbench` profile, waits for every
 # health check, then deploy/test/check_stack.py: chat through the proxy with cache reuse
@@ -15,13 +18,17 @@
 # Before the stack, the model-volume race: models-init and both servers started at once on a
 # fresh, empty `models` volume with a model of RACE_MODEL_MB (a deeper copy of the default
 # model, deploy/test/deep_model.py): both must come up healthy.
-# On a pass it writes docs/results/deploy-test/last-pass.{json,md} (routes, servers, token
-# and query counts, timings), which docs/deploy.md quotes.
-# Grafana itself is not started: its image comes from Docker Hub only.
+# On a pass it writes docs/results/deploy-test/last-pass-compose-vN.{json,md} (routes, servers,
+# token and query counts, timings, the CA search), which docs/deploy.md quotes, and panels/:
+# a picture of every dashboard panel drawn from the stack's Prometheus.
+# Grafana itself is not started: its image comes from Docker Hub only. The dashboard is
+# checked against the pinned Grafana's schema (deploy/grafana/check_dashboard.py) instead.
 #
 #   ENGINE=docker            the container engine CLI (a BuildKit-capable one is picked)
 #   COMPOSE="docker-compose" the compose command (default: `docker compose`, else docker-compose)
-#   CA_BUNDLE=/path          an extra CA bundle for the build (default: $PIP_CERT if set)
+#   CA_BUNDLE=/path          the CA bundle the host trusts (default: $PIP_CERT if set): its
+#                            certificates that are not Debian's public CAs go to the build
+#                            as deploy/ca/deploy-test-ca.pem (removed afterwards)
 #   KEEP=1                   leave the stack running on failure, for a look
 #   SKIP_BUILD=1             use the images an earlier run built
 #   SEED_FROM_HOST=1         before the build, copy the host's own patched CPU build
@@ -29,6 +36,8 @@
 #                            series, flags) into the image build's cache, so the image's
 #                            `radixctl build` finds it instead of compiling (about 10 min on
 #                            2 cores). Only where the host runs the base's Debian release.
+#                            Where the host has no such build yet, `radixctl build` compiles
+#                            it on the host first (as long, once; cached for both).
 #   RACE_MODEL_MB=2048       the size of the race check's model (0: skip that check); with
 #                            2 GiB the race was lost on every try before models-init
 #   RESULTS=docs/results/deploy-test   where a pass writes its summary (empty: nowhere)
@@ -71,20 +80,12 @@ if [ -z "${COMPOSE:-}" ]; then
 fi
 log "engine $ENGINE, builds with $BUILD_CLI (BuildKit), compose: $COMPOSE ($($COMPOSE version --short 2>/dev/null || true))"
 
-# ---- images ----------------------------------------------------------------------------------------
+# ---- the base image and the seed ---------------------------------------------------------------------
+# compose v1 runs `docker build` from PATH: the BuildKit-capable client first.
+PATH="$(dirname "$BUILD_CLI"):$PATH"
+export PATH
 . "$DEPLOY/portability/base-image.sh"
 BASE=$(base_image "$SUITE")
-ca=${CA_BUNDLE:-${PIP_CERT:-}}
-secret_args=()
-[ -n "$ca" ] && [ -f "$ca" ] && secret_args=(--secret "id=ca_bundle,src=$ca")
-build() {  # build TAG DOCKERFILE [ARGS...]
-    local tag=$1 file=$2 logfile="/var/tmp/radix-deploy-test-build-${1//[^A-Za-z0-9]/_}.log"
-    shift 2
-    log "build $tag (log: $logfile) ..."
-    DOCKER_BUILDKIT=1 "$BUILD_CLI" build --progress plain --network host "${secret_args[@]}" \
-        -t "$tag" -f "$file" "$@" "$ROOT" >"$logfile" 2>&1 \
-        || { log "build of $tag failed:"; tail -25 "$logfile" >&2; exit 1; }
-}
 seed_from_host() {  # the host's patched CPU build into the BuildKit cache mount the Dockerfile uses
     local host_suite binary seed slug
     host_suite=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
@@ -102,34 +103,6 @@ seed_from_host() {  # the host's patched CPU build into the BuildKit cache mount
     rm -rf "$seed" "$seed.log"
     log "seeded the image build's cache with the host's $(basename "$(dirname "$binary")")"
 }
-t_build=$(date +%s)
-if [ "${SKIP_BUILD:-0}" != 1 ]; then
-    [ "${SEED_FROM_HOST:-0}" = 1 ] && seed_from_host
-    build llama-radix-proxy/llama-server:cpu "$DEPLOY/Dockerfile" --target server \
-        --build-arg BASE="$BASE" --build-arg RUNTIME_BASE="$BASE" --build-arg BACKEND=cpu
-    build llama-radix-proxy/proxy:latest "$DEPLOY/Dockerfile" --target proxy --build-arg PROXY_BASE="$BASE"
-    build llama-radix-proxy/workbench:latest "$DEPLOY/Dockerfile" --target proxy --build-arg PROXY_BASE="$BASE" \
-        --build-arg PIP_EXTRAS=workbench
-    build llama-radix-proxy/prometheus:latest "$DEPLOY/docker/prometheus.Dockerfile" --build-arg BASE="$BASE"
-fi
-for image in llama-radix-proxy/llama-server:cpu llama-radix-proxy/proxy:latest llama-radix-proxy/workbench:latest; do
-    user=$("$ENGINE" image inspect -f '{{.Config.User}}' "$image")
-    [ -n "$user" ] && [ "${user%%:*}" != 0 ] && [ "${user%%:*}" != root ] \
-        || { log "FAIL: $image runs as root"; exit 1; }
-done
-for image in llama-radix-proxy/llama-server:cpu llama-radix-proxy/proxy:latest llama-radix-proxy/workbench:latest \
-        llama-radix-proxy/prometheus:latest; do
-    if "$ENGINE" history --no-trunc "$image" | grep -qi -- 'BEGIN CERTIFICATE\|ca_bundle,src'; then
-        log "FAIL: the CA bundle shows in $image's history"
-        exit 1
-    fi
-    "$ENGINE" run --rm --network none --entrypoint /bin/sh "$image" -c \
-        'test ! -e /etc/apt/apt.conf.d/99radix-build-ca && test ! -e /run/secrets/ca_bundle && ! ls /tmp/radix-ca.* 2>/dev/null' \
-        || { log "FAIL: build-time CA material left in $image"; exit 1; }
-done
-log "images run as non-root; no build-time CA material in them"
-build_s=$(( $(date +%s) - t_build ))
-
 # ---- the stack's settings: .env.example with free loopback ports ----------------------------------
 work=$(mktemp -d /var/tmp/radix-deploy-test.XXXXXX)
 payloads=$(mktemp -d /dev/shm/radix-deploy-test-kv.XXXXXX)
@@ -207,12 +180,13 @@ race_compose() {  # the race check's stack: its own project (fresh volumes), the
 RACE_SERVICES=(models-init llama-server llama-server-2)
 cleanup() {
     local rc=$?
+    [ -z "$ca_test" ] || rm -f "$ca_test"
     if [ $rc -ne 0 ] && [ "${KEEP:-0}" = 1 ]; then
         log "KEEP=1: stack $project (race check: $race_project) left running; settings in $work"
         return
     fi
     if [ $rc -ne 0 ]; then
-        if [ -f "$work/race.yml" ] && [ -n "$(race_compose ps -q 2>/dev/null)" ]; then
+        if [ -f "$work/race.yml" ] && [ -n "$(race_compose ps -a -q 2>/dev/null)" ]; then
             for service in "${RACE_SERVICES[@]}"; do
                 log "--- race check: $service log (tail) ---"
                 race_compose logs --no-color --tail 25 "$service" 2>&1 | sed 's/^/    /' >&2 || true
@@ -229,9 +203,78 @@ cleanup() {
     rm -rf "$work" "$payloads"
 }
 RACE_IMAGE=radix-deploy-test/llama-server-deep:$project
+ca_test=""
 trap cleanup EXIT
 trap 'exit 143' TERM
 trap 'exit 130' INT
+
+# ---- images: built as docs/deploy.md says, with compose, from the local base -----------------------
+# Behind a TLS-inspecting proxy the build gets the CA bundle's non-public certificates through
+# deploy/ca/ (bind-mounted into the download steps only), as a user of either compose version
+# does; no BuildKit secret.
+t_build=$(date +%s)
+ca=${CA_BUNDLE:-${PIP_CERT:-}}
+if [ -n "$ca" ] && [ -f "$ca" ]; then
+    ca_test="$DEPLOY/ca/deploy-test-ca.pem"
+    rc=0
+    "$PYTHON" "$ROOT/deploy/test/no_ca_in_images.py" --ca "$ca" --extract "$ca_test" || rc=$?
+    case $rc in
+        0) log "CA bundle $ca: its $(grep -c 'BEGIN CERTIFICATE' "$ca_test") non-public certificates in deploy/ca/ for the build" ;;
+        2) ca_test=""; log "CA bundle $ca: public CAs only, nothing to give the build" ;;
+        *) log "FAIL: reading the CA bundle $ca"; exit 1 ;;
+    esac
+fi
+IMAGES=(llama-radix-proxy/llama-server:cpu llama-radix-proxy/proxy:latest llama-radix-proxy/workbench:latest
+    llama-radix-proxy/prometheus:latest)
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
+    [ "${SEED_FROM_HOST:-0}" = 1 ] && seed_from_host
+    buildlog=/var/tmp/radix-deploy-test-build.log
+    log "build: DOCKER_BUILDKIT=1 $COMPOSE build (base $BASE; log: $buildlog) ..."
+    DOCKER_BUILDKIT=1 compose build >"$buildlog" 2>&1 || { log "FAIL: compose build:"; tail -30 "$buildlog" >&2; exit 1; }
+fi
+for image in "${IMAGES[@]:0:3}"; do
+    user=$("$ENGINE" image inspect -f '{{.Config.User}}' "$image")
+    [ -n "$user" ] && [ "${user%%:*}" != 0 ] && [ "${user%%:*}" != root ] \
+        || { log "FAIL: $image runs as root"; exit 1; }
+done
+for image in "${IMAGES[@]}"; do
+    if "$ENGINE" history --no-trunc "$image" | grep -qi -- 'BEGIN CERTIFICATE\|ca_bundle,src'; then
+        log "FAIL: the CA bundle shows in $image's history"
+        exit 1
+    fi
+    "$ENGINE" run --rm --network none --entrypoint /bin/sh "$image" -c \
+        'test ! -e /etc/apt/apt.conf.d/99radix-build-ca && test ! -e /run/secrets/ca_bundle && ! ls /tmp/radix-ca.* /run/radix-ca/*.pem 2>/dev/null' \
+        || { log "FAIL: build-time CA material left in $image"; exit 1; }
+done
+log "images run as non-root; no build-time CA file left in them"
+# Every file of every layer, the config and the history of each image, searched for the
+# certificates (deploy/test/no_ca_in_images.py). First two control images that do hold them,
+# which the search must catch: the CA copied into a layer and removed in the next one
+# (`docker history` shows nothing), and the CA as a build argument (kept in the history).
+ca_scan=skipped
+if [ -n "$ca_test" ]; then
+    ctl=$(mktemp -d /var/tmp/radix-ca-control.XXXXXX)
+    cp "$ca_test" "$ctl/ca.pem"
+    printf 'FROM %s\nCOPY ca.pem /tmp/ca.pem\nRUN rm /tmp/ca.pem\n' "$BASE" >"$ctl/Dockerfile.layer"
+    printf 'FROM %s\nARG CA_PEM\nRUN test -n "$CA_PEM"\n' "$BASE" >"$ctl/Dockerfile.arg"
+    DOCKER_BUILDKIT=1 "$BUILD_CLI" build -q -f "$ctl/Dockerfile.layer" -t radix-deploy-test/ca-control:layer "$ctl" >/dev/null
+    DOCKER_BUILDKIT=1 "$BUILD_CLI" build -q -f "$ctl/Dockerfile.arg" --build-arg CA_PEM="$(cat "$ctl/ca.pem")" \
+        -t radix-deploy-test/ca-control:arg "$ctl" >/dev/null
+    for control in layer arg; do
+        if "$PYTHON" "$ROOT/deploy/test/no_ca_in_images.py" --engine "$ENGINE" --ca "$ca_test" \
+                "radix-deploy-test/ca-control:$control" 2>"$ctl/$control.log"; then
+            log "FAIL: the layer search missed the CA in the control image ($control)"
+            exit 1
+        fi
+        log "control image ($control): the search finds the CA: $(grep -m1 FOUND "$ctl/$control.log" | cut -c1-160)"
+    done
+    "$ENGINE" rmi radix-deploy-test/ca-control:layer radix-deploy-test/ca-control:arg >/dev/null
+    rm -rf "$ctl"
+    "$PYTHON" "$ROOT/deploy/test/no_ca_in_images.py" --engine "$ENGINE" --ca "$ca_test" "${IMAGES[@]}" \
+        || { log "FAIL: a build-time CA certificate is in an image"; exit 1; }
+    ca_scan="$(grep -c 'BEGIN CERTIFICATE' "$ca_test") certificates in none of ${#IMAGES[@]} images (every layer, config, history); both control images caught"
+fi
+build_s=$(( $(date +%s) - t_build ))
 
 compose config -q
 log "compose config valid (CPU, CUDA and CANN files too)"
@@ -258,7 +301,7 @@ wait_healthy() {  # wait_healthy COMPOSE-FUNCTION SERVICE...: each healthy withi
 }
 init_done() {  # init_done COMPOSE-FUNCTION: models-init ran, exited 0, and filled the volume
     local run=$1 id state
-    id=$("$run" ps -q models-init)
+    id=$("$run" ps -a -q models-init)  # -a: compose v2 lists only running containers without it
     [ -n "$id" ] || { log "FAIL: models-init did not run"; exit 1; }
     state=$("$ENGINE" inspect -f '{{.State.Status}} {{.State.ExitCode}}' "$id")
     [ "$state" = "exited 0" ] || { log "FAIL: models-init is $state"; exit 1; }
@@ -347,9 +390,29 @@ if ! "$ROOT/.venv/bin/radixctl" workbench verify --base-url "http://127.0.0.1:$P
     exit 1
 fi
 log "the workbench container ran every scenario through the proxy"
+# The dashboard: Grafana's schema for the version compose pins (deploy/grafana/check_dashboard.py),
+# and a picture of every panel drawn from this Prometheus (deploy/grafana/render_panels.py),
+# after all the traffic (the chats, then the workbench's scenarios).
+rc=0
+schema_out=$("$PYTHON" "$ROOT/deploy/grafana/check_dashboard.py" 2>&1) || rc=$?
+echo "$schema_out" | sed 's/^/[deploy-test]   /' >&2
+case $rc in
+    0) dashboard_schema=$(echo "$schema_out" | sed -n 's/.*: \(fits the Grafana .* schema\)$/\1/p' | head -n 1) ;;
+    3) dashboard_schema="not checked (no node/npm)" ;;
+    *) log "FAIL: the dashboard does not fit the pinned Grafana's schema"; exit 1 ;;
+esac
+sleep 10  # a scrape (every 5 s) after the last request
+rc=0
+"$PYTHON" "$ROOT/deploy/grafana/render_panels.py" --prometheus "http://127.0.0.1:$P_PROM" --out "$work/panels" \
+    --since "$(( t_up - 10 ))" || rc=$?
+case $rc in
+    0) panels=$(ls "$work/panels"/panel-*.png | wc -l); log "drew the dashboard's $panels panels from Prometheus" ;;
+    3) panels=0 ;;
+    *) log "FAIL: drawing the dashboard's panels"; exit 1 ;;
+esac
 
 # ---- stop: graceful, nothing left ---------------------------------------------------------------------
-ids=$(compose ps -q)
+ids=$(compose ps -a -q)
 compose stop >/dev/null 2>&1
 for id in $ids; do
     read -r name status code oom < <("$ENGINE" inspect -f '{{.Name}} {{.State.Status}} {{.State.ExitCode}} {{.State.OOMKilled}}' "$id")
@@ -371,13 +434,21 @@ log "down: no container, volume, network or payload file left"
 results=${RESULTS-$ROOT/docs/results/deploy-test}
 if [ -n "$results" ]; then
     mkdir -p "$results"
-    "$PYTHON" "$ROOT/deploy/test/summary.py" "$work/summary.json" "$results" --workbench "$work/workbench.log" \
+    compose_version=$($COMPOSE version --short 2>/dev/null || true)
+    name="last-pass-compose-v${compose_version%%.*}"
+    "$PYTHON" "$ROOT/deploy/test/summary.py" "$work/summary.json" "$results" --name "$name" \
+        --workbench "$work/workbench.log" \
         --set total_s=$(( $(date +%s) - t0 )) build_s="$build_s" healthy_s="$healthy_s" \
         race_s="$race_s" race_model_bytes="$race_bytes" \
-        compose="$COMPOSE $($COMPOSE version --short 2>/dev/null || true)" \
+        compose="$COMPOSE $compose_version" \
         engine="$("$ENGINE" version --format '{{.Server.Version}}' 2>/dev/null || true)" \
         seed_from_host="${SEED_FROM_HOST:-0}" skip_build="${SKIP_BUILD:-0}" \
-        cores="$(nproc)" load="$(cut -d' ' -f1-3 /proc/loadavg)"
-    log "summary: $results/last-pass.md"
+        cores="$(nproc)" load="$(cut -d' ' -f1-3 /proc/loadavg)" base="$BASE" ca_scan="$ca_scan" \
+        dashboard_schema="$dashboard_schema" panels="$panels"
+    if [ "$panels" != 0 ]; then
+        rm -rf "$results/panels"
+        cp -r "$work/panels" "$results/panels"
+    fi
+    log "summary: $results/$name.md"
 fi
 log "deploy test passed in $(( $(date +%s) - t0 )) s"
