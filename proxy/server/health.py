@@ -67,7 +67,23 @@ class HealthMonitor:
         if reason:
             self.coordinator.server_down(server, reason)
             return
+        self._follow_checkpoints(server, caps)
         self.coordinator.server_up(server, caps.instance)
+
+    def _follow_checkpoints(self, server: ServerState, caps: Caps) -> None:
+        """A restarted server may take whole-state checkpoints now, or no longer (another
+        --ctx-checkpoints, its startup probe): route H from them follows what it says."""
+        on = not server.moves and caps.checkpoints and caps.compat_id == server.compat_id
+        if on == server.checkpoints:
+            return
+        server.checkpoints = on
+        self.coordinator.metrics.server_checkpoints.labels(server.name).set(1 if on else 0)
+        log.warning(
+            "%s: whole-state checkpoints are %s now%s",
+            server.name,
+            "on" if on else "off",
+            "" if on else f" ({'; '.join(caps.checkpoints_off) or 'another compatibility id'})",
+        )
 
     @staticmethod
     def _incompatible(server: ServerState, caps: Caps) -> str:
