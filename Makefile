@@ -12,7 +12,7 @@ help:
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test,workbench]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test,workbench,dashboard]'
 	@touch $(STAMP)
 
 venv: $(STAMP)
