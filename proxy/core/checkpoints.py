@@ -110,6 +110,12 @@ class CheckpointStore:
         self.on_hold(cp.nbytes)
         return cp
 
+    def set_budget(self, budget_bytes: int) -> None:
+        """A new budget, least recently used out first until within it."""
+        self.budget_bytes = budget_bytes
+        while self._lru and self.held_bytes > budget_bytes:
+            self._drop(next(iter(self._lru)))
+
     def clear(self) -> None:
         while self._lru:
             self._drop(next(iter(self._lru)))

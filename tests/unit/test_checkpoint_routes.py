@@ -175,3 +175,25 @@ def test_the_health_checks_follow_a_restarted_servers_checkpoints() -> None:
     assert s0.checkpoints is True
     monitor._follow_checkpoints(s0, Caps(True, compat_id="other"))
     assert s0.checkpoints is False
+
+
+async def test_an_identical_prompt_is_priced_at_an_earlier_checkpoint() -> None:
+    """The slot holds exactly the prompt (an answer of one token is not in the KV): the server
+    needs one token to compute, so it goes back to its checkpoint before the end."""
+    s0, fake = recurrent_server(n_slots=1)
+    coord = coordinator(s0, min_restore_tokens=32)
+    prompt = toks(0, 200)
+    first = await coord.acquire("a", prompt)
+    fake.answered(first.slot.slot_id, prompt, answer=0)
+    await coord.finish(first)
+    again = await coord.acquire("a2", prompt)
+    assert again.route == Route.A and again.plan.reuse_len == 196
+    coord.release(again)
+
+
+def test_a_server_that_moves_kv_joining_later_keeps_checkpoints_to_their_share() -> None:
+    s0, _ = recurrent_server()
+    coord = coordinator(s0)
+    assert coord.checkpoints.budget_bytes == coord.tree.budget_bytes  # nothing else uses the tree
+    coord.add_server(server("s1"))
+    assert coord.checkpoints.budget_bytes == coord.tree.budget_bytes // 4

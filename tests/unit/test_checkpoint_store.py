@@ -78,3 +78,13 @@ def test_match_agrees_with_a_scan_of_every_entry(keys: list[list[int]], prompt: 
     assert (got is None) == (not usable)
     if got is not None:
         assert got.n_tokens == max(len(k) for k in usable)
+
+
+def test_a_smaller_budget_evicts_the_least_recently_used() -> None:
+    store = CheckpointStore(1 << 20)
+    for i in range(4):
+        store.add("", "c", toks(i, i), b"x" * 100)
+    one = store.entries[0].nbytes
+    store.set_budget(2 * one)
+    assert sorted(tuple(cp.tokens) for cp in store.entries) == [(2, 2), (3, 3)]
+    assert store.held_bytes == 2 * one

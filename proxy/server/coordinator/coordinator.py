@@ -158,6 +158,10 @@ class Coordinator:
     def add_server(self, server: ServerState) -> None:
         """A server that did not answer at startup does now: it takes requests from here on."""
         self.servers.append(server)  # the same list the leases plan over
+        if server.moves:  # its KV goes to the tree too: checkpoints keep to their share
+            self.checkpoints.set_budget(
+                min(self.checkpoints.budget_bytes, self.tree.budget_bytes // CHECKPOINT_SHARE)
+            )
         self.metrics.backend_up.labels(server.name).set(1)
         log.warning("%s (%s) answers: taken into routing", server.name, server.backend.url)
         self.leases.grant_waiters()

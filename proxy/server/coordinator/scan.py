@@ -48,9 +48,10 @@ def _reusable(server: ServerState, slot: SlotState, tokens: np.ndarray) -> int:
     request parts from the slot's tokens, the server goes back to its latest context checkpoint
     at or before the parting point (or to nothing), not to the parting point itself."""
     lcp = common_prefix(slot.tokens, tokens)
-    if not server.checkpoints or lcp >= len(slot.tokens):
+    if not server.checkpoints or len(slot.tokens) <= lcp < len(tokens):
         return lcp
-    return max((n for n in slot.checkpoints if n <= lcp), default=0)
+    # Parted, or nothing left to compute (the server needs one token): an earlier checkpoint.
+    return max((n for n in slot.checkpoints if n <= lcp and n < len(tokens)), default=0)
 
 
 def scan(
