@@ -205,3 +205,16 @@ def test_no_checkpoint_holds_tokens_a_prompt_replaced(start_server: ServerFactor
             )
     finally:
         server.stop()
+
+
+def test_the_startup_probe_fits_a_small_batch(start_server: ServerFactory, patched_bin: Path) -> None:
+    """The probe decodes 64 tokens in batches of -b: a server with -b 32 starts (it aborted on
+    llama_decode's batch limit before) and has checkpoints on."""
+    server = start_server(
+        patched_bin, model=tiny_model("lfm2"), ctx_size=4096, threads=1, extra_args=("-b", "32", "-ub", "32")
+    )
+    try:
+        caps = _kvctl(server, "caps").body
+        assert caps["checkpoints"]["on"] is True, caps["checkpoints"]
+    finally:
+        server.stop()
