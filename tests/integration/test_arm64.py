@@ -1,0 +1,109 @@
+"""ARM64 (issue 26, docs/devices.md): llama-server cross-built for aarch64 with Debian's cross
+toolchain (``radixctl build --cross aarch64``), patched and stock, run here under
+``qemu-aarch64-static`` (user-mode emulation with the cross sysroot; no binfmt_misc needed),
+and the /kvctl round trips of tests/integration/test_kvctl.py against it: export, erase and
+import with a byte-identical re-export and a bitwise-identical continuation, stock aarch64
+from scratch under the near-tie rule, two segments, publish/attach, both payload encodings and
+moves bound to tokens.
+
+They run where both aarch64 builds are cached and qemu-aarch64-static is installed;
+``make arm64-check`` (RADIX_TEST_ARM64=1) installs the packages and builds what is missing
+first. Elsewhere they skip and say why, so ``make test`` passes without them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from proxy.native.build import BuildSpec, build_server, server_path
+from proxy.native.launch import ServerProcess
+from proxy.native.toolchain import CROSS, write_emulated_wrapper
+from tests.helpers import ServerFactory
+from tests.integration import test_kvctl as kvctl_tests
+
+TARGET = "aarch64"
+EM_AARCH64 = 183  # ELF e_machine
+EMULATED_TIMEOUT = 900.0  # seconds per request: emulation is some 10 to 50 times slower
+
+
+def _cross_binary(variant: str) -> Path:
+    spec = BuildSpec(variant=variant, cross=TARGET)
+    path = server_path(spec)
+    if path.exists():
+        return path
+    if os.environ.get("RADIX_TEST_ARM64") != "1":
+        pytest.skip(
+            f"no {variant} aarch64 llama-server is cached ({path.parent.name}): "
+            "`make arm64-check` installs the cross toolchain and qemu, builds it and runs these tests"
+        )
+    return build_server(spec)  # a failed build fails the tests: RADIX_TEST_ARM64 asked for them
+
+
+def elf_machine(binary: Path) -> int:
+    with open(binary, "rb") as f:
+        head = f.read(20)
+    assert head[:4] == b"\x7fELF", binary
+    return int.from_bytes(head[18:20], "little")
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The aarch64 binaries and, for each, a ``llama-server`` script that runs it under qemu."""
+    if shutil.which(CROSS[TARGET].qemu) is None:
+        pytest.skip(f"{CROSS[TARGET].qemu} is not installed (`make arm64-deps`)")
+    out = tmp_path_factory.mktemp("arm64")
+    wrappers = {}
+    for variant in ("patched", "stock"):
+        binary = _cross_binary(variant)
+        wrappers[variant] = write_emulated_wrapper(TARGET, binary, out / variant / "llama-server")
+        wrappers[f"{variant}-binary"] = binary
+    return wrappers
+
+
+@pytest.fixture(scope="module")
+def patched_bin(emulated: dict[str, Path]) -> Path:
+    return emulated["patched"]
+
+
+@pytest.fixture(scope="module")
+def stock_bin(emulated: dict[str, Path]) -> Path:
+    return emulated["stock"]
+
+
+@pytest.fixture(scope="module")
+def stock_server(start_server: ServerFactory, stock_bin: Path) -> ServerProcess:
+    return start_server(stock_bin, kvctl=False, threads=kvctl_tests.ONE)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slow_emulated_timeouts() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kvctl_tests, "CALL_TIMEOUT", EMULATED_TIMEOUT)
+        yield
+
+
+def test_the_servers_are_aarch64_under_emulation(emulated: dict[str, Path], kv_server: ServerProcess) -> None:
+    """Both builds are aarch64 ELF files (they cannot run here natively), and the server these
+    tests move KV on answers /kvctl/caps with moves on."""
+    for variant in ("patched", "stock"):
+        assert elf_machine(emulated[f"{variant}-binary"]) == EM_AARCH64, emulated[f"{variant}-binary"]
+        assert CROSS[TARGET].qemu in emulated[variant].read_text()
+    caps = kvctl_tests.caps(kv_server.url)
+    assert caps["moves"] is True, caps
+
+
+# The /kvctl tests of tests/integration/test_kvctl.py, collected here: their fixtures
+# (kv_server, stock_server, the binaries) resolve to this module's, i.e. the emulated builds.
+kv_server = kvctl_tests.kv_server
+moved = kvctl_tests.moved
+test_export_erase_import_is_lossless = kvctl_tests.test_export_erase_import_is_lossless
+test_two_segments_and_import_on_top = kvctl_tests.test_two_segments_and_import_on_top
+test_publish_attach_share_cells = kvctl_tests.test_publish_attach_share_cells
+test_msgpack_and_octet_stream = kvctl_tests.test_msgpack_and_octet_stream
+test_attach_part_then_import_on_top = kvctl_tests.test_attach_part_then_import_on_top
+test_moves_are_bound_to_tokens = kvctl_tests.test_moves_are_bound_to_tokens
