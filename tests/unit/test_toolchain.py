@@ -5,6 +5,7 @@ that the keys of the native builds do not change."""
 from __future__ import annotations
 
 import platform
+import shutil
 from pathlib import Path
 
 import pytest
@@ -88,10 +89,8 @@ def test_cross_build_has_its_own_tree_key_and_name(monkeypatch: pytest.MonkeyPat
 
 
 def test_cross_build_without_the_toolchain_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    # toolchain and build share the shutil module: the cross compilers are missing, nothing else.
-    monkeypatch.setattr(
-        toolchain.shutil, "which", lambda tool: None if "aarch64" in tool else f"/usr/bin/{tool}"
-    )
+    # The cross compilers are missing, nothing else.
+    monkeypatch.setattr(shutil, "which", lambda tool: None if "aarch64" in tool else f"/usr/bin/{tool}")
     with pytest.raises(BuildError, match="aarch64-linux-gnu-g\\+\\+ not found"):
         build._check_tools("cpu", "aarch64")
 
