@@ -66,13 +66,15 @@ run() {
 
 # The toolkit's cuBLAS, else the first nvidia/cu13 (or cu12's nvidia/cublas) on a Python's path.
 find_cublas() {
-    local nvcc root py dir
+    local nvcc root py dir header cand
     nvcc=$(command -v nvcc) || return 0
     root=$(dirname "$(dirname "$(readlink -f "$nvcc")")")
-    if ls "$root"/include/cublas_v2.h "$root"/targets/*/include/cublas_v2.h >/dev/null 2>&1; then
-        echo "toolkit"
-        return 0
-    fi
+    for header in "$root"/include/cublas_v2.h "$root"/targets/*/include/cublas_v2.h; do
+        if [ -f "$header" ]; then
+            echo "toolkit"
+            return 0
+        fi
+    done
     for py in "$PYTHON" python3 /opt/torch/.venv/bin/python3; do
         command -v "$py" >/dev/null || continue
         for dir in $("$py" -c 'import sys; print(" ".join(p for p in sys.path if p))' 2>/dev/null); do
