@@ -119,3 +119,50 @@ vulkan-test: vulkan-deps $(STAMP) model
 	@if command -v glslc >/dev/null && test -f /usr/include/vulkan/vulkan.hpp; then \
 	  $(MAKE) vulkan-native && RADIX_TEST_VULKAN=1 $(BIN)/python -m pytest tests/integration/test_vulkan.py; \
 	else echo "skip: no Vulkan build packages (make vulkan-deps), the Vulkan tests did not run"; fi
+
+# Not part of `make test`: the patched llama-server compiled and linked with ggml's CUDA backend
+# against the CUDA toolkit found here (nvcc; no GPU needed), for one GPU architecture
+# (CUDA_CHECK_ARCH, default 90-real: H100/H200 machine code only, no PTX) and without the flash
+# attention kernels' device code (GGML_CUDA_FA=OFF; CUDA_CHECK_FA=ON compiles them too): every
+# source file still compiles, the patch series included, and the link must succeed. Cached by
+# content like every build (its own build tree), so a change to the patch series recompiles only
+# the files it touches. Where the toolkit lacks cuBLAS (PyPI's nvidia-cuda-nvcc, as here) the
+# build fetches PyPI's nvidia-cublas wheel (420 MB) into the cache; with no GPU driver it links
+# without ggml's VMM pool (docs/devices.md). Measured on this 2-core machine: see docs/devices.md.
+# Prints a "skip:" line and succeeds where there is no nvcc. On a machine with an NVIDIA GPU,
+# deploy/gpu/check.sh builds the full CUDA variant, runs the device KV-move tests and the benches.
+CUDA_CHECK_ARCH ?= 90-real
+CUDA_CHECK_FA ?= OFF
+.PHONY: cuda-check
+cuda-check: $(STAMP)
+	@if command -v nvcc >/dev/null; then \
+	  bin=$$($(BIN)/radixctl build --backend cuda --cmake-arg -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_CHECK_ARCH) \
+	    --cmake-arg -DGGML_CUDA_FA=$(CUDA_CHECK_FA)) || exit 1; \
+	  if $$bin --help 2>&1 | grep -q -- --kvctl; then \
+	    echo "cuda-check: $$bin (patched, CUDA, CMAKE_CUDA_ARCHITECTURES=$(CUDA_CHECK_ARCH)) compiled, linked and runs --help"; \
+	  else echo "cuda-check: $$bin --help does not list --kvctl (run it to see why)"; exit 1; fi; \
+	else echo "skip: no nvcc (CUDA toolkit), the CUDA compile check did not run"; fi
+
+# Not part of `make test`: ARM64 (the seed's Kunpeng 920 deployment). The patched and stock
+# llama-server cross-built for aarch64 with Debian's cross toolchain (radixctl build --cross
+# aarch64, ARMv8.2-A+dotprod+fp16), then the /kvctl round trips of tests/integration/test_kvctl.py
+# against them under qemu-aarch64-static (tests/integration/test_arm64.py). arm64-deps installs
+# the packages when missing (as root, with apt-get). Times: docs/devices.md. Prints a "skip:"
+# line and succeeds where the packages cannot be installed.
+ARM64_DEBIAN_PACKAGES := gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user-static
+.PHONY: arm64-deps arm64-native arm64-check
+arm64-deps:
+	@{ command -v aarch64-linux-gnu-g++ >/dev/null && command -v qemu-aarch64-static >/dev/null; } || \
+	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(ARM64_DEBIAN_PACKAGES); } || \
+	echo "skip: the aarch64 cross toolchain and qemu are not installed ($(ARM64_DEBIAN_PACKAGES))"
+
+# Order as in `native`: stock, then patched recompiles only the server objects.
+arm64-native: arm64-deps $(STAMP)
+	$(BIN)/radixctl build --cross aarch64 --variant stock
+	$(BIN)/radixctl build --cross aarch64
+
+arm64-check: arm64-deps $(STAMP) model
+	@if command -v aarch64-linux-gnu-g++ >/dev/null && command -v qemu-aarch64-static >/dev/null; then \
+	  $(MAKE) arm64-native && RADIX_TEST_ARM64=1 $(BIN)/python -m pytest tests/integration/test_arm64.py; \
+	else echo "skip: no aarch64 cross toolchain or qemu (make arm64-deps), the arm64 tests did not run"; fi

@@ -55,9 +55,20 @@ threads_option = options.threads_option(help="Threads per server (default: all c
 batch_size_option = click.option("--batch-size", "-b", default=2048, show_default=True)
 ubatch_size_option = click.option("--ubatch-size", "-ub", default=512, show_default=True)
 build_backend_option = options.build_backend_option()
+gpu_layers_option = click.option(
+    "--gpu-layers",
+    "-ngl",
+    "gpu_layers",
+    type=int,
+    default=0,
+    show_default=True,
+    envvar="RADIX_GPU_LAYERS",
+    help="Layers every llama-server offloads to its GPU (-ngl; 99: all, with the KV cache). "
+    "Build the server for the GPU with --build-backend.",
+)
 
 #: In the order ``--help`` lists them.
-ARM_OPTIONS = (
+ARM_OPTIONS: tuple[Callable[[Any], Any], ...] = (
     out_option,
     model_option,
     parallel_option,
@@ -66,6 +77,7 @@ ARM_OPTIONS = (
     batch_size_option,
     ubatch_size_option,
     build_backend_option,
+    gpu_layers_option,
 )
 
 # ---- options of the workload commands ----------------------------------------------------------
@@ -168,6 +180,7 @@ def _settings(
     batch_size: int,
     ubatch_size: int,
     build_backend: str,
+    gpu_layers: int = 0,
 ) -> Any:
     import os
 
@@ -183,6 +196,7 @@ def _settings(
         batch_size=batch_size,
         ubatch_size=ubatch_size,
         build_backend=build_backend,
+        gpu_layers=gpu_layers,
     )
 
 
@@ -289,6 +303,7 @@ def run_workload_command(
     batch_size: int,
     ubatch_size: int,
     build_backend: str,
+    gpu_layers: int,
     **sizes: Any,
 ) -> None:
     """``radixctl bench NAME``: write the request list, then (unless ``dry_run``) run it on each arm."""
@@ -307,7 +322,7 @@ def run_workload_command(
 
         out = out_dir or _default_out("restore-disk")
         settings = _settings(
-            out, model_arg, n_parallel, ctx_size, threads, batch_size, ubatch_size, build_backend
+            out, model_arg, n_parallel, ctx_size, threads, batch_size, ubatch_size, build_backend, gpu_layers
         )
         arm_names = tuple(a.strip() for a in (arms or "disk,ram,legacy,prefill").split(",") if a.strip())
         run_disk_restore(settings, _sizes(tier_sizes or "1024,2048,4096,8192"), out, arm_names)
@@ -326,7 +341,7 @@ def run_workload_command(
     if dry_run:
         return
     settings = _settings(
-        out, model_arg, n_parallel, ctx_size, threads, batch_size, ubatch_size, build_backend
+        out, model_arg, n_parallel, ctx_size, threads, batch_size, ubatch_size, build_backend, gpu_layers
     )
     if n_servers > 1:
         import dataclasses
@@ -424,6 +439,7 @@ del _name
 @batch_size_option
 @ubatch_size_option
 @build_backend_option
+@gpu_layers_option
 @click.option("--sizes", default="512,2048,8192", show_default=True, help="Token counts to move.")
 @click.option("--reps", default=5, show_default=True, help="Repetitions per size and direction.")
 @click.option("--no-probe", is_flag=True, help="Do not time a tiny generation during the moves.")
@@ -445,6 +461,7 @@ def kvctl(
     batch_size: int,
     ubatch_size: int,
     build_backend: str,
+    gpu_layers: int,
     sizes: str,
     reps: int,
     no_probe: bool,
@@ -458,7 +475,15 @@ def kvctl(
     token_sizes = _sizes(sizes)
     out = out_dir or _default_out("kvctl")
     settings = _settings(
-        out, model_arg, max(n_parallel, 4), ctx_size, threads, batch_size, ubatch_size, build_backend
+        out,
+        model_arg,
+        max(n_parallel, 4),
+        ctx_size,
+        threads,
+        batch_size,
+        ubatch_size,
+        build_backend,
+        gpu_layers,
     )
     kinds = ["shared", "inline"] if transport == "both" else [transport]
     reports: dict[str, dict[str, Any]] = {}

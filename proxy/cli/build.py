@@ -22,14 +22,32 @@ from proxy.cli.options import build_backend_option
 @build_backend_option("--backend", envvar="RADIX_BUILD_BACKEND")
 @click.option("--cmake-arg", "cmake_args", multiple=True, help="Extra CMake argument (repeatable).")
 @click.option("--fault-injection", is_flag=True, help="Build the test-only import fault injection in.")
+@click.option(
+    "--cross",
+    type=click.Choice(["aarch64"]),
+    default=None,
+    help="Cross-compile for this CPU with Debian's cross toolchain (run it under qemu-user; docs/devices.md).",
+)
 @click.option("--jobs", "-j", type=int, default=os.cpu_count() or 2, show_default=True)
 @fail_cleanly
-def build(variant: str, backend: str, cmake_args: tuple[str, ...], fault_injection: bool, jobs: int) -> None:
+def build(
+    variant: str,
+    backend: str,
+    cmake_args: tuple[str, ...],
+    fault_injection: bool,
+    cross: str | None,
+    jobs: int,
+) -> None:
     """Build llama-server from the pinned source (cached by content hash) and print its path."""
     from proxy.native.build import BuildSpec, build_server
 
     spec = BuildSpec(
-        variant=variant, backend=backend, cmake_args=cmake_args, fault_injection=fault_injection, jobs=jobs
+        variant=variant,
+        backend=backend,
+        cmake_args=cmake_args,
+        fault_injection=fault_injection,
+        cross=cross or "",
+        jobs=jobs,
     )
     click.echo(build_server(spec))
 

@@ -33,6 +33,7 @@ from proxy.errors import BuildError
 from proxy.native.archive import safe_extract
 from proxy.native.fetch import cache_root, file_lock, pip_download, say, staging_dir, step
 from proxy.native.pins import LLAMA_CPP
+from proxy.native.toolchain import CROSS, cross_args, cross_missing, cuda_args, ensure_cuda
 
 BACKENDS: dict[str, list[str]] = {
     "cpu": [],
@@ -75,6 +76,7 @@ class BuildSpec:
     backend: str = "cpu"
     cmake_args: tuple[str, ...] = ()
     fault_injection: bool = False
+    cross: str = ""  # "" builds for this machine; "aarch64": Debian's cross toolchain (toolchain.py)
     jobs: int = field(default_factory=lambda: os.cpu_count() or 2, compare=False)
 
     def __post_init__(self) -> None:
@@ -82,6 +84,8 @@ class BuildSpec:
             raise BuildError(f"unknown variant {self.variant!r}", fix="use 'patched' or 'stock'")
         if self.backend not in BACKENDS:
             raise BuildError(f"unknown backend {self.backend!r}", fix=f"use one of {', '.join(BACKENDS)}")
+        if self.cross and self.cross not in CROSS:
+            raise BuildError(f"unknown cross target {self.cross!r}", fix=f"use one of {', '.join(CROSS)}")
         if self.fault_injection and self.variant != "patched":
             raise BuildError(
                 "fault injection exists only in the patched server", fix="drop --fault-injection"
@@ -124,7 +128,10 @@ def _series() -> list[Path]:
 def server_path(spec: BuildSpec) -> Path:
     """Where the ``llama-server`` of ``spec`` is (or would be) cached; nothing is built."""
     patches = _series() if spec.variant == "patched" else []
-    return cache_root() / "bin" / f"{spec.variant}-{spec.backend}-{_key(spec, patches)[:16]}" / "llama-server"
+    name = "-".join(
+        [spec.variant, spec.backend, *([spec.cross] if spec.cross else []), _key(spec, patches)[:16]]
+    )
+    return cache_root() / "bin" / name / "llama-server"
 
 
 def build_server(spec: BuildSpec) -> Path:
@@ -134,7 +141,9 @@ def build_server(spec: BuildSpec) -> Path:
     out_dir = binary.parent
     if binary.exists():
         return binary
-    _check_tools(spec.backend)
+    _check_tools(spec.backend, spec.cross)
+    if spec.backend == "cuda":
+        ensure_cuda()
     source = pristine_source()
     work = cache_root() / "work" / _base_key(spec)[:16]
     with file_lock(work.parent / f".{work.name}.lock"):
@@ -150,6 +159,7 @@ def build_server(spec: BuildSpec) -> Path:
             info = {
                 "variant": spec.variant,
                 "backend": spec.backend,
+                **({"cross": spec.cross} if spec.cross else {}),
                 "cmake_args": args,
                 "patches": [p.name for p in patches],
                 "source": LLAMA_CPP.filename,
@@ -163,8 +173,11 @@ def build_server(spec: BuildSpec) -> Path:
 
 
 def _cmake_args(spec: BuildSpec) -> list[str]:
-    host = X86_CMAKE_ARGS if platform.machine().lower() in ("x86_64", "amd64") else []
-    backend = BACKENDS[spec.backend] + (_vulkan_header_args() if spec.backend == "vulkan" else [])
+    if spec.cross:
+        host = cross_args(spec.cross)
+    else:
+        host = X86_CMAKE_ARGS if platform.machine().lower() in ("x86_64", "amd64") else []
+    backend = BACKENDS[spec.backend] + _backend_extra_args(spec.backend)
     args = BASE_CMAKE_ARGS + host + backend + list(spec.cmake_args)
     if spec.variant == "patched":
         # Always explicit: the build directory is shared, so a value left in CMakeCache.txt
@@ -173,19 +186,35 @@ def _cmake_args(spec: BuildSpec) -> list[str]:
     return args
 
 
+def _backend_extra_args(backend: str) -> list[str]:
+    if backend == "vulkan":
+        return _vulkan_header_args()
+    if backend == "cuda":
+        return cuda_args()
+    return []
+
+
 def _key(spec: BuildSpec, patches: list[Path]) -> str:
-    material = {
+    material: dict[str, Any] = {
         "source": LLAMA_CPP.sha256,
         "variant": spec.variant,
         "backend": spec.backend,
         "cmake_args": _cmake_args(spec),
         "patches": [[p.name, hashlib.sha256(p.read_bytes()).hexdigest()] for p in patches],
     }
+    if spec.cross:  # only when set: the keys of native builds stay what they were
+        material["cross"] = spec.cross
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
 
 def _base_key(spec: BuildSpec) -> str:
-    material = {"source": LLAMA_CPP.sha256, "backend": spec.backend, "cmake_args": list(spec.cmake_args)}
+    material: dict[str, Any] = {
+        "source": LLAMA_CPP.sha256,
+        "backend": spec.backend,
+        "cmake_args": list(spec.cmake_args),
+    }
+    if spec.cross:  # its own build tree: another compiler
+        material["cross"] = spec.cross
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
 
@@ -246,10 +275,19 @@ def _vulkan_missing() -> list[str]:
     return missing
 
 
-def _check_tools(backend: str = "cpu") -> None:
+def _check_tools(backend: str = "cpu", cross: str = "") -> None:
     missing = [tool for tool in ("cmake", "git") if shutil.which(tool) is None]
-    if not any(shutil.which(cxx) for cxx in ("c++", "g++", "clang++")):
+    if cross:
+        missing += cross_missing(cross)
+    elif not any(shutil.which(cxx) for cxx in ("c++", "g++", "clang++")):
         missing.append("a C++ compiler")
+    if cross and missing:
+        raise BuildError(
+            f"cannot cross-build llama-server for {cross}: {', '.join(missing)} not found",
+            fix="run `make arm64-deps` (as root), or `apt-get install -y "
+            + " ".join(CROSS[cross].debian_packages)
+            + "`",
+        )
     if missing:
         raise BuildError(
             f"cannot build llama-server: {', '.join(missing)} not found",

@@ -1,20 +1,11 @@
 """KV in device memory (issue 26): the KV-move tests against llama-server built with ggml's
 Vulkan backend, every layer and the KV cache offloaded (-ngl 99), patched and stock
-(docs/devices.md).
+(docs/devices.md). The tests and the on-device checks are tests/integration/device_kv.py's.
 
 On a machine with no GPU the device is Mesa's lavapipe, a CPU Vulkan implementation: ggml
 skips CPU-type Vulkan devices unless GGML_VK_VISIBLE_DEVICES names one, so these tests point
 the Vulkan loader at lavapipe's ICD and make its device 0 visible, unless the caller set either
-variable (a real GPU). Every server started here must say in its log that all layers were
-offloaded and that every KV buffer is a Vulkan buffer, so no test can pass on host memory by
-accident; ``test_kv_lives_on_the_device`` also shows that the check catches host KV
-(``--no-kv-offload``).
-
-The tests are those of the CPU build, collected here with this module's fixtures: the /kvctl
-round trips of tests/integration/test_kvctl.py (byte identity of the re-export, continuation
-bitwise identical to the KV left in place, stock from scratch under the near-tie rule), and the
-routes A, A+H, H (disk tier after a restart), S and S+H through the proxy from
-tests/integration/test_architectures.py, against the stock Vulkan build computing from scratch.
+variable (a real GPU).
 
 They run where the Vulkan builds are cached and a Vulkan device is found; ``make vulkan-test``
 (RADIX_TEST_VULKAN=1) builds what is missing first. Elsewhere they skip and say why, so
@@ -25,46 +16,14 @@ from __future__ import annotations
 
 import glob
 import os
-import re
-import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from proxy.native.build import BuildSpec, build_server, server_path
-from proxy.native.launch import ServerProcess, ServerSpec, free_port
-from tests.helpers import ServerFactory, request
-from tests.integration import test_architectures as arch
-from tests.integration import test_kvctl as kvctl_tests
-
-# Every layer and the KV on the device; -lv 4: at the server's default verbosity (3) the
-# library's info lines below (model load, KV cache) are not logged.
-OFFLOAD = ("-ngl", "99", "-lv", "4")
-WARM_UP = kvctl_tests.PROMPT
-WARM_UP_TIMEOUT = 900
-# "0.01.407.437 I llama_kv_cache:    Vulkan0 KV buffer size =     2.00 MiB" (one per buffer).
-KV_BUFFER = re.compile(r"^.*?llama_kv_cache:\s+(\S+) KV buffer size =\s*([\d.]+) MiB", re.M)
-OFFLOADED = re.compile(r"load_tensors: offloaded (\d+)/(\d+) layers to GPU")
-# "llama_prepare_model_devices: using device Vulkan0 (llvmpipe (LLVM 15.0.6, 256 bits)) (unknown id) - 2048 MiB free"
-USING_DEVICE = re.compile(r"using device (Vulkan\d+) \((.*?)\) \(")
-# `llama-server --list-devices`: "  Vulkan0: llvmpipe (LLVM 15.0.6, 256 bits) (2048 MiB, 2048 MiB free)"
-LISTED = re.compile(r"^\s*(Vulkan\d+): (.+?) \(\d+ MiB, \d+ MiB free\)", re.M)
-# Families for the routes test (tiny models, tests/tinymodels.py): standard attention at head
-# dim 128 and MLA's K-only cache. Not the default model: on lavapipe it decodes at about 4 s a
-# token on 2 busy cores, and the test asks about 20 questions (docs/devices.md).
-ROUTE_FAMILIES = ["llama-h128", "deepseek2"]
-
-
-@dataclass(frozen=True)
-class Vulkan:
-    patched: Path
-    stock: Path
-    device: str  # "Vulkan0"
-    description: str  # "llvmpipe (LLVM 15.0.6, 256 bits)"
-    lavapipe: bool  # these tests chose lavapipe (the caller set no Vulkan device variables)
+from tests.integration import device_kv
+from tests.integration.device_kv import Device
 
 
 def _lavapipe_env() -> dict[str, str]:
@@ -94,173 +53,29 @@ def _binary(variant: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def vulkan() -> Iterator[Vulkan]:
+def device() -> Iterator[Device]:
     with pytest.MonkeyPatch.context() as mp:
         env = _lavapipe_env()
         for name, value in env.items():
             mp.setenv(name, value)
         patched, stock = _binary("patched"), _binary("stock")
-        listing = subprocess.run([str(patched), "--list-devices"], capture_output=True, text=True, timeout=60)
-        found = LISTED.findall(listing.stdout + listing.stderr)
-        if not found:
-            pytest.skip(
-                "no Vulkan device: `llama-server --list-devices` lists none "
-                f"(install mesa-vulkan-drivers for lavapipe): {(listing.stdout + listing.stderr).strip()[-300:]}"
-            )
-        device, description = found[0]
-        yield Vulkan(patched, stock, device, description, "VK_ICD_FILENAMES" in env)
+        name, description = device_kv.list_devices(patched, "Vulkan")[0]
+        yield Device(patched, stock, name, description, "llvmpipe" if "VK_ICD_FILENAMES" in env else "")
 
 
-def kv_buffers(server: ServerProcess) -> list[tuple[str, float]]:
-    return [(name, float(mib)) for name, mib in KV_BUFFER.findall(server.run_log())]
-
-
-def kv_on_device_problems(server: ServerProcess, device: str) -> list[str]:
-    """What in the server's startup log says its KV or layers are not (all) on ``device``."""
-    log = server.run_log()
-    problems = []
-    buffers = kv_buffers(server)
-    if not buffers:
-        problems.append("no 'KV buffer size' line in the log")
-    problems += [f"a KV buffer of {mib} MiB on {name}" for name, mib in buffers if name != device]
-    offloaded = OFFLOADED.findall(log)
-    if not offloaded or offloaded[-1][0] != offloaded[-1][1]:
-        problems.append(f"not every layer offloaded: {offloaded}")
-    if device not in [d for d, _ in USING_DEVICE.findall(log)]:
-        problems.append(f"the log does not say it uses {device}")
-    return problems
-
-
-def assert_kv_on_device(server: ServerProcess, device: str) -> None:
-    problems = kv_on_device_problems(server, device)
-    assert not problems, f"{server.url}: {'; '.join(problems)} (log {server.log_path})"
-
-
-# --- this module's servers: the Vulkan builds, everything offloaded ----------------------------
-
-
-@pytest.fixture(scope="module")
-def start_server(start_server: ServerFactory, vulkan: Vulkan) -> ServerFactory:
-    """The session factory with -ngl 99, each server checked to hold its KV on the device."""
-
-    def start(binary: Path, **kw: Any) -> ServerProcess:
-        kw["extra_args"] = (*OFFLOAD, *kw.get("extra_args", ()))
-        server = start_server(binary, **kw)
-        assert_kv_on_device(server, vulkan.device)
-        warm_up(server)
-        return server
-
-    return start
-
-
-def warm_up(server: ServerProcess) -> None:
-    """One prompt's prefill and a few decodes, the slot erased after. ggml-vulkan makes its
-    pipelines on first use and lavapipe compiles each with LLVM then: the first long prompt
-    on a fresh server took 2 to 4 minutes here (later ones seconds), past the tests' timeouts."""
-    body = {"prompt": WARM_UP, "n_predict": 4, "temperature": 0, "cache_prompt": False, "id_slot": 0}
-    reply = request(f"{server.url}/completion", "POST", body, timeout=WARM_UP_TIMEOUT)
-    assert reply.status == 200, reply.body
-    if server.spec.kvctl:
-        key = {"Authorization": f"Bearer {server.spec.kvctl_key}"} if server.spec.kvctl_key else {}
-        erased = request(f"{server.url}/kvctl/erase", "POST", {"slot": 0}, headers=key)
-        assert erased.status == 200, erased.body
-
-
-@pytest.fixture(scope="module", autouse=True)
-def slow_device_timeouts() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kvctl_tests, "CALL_TIMEOUT", 900.0)
-        yield
-
-
-@pytest.fixture(scope="module")
-def patched_bin(vulkan: Vulkan) -> Path:
-    return vulkan.patched
-
-
-@pytest.fixture(scope="module")
-def stock_bin(vulkan: Vulkan) -> Path:
-    return vulkan.stock
-
-
-@pytest.fixture(scope="module")
-def kv_server(start_server: ServerFactory, patched_bin: Path) -> ServerProcess:
-    """As in test_kvctl.py: patched, --kvctl, with a --kvctl-dir; these tests own its slots."""
-    return kvctl_tests.keyed(start_server(patched_bin, threads=kvctl_tests.ONE))
-
-
-@pytest.fixture(scope="module")
-def stock_server(start_server: ServerFactory, stock_bin: Path) -> ServerProcess:
-    return start_server(stock_bin, kvctl=False)
-
-
-# --- the /kvctl tests of the cpu suite, on the device -------------------------------------------
-
-# Tests (and the fixture ``moved``) of tests/integration/test_kvctl.py, collected here: pytest
-# resolves their fixtures (kv_server, stock_server, start_server, the binaries) from this
-# module, i.e. on the device. In that module's order: the first one counts on the slot as
-# ``moved`` left it.
-moved = kvctl_tests.moved
-test_export_erase_import_is_lossless = kvctl_tests.test_export_erase_import_is_lossless
-test_two_segments_and_import_on_top = kvctl_tests.test_two_segments_and_import_on_top
-test_publish_attach_share_cells = kvctl_tests.test_publish_attach_share_cells
-test_msgpack_and_octet_stream = kvctl_tests.test_msgpack_and_octet_stream
-test_attach_part_then_import_on_top = kvctl_tests.test_attach_part_then_import_on_top
-test_moves_are_bound_to_tokens = kvctl_tests.test_moves_are_bound_to_tokens
-
-
-# --- the proof --------------------------------------------------------------------------------
-
-
-def test_kv_lives_on_the_device(
-    vulkan: Vulkan, kv_server: ServerProcess, stock_server: ServerProcess
-) -> None:
-    """The servers these tests move KV on hold it in Vulkan buffers, every layer offloaded; the
-    same check finds host KV when the KV is kept off the device (--no-kv-offload)."""
-    print(f"Vulkan device {vulkan.device}: {vulkan.description}")
-    for server in (kv_server, stock_server):
-        assert_kv_on_device(server, vulkan.device)
-        assert sum(mib for _, mib in kv_buffers(server)) > 0
-    if vulkan.lavapipe:
-        assert "llvmpipe" in vulkan.description, vulkan
-    caps = arch._kvctl(kv_server, "caps").body
-    assert caps["moves"] is True, caps
-
-    # Not through start_server, which would refuse it.
-    control = _start_unchecked(kv_server, vulkan, ("--no-kv-offload",))
-    try:
-        problems = kv_on_device_problems(control, vulkan.device)
-        assert any("on CPU" in p for p in problems), problems
-    finally:
-        control.stop()
-
-
-def _start_unchecked(like: ServerProcess, vulkan: Vulkan, extra: tuple[str, ...]) -> ServerProcess:
-    port = free_port()
-    spec = ServerSpec(
-        binary=vulkan.patched,
-        model=like.spec.model,
-        port=port,
-        n_parallel=2,
-        ctx_size=2048,
-        threads=1,
-        kvctl=False,
-        extra_args=(*OFFLOAD, *extra),
-    )
-    return ServerProcess(spec, like.log_path.with_name(f"server-{port}.log")).start(timeout=180)
-
-
-# --- routes through the proxy, against stock from scratch ------------------------------------
-
-
-@pytest.mark.parametrize("family", ROUTE_FAMILIES)
-def test_kv_is_reused_exactly_on_every_route(
-    family: str,
-    start_server: ServerFactory,
-    patched_bin: Path,
-    stock_bin: Path,
-    tmp_path: Path,
-) -> None:
-    """tests/integration/test_architectures.py's routes test (A, A+H, H from the disk tier, S
-    and S+H, each equal to stock from scratch, no fallback) with the KV on the device."""
-    arch.test_kv_is_reused_exactly_on_every_route(family, start_server, patched_bin, stock_bin, tmp_path)
+# The shared fixtures and tests (tests/integration/device_kv.py), collected here with ``device``.
+start_server = device_kv.start_server
+slow_device_timeouts = device_kv.slow_device_timeouts
+patched_bin = device_kv.patched_bin
+stock_bin = device_kv.stock_bin
+kv_server = device_kv.kv_server
+stock_server = device_kv.stock_server
+moved = device_kv.moved
+test_export_erase_import_is_lossless = device_kv.test_export_erase_import_is_lossless
+test_two_segments_and_import_on_top = device_kv.test_two_segments_and_import_on_top
+test_publish_attach_share_cells = device_kv.test_publish_attach_share_cells
+test_msgpack_and_octet_stream = device_kv.test_msgpack_and_octet_stream
+test_attach_part_then_import_on_top = device_kv.test_attach_part_then_import_on_top
+test_moves_are_bound_to_tokens = device_kv.test_moves_are_bound_to_tokens
+test_kv_lives_on_the_device = device_kv.test_kv_lives_on_the_device
+test_kv_is_reused_exactly_on_every_route = device_kv.test_kv_is_reused_exactly_on_every_route

@@ -1,0 +1,181 @@
+#!/usr/bin/env bash
+# KV in device memory on an NVIDIA GPU (issue 26, docs/devices.md): run on a machine with an
+# NVIDIA GPU, its driver and a CUDA toolkit (nvcc, CMake), from the project's checkout.
+#
+#   1. builds llama-server with ggml's CUDA backend, stock then patched
+#      (`radixctl build --backend cuda`: the default spec, which the tests and the benches use;
+#      GGML_NATIVE, so CMake compiles for the GPU it finds; flash attention kernels in);
+#   2. RADIX_TEST_CUDA=1 pytest tests/integration/test_cuda.py: the device KV-move tests
+#      (tests/integration/device_kv.py: /kvctl round trips, routes A/A+H/H/S/S+H against stock
+#      CUDA from scratch) with -ngl 99, each server's log checked to put every KV buffer on CUDA0;
+#   3. radixctl bench kvctl, restore and agents with --build-backend cuda --gpu-layers 99.
+#
+# Writes under $OUT (default gpu-check-out/<UTC time>): summary.txt (machine, versions, each
+# step's status and seconds; machine.txt alone), <step>.log for every step, tests.xml (JUnit), kvctl/, restore/,
+# agents/ (the benches' report.md and report.json, logs), builds.json (the two build.json).
+#
+#   OUT=DIR          where the reports go
+#   STEPS="..."      which steps, in order (default: preflight build tests kvctl restore agents)
+#   DRY_RUN=1        print what would run, after the checks that need no GPU; build nothing
+#   PYTHON=python3   the interpreter for the project's virtual environment (3.11 or newer)
+#   KVCTL_ARGS, RESTORE_ARGS, AGENTS_ARGS   extra arguments of each bench (e.g. --sizes 512,2048)
+#   PYTEST_ARGS      extra pytest arguments (e.g. -k "lossless or routes")
+#
+# Without network: create .venv beforehand (or set PIP_NO_INDEX=1 PIP_FIND_LINKS=<wheels>), and
+# carry the radixctl cache (RADIX_CACHE_DIR: downloads/ holds the llama.cpp sdist and the model
+# wheel). cuBLAS: the toolkit's, else a Python environment's nvidia/cu13 (PyPI's nvidia-cublas,
+# found on sys.path), else `radixctl build` fetches the pinned wheel; RADIX_CUBLAS_DIR overrides.
+# Every step runs even after one failed; the exit status is 1 if any failed.
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$ROOT" || exit 2
+OUT=${OUT:-$ROOT/gpu-check-out/$(date -u +%Y%m%dT%H%M%SZ)}
+STEPS=${STEPS:-preflight build tests kvctl restore agents}
+DRY_RUN=${DRY_RUN:-0}
+PYTHON=${PYTHON:-python3}
+BIN=$ROOT/.venv/bin
+GPU=(--build-backend cuda --gpu-layers 99)
+mkdir -p "$OUT"
+SUMMARY=$OUT/summary.txt
+failed=0
+t0=$(date +%s)
+
+log() { echo "[gpu-check] $* ($(($(date +%s) - t0)) s)" | tee -a "$SUMMARY" >&2; }
+
+# run NAME CMD...: CMD's output to $OUT/NAME.log (and the terminal), its status and time to the summary.
+run() {
+    local name=$1
+    shift
+    if [ "$DRY_RUN" = 1 ]; then
+        log "dry run: $name: $*"
+        return 0
+    fi
+    local start=$SECONDS status
+    log "$name: $*"
+    "$@" 2>&1 | tee "$OUT/$name.log"
+    status=${PIPESTATUS[0]}
+    if [ "$status" = 0 ]; then
+        log "$name: passed in $((SECONDS - start)) s"
+    else
+        log "$name: FAILED (exit $status) in $((SECONDS - start)) s, see $OUT/$name.log"
+        failed=1
+    fi
+    return "$status"
+}
+
+# The toolkit's cuBLAS, else the first nvidia/cu13 (or cu12's nvidia/cublas) on a Python's path.
+find_cublas() {
+    local nvcc root py dir header cand
+    nvcc=$(command -v nvcc) || return 0
+    root=$(dirname "$(dirname "$(readlink -f "$nvcc")")")
+    for header in "$root"/include/cublas_v2.h "$root"/targets/*/include/cublas_v2.h; do
+        if [ -f "$header" ]; then
+            echo "toolkit"
+            return 0
+        fi
+    done
+    for py in "$PYTHON" python3 /opt/torch/.venv/bin/python3; do
+        command -v "$py" >/dev/null || continue
+        for dir in $("$py" -c 'import sys; print(" ".join(p for p in sys.path if p))' 2>/dev/null); do
+            for cand in "$dir"/nvidia/cu13 "$dir"/nvidia/cublas; do
+                if [ -f "$cand/include/cublas_v2.h" ] && ls "$cand"/lib/libcublas.so* >/dev/null 2>&1; then
+                    echo "$cand"
+                    return 0
+                fi
+            done
+        done
+    done
+}
+
+preflight() {
+    local ok=1
+    {
+        echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+        echo "commit: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+        echo "host: $(uname -srm), $(nproc) CPUs"
+        if command -v nvidia-smi >/dev/null; then
+            nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader || ok=0
+        else
+            echo "nvidia-smi: not found"
+            ok=0
+        fi
+        if command -v nvcc >/dev/null; then nvcc --version | tail -n 2; else echo "nvcc: not found" && ok=0; fi
+        if command -v cmake >/dev/null; then cmake --version | head -n 1; else echo "cmake: not found" && ok=0; fi
+        "$PYTHON" --version || ok=0
+    } >"$OUT/machine.txt" 2>&1
+    tee -a "$SUMMARY" <"$OUT/machine.txt" >&2
+    if [ -z "${RADIX_CUBLAS_DIR:-}" ]; then
+        local cub
+        cub=$(find_cublas)
+        case "$cub" in
+            toolkit) log "cuBLAS: the toolkit's" ;;
+            "") log "cuBLAS: none found; radixctl build fetches PyPI's nvidia-cublas (needs the network)" ;;
+            *)
+                export RADIX_CUBLAS_DIR=$cub
+                log "cuBLAS: RADIX_CUBLAS_DIR=$cub"
+                ;;
+        esac
+    fi
+    if [ -n "${RADIX_CUBLAS_DIR:-}" ]; then
+        export LD_LIBRARY_PATH=$RADIX_CUBLAS_DIR/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    fi
+    if [ ! -x "$BIN/radixctl" ]; then
+        if [ "$DRY_RUN" = 1 ]; then
+            log "dry run: make venv PYTHON=$PYTHON"
+        else
+            make venv PYTHON="$PYTHON" 2>&1 | tee "$OUT/venv.log" || ok=0
+        fi
+    fi
+    [ "$ok" = 1 ] || { [ "$DRY_RUN" = 1 ] && log "dry run: preflight found no GPU toolchain (expected without a GPU)"; }
+    [ "$ok" = 1 ] || [ "$DRY_RUN" = 1 ]
+}
+
+build() {
+    run build-stock "$BIN/radixctl" build --backend cuda --variant stock || return 1
+    run build-patched "$BIN/radixctl" build --backend cuda || return 1
+    [ "$DRY_RUN" = 1 ] && return 0
+    local bin
+    {
+        echo "["
+        for variant in stock patched; do
+            bin=$("$BIN/radixctl" build --backend cuda --variant "$variant")
+            cat "$(dirname "$bin")/build.json"
+            [ "$variant" = stock ] && echo ","
+        done
+        echo "]"
+    } >"$OUT/builds.json"
+    bin=$("$BIN/radixctl" build --backend cuda)
+    ldd "$bin" | tee -a "$SUMMARY" | grep -q "not found" && log "build: libraries not found (above)"
+    "$bin" --list-devices 2>&1 | tee -a "$SUMMARY"
+}
+
+tests() {
+    # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
+    run tests env RADIX_TEST_CUDA=1 PYTHONUNBUFFERED=1 "$BIN/python" -m pytest tests/integration/test_cuda.py \
+        -v -rs --durations=0 --junitxml="$OUT/tests.xml" ${PYTEST_ARGS:-}
+    [ "$DRY_RUN" = 1 ] || log "tests: $(tail -n 1 "$OUT/tests.log")"
+}
+
+# shellcheck disable=SC2086  # *_ARGS are lists of words
+bench_kvctl() { run kvctl "$BIN/radixctl" bench kvctl "${GPU[@]}" --out "$OUT/kvctl" ${KVCTL_ARGS:-}; }
+# shellcheck disable=SC2086
+bench_restore() { run restore "$BIN/radixctl" bench restore "${GPU[@]}" --out "$OUT/restore" ${RESTORE_ARGS:-}; }
+# shellcheck disable=SC2086
+bench_agents() { run agents "$BIN/radixctl" bench agents "${GPU[@]}" --out "$OUT/agents" ${AGENTS_ARGS:-}; }
+
+log "output: $OUT"
+for step in $STEPS; do
+    case "$step" in
+        preflight) preflight || { log "preflight failed: no GPU toolchain here"; exit 1; } ;;
+        build) build || log "build failed: the later steps would build again; stopping" ;;
+        tests) tests ;;
+        kvctl) bench_kvctl ;;
+        restore) bench_restore ;;
+        agents) bench_agents ;;
+        *) log "unknown step $step (preflight build tests kvctl restore agents)"; exit 2 ;;
+    esac
+    if [ "$step" = build ] && [ "$failed" = 1 ]; then break; fi
+done
+log "done: $([ "$failed" = 0 ] && echo "every step passed" || echo "some step FAILED") (summary $SUMMARY)"
+exit "$failed"
