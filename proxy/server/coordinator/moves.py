@@ -358,7 +358,6 @@ class KvMoves:
             return
         tokens = entry.held_tokens()
         held = entry.pos_max + 1
-        lease.saved_checkpoints = list(entry.checkpoints)
         slot.checkpoints = entry.checkpoints
         # Invariant 1: only tokens whose KV the sequence really holds count. With moves off only
         # the server reuses a slot's KV (route A), and a sliding window's cache forgets the start
@@ -397,12 +396,12 @@ class KvMoves:
         newest first. Each is exported as the state after exactly its tokens, which the slot
         still holds (the server checks them: a 409 means the slot moved on)."""
         slot, server = lease.slot, lease.server
-        if lease.fallback or slot.ns != lease.ns or lease.saved_checkpoints is None:
+        if lease.fallback or slot.ns != lease.ns:
             return
-        held = common_prefix(slot.tokens, lease.tokens)
+        held = common_prefix(slot.tokens, lease.tokens)  # 0 when the slot's content is unknown
         todo = [
             n
-            for n in sorted(lease.saved_checkpoints, reverse=True)
+            for n in sorted(slot.checkpoints, reverse=True)
             if self.config.min_restore_tokens <= n <= held
         ][:CHECKPOINTS_PER_ANSWER]
         for n in todo:

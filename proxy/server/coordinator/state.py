@@ -240,7 +240,6 @@ class Lease:
     fallback: FallbackCause | None = None
     owner_pinned: bool = False
     finishing: bool = False  # the answer is complete; the slot is being saved
-    saved_checkpoints: list[int] | None = None  # after the answer: where the server took checkpoints
     started: float = field(default_factory=time.monotonic)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
