@@ -400,9 +400,7 @@ class KvMoves:
             return
         held = common_prefix(slot.tokens, lease.tokens)  # 0 when the slot's content is unknown
         todo = [
-            n
-            for n in sorted(slot.checkpoints, reverse=True)
-            if self.config.min_restore_tokens <= n <= held
+            n for n in sorted(slot.checkpoints, reverse=True) if self.config.min_restore_tokens <= n <= held
         ][:CHECKPOINTS_PER_ANSWER]
         for n in todo:
             tokens = lease.tokens[:n]
