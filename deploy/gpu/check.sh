@@ -18,6 +18,12 @@
 #   STEPS="..."      which steps, in order (default: preflight build tests kvctl restore agents)
 #   DRY_RUN=1        print what would run, after the checks that need no GPU; build nothing
 #   PYTHON=python3   the interpreter for the project's virtual environment (3.11 or newer)
+#   VENV=0           no virtual environment: $PYTHON already has the project's packages (e.g.
+#                    from carried wheels) and runs this checkout from PYTHONPATH
+#   RADIX_BUILD_CMAKE_ARGS   extra CMake arguments of every build (shell words), e.g.
+#                    "-DCMAKE_CUDA_ARCHITECTURES=90-real -DGGML_CUDA_FA=OFF" for a bounded build
+#                    (one architecture, no flash-attention kernels; the tests and the benches
+#                    then use that build: its own cache key)
 #   KVCTL_ARGS, RESTORE_ARGS, AGENTS_ARGS   extra arguments of each bench (e.g. --sizes 512,2048)
 #   PYTEST_ARGS      extra pytest arguments (e.g. -k "lossless or routes")
 #
@@ -34,7 +40,15 @@ OUT=${OUT:-$ROOT/gpu-check-out/$(date -u +%Y%m%dT%H%M%SZ)}
 STEPS=${STEPS:-preflight build tests kvctl restore agents}
 DRY_RUN=${DRY_RUN:-0}
 PYTHON=${PYTHON:-python3}
-BIN=$ROOT/.venv/bin
+VENV=${VENV:-1}
+if [ "$VENV" = 1 ]; then
+    PY=$ROOT/.venv/bin/python
+    RADIXCTL=("$ROOT/.venv/bin/radixctl")
+else
+    PY=$PYTHON
+    RADIXCTL=("$PYTHON" -m proxy.cli)
+    export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+fi
 GPU=(--build-backend cuda --gpu-layers 99)
 mkdir -p "$OUT"
 SUMMARY=$OUT/summary.txt
@@ -120,7 +134,8 @@ preflight() {
     if [ -n "${RADIX_CUBLAS_DIR:-}" ]; then
         export LD_LIBRARY_PATH=$RADIX_CUBLAS_DIR/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     fi
-    if [ ! -x "$BIN/radixctl" ]; then
+    log "build CMake arguments: ${RADIX_BUILD_CMAKE_ARGS:-none}"
+    if [ "$VENV" = 1 ] && [ ! -x "${RADIXCTL[0]}" ]; then
         if [ "$DRY_RUN" = 1 ]; then
             log "dry run: make venv PYTHON=$PYTHON"
         else
@@ -132,37 +147,37 @@ preflight() {
 }
 
 build() {
-    run build-stock "$BIN/radixctl" build --backend cuda --variant stock || return 1
-    run build-patched "$BIN/radixctl" build --backend cuda || return 1
+    run build-stock "${RADIXCTL[@]}" build --backend cuda --variant stock || return 1
+    run build-patched "${RADIXCTL[@]}" build --backend cuda || return 1
     [ "$DRY_RUN" = 1 ] && return 0
     local bin
     {
         echo "["
         for variant in stock patched; do
-            bin=$("$BIN/radixctl" build --backend cuda --variant "$variant")
+            bin=$("${RADIXCTL[@]}" build --backend cuda --variant "$variant")
             cat "$(dirname "$bin")/build.json"
             [ "$variant" = stock ] && echo ","
         done
         echo "]"
     } >"$OUT/builds.json"
-    bin=$("$BIN/radixctl" build --backend cuda)
+    bin=$("${RADIXCTL[@]}" build --backend cuda)
     ldd "$bin" | tee -a "$SUMMARY" | grep -q "not found" && log "build: libraries not found (above)"
     "$bin" --list-devices 2>&1 | tee -a "$SUMMARY"
 }
 
 tests() {
     # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
-    run tests env RADIX_TEST_CUDA=1 PYTHONUNBUFFERED=1 "$BIN/python" -m pytest tests/integration/test_cuda.py \
+    run tests env RADIX_TEST_CUDA=1 PYTHONUNBUFFERED=1 "$PY" -m pytest tests/integration/test_cuda.py \
         -v -rs --durations=0 --junitxml="$OUT/tests.xml" ${PYTEST_ARGS:-}
     [ "$DRY_RUN" = 1 ] || log "tests: $(tail -n 1 "$OUT/tests.log")"
 }
 
 # shellcheck disable=SC2086  # *_ARGS are lists of words
-bench_kvctl() { run kvctl "$BIN/radixctl" bench kvctl "${GPU[@]}" --out "$OUT/kvctl" ${KVCTL_ARGS:-}; }
+bench_kvctl() { run kvctl "${RADIXCTL[@]}" bench kvctl "${GPU[@]}" --out "$OUT/kvctl" ${KVCTL_ARGS:-}; }
 # shellcheck disable=SC2086
-bench_restore() { run restore "$BIN/radixctl" bench restore "${GPU[@]}" --out "$OUT/restore" ${RESTORE_ARGS:-}; }
+bench_restore() { run restore "${RADIXCTL[@]}" bench restore "${GPU[@]}" --out "$OUT/restore" ${RESTORE_ARGS:-}; }
 # shellcheck disable=SC2086
-bench_agents() { run agents "$BIN/radixctl" bench agents "${GPU[@]}" --out "$OUT/agents" ${AGENTS_ARGS:-}; }
+bench_agents() { run agents "${RADIXCTL[@]}" bench agents "${GPU[@]}" --out "$OUT/agents" ${AGENTS_ARGS:-}; }
 
 log "output: $OUT"
 for step in $STEPS; do

@@ -162,9 +162,9 @@ def parse_arms(text: str) -> list[str]:
 
 
 def arm_binary(arm: ArmDef, backend: str) -> Path:
-    from proxy.native.build import BuildSpec, build_server
+    from proxy.native.build import build_server, spec_for
 
-    return build_server(BuildSpec(variant=arm.variant, backend=backend))
+    return build_server(spec_for(arm.variant, backend))
 
 
 def binary_info(binary: Path) -> dict[str, Any]:
@@ -410,9 +410,9 @@ def patched_server(
     settings: ArmSettings, ctx_size: int, name: str = "kvctl"
 ) -> Iterator[tuple[ServerProcess, Path]]:
     """A patched server with /kvctl and a payload directory, no proxy (the kvctl microbenchmark)."""
-    from proxy.native.build import BuildSpec, build_server
+    from proxy.native.build import build_server, spec_for
 
-    binary = build_server(BuildSpec(variant="patched", backend=settings.build_backend))
+    binary = build_server(spec_for("patched", settings.build_backend))
     settings.log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     shm = shm_base() / f"radix-bench-{os.getpid()}-{port}"

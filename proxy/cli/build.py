@@ -20,7 +20,12 @@ from proxy.cli.options import build_backend_option
     help="patched: with the /kvctl patch series; stock: the same source unpatched, for comparisons.",
 )
 @build_backend_option("--backend", envvar="RADIX_BUILD_BACKEND")
-@click.option("--cmake-arg", "cmake_args", multiple=True, help="Extra CMake argument (repeatable).")
+@click.option(
+    "--cmake-arg",
+    "cmake_args",
+    multiple=True,
+    help="Extra CMake argument (repeatable); without one, the shell words of $RADIX_BUILD_CMAKE_ARGS.",
+)
 @click.option("--fault-injection", is_flag=True, help="Build the test-only import fault injection in.")
 @click.option(
     "--cross",
@@ -39,12 +44,12 @@ def build(
     jobs: int,
 ) -> None:
     """Build llama-server from the pinned source (cached by content hash) and print its path."""
-    from proxy.native.build import BuildSpec, build_server
+    from proxy.native.build import BuildSpec, build_server, env_cmake_args
 
     spec = BuildSpec(
         variant=variant,
         backend=backend,
-        cmake_args=cmake_args,
+        cmake_args=cmake_args or env_cmake_args(),
         fault_injection=fault_injection,
         cross=cross or "",
         jobs=jobs,

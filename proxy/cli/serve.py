@@ -27,7 +27,7 @@ from proxy.cli.options import (
 )
 from proxy.config import Config
 from proxy.errors import ConfigError, RadixError
-from proxy.native.build import BuildSpec, build_server
+from proxy.native.build import build_server, spec_for
 from proxy.native.fetch import cache_root, say
 from proxy.native.launch import ServerProcess, ServerSpec, check_port_free, free_port
 from proxy.native.model import resolve_model
@@ -163,7 +163,7 @@ def up_forever(
     host, port = proxy_kw["host"], proxy_kw["port"]
     check_port_free(host, port, "proxy")
     model = resolve_model(model_arg)
-    binary = build_server(BuildSpec(variant="patched", backend=build_backend))
+    binary = build_server(spec_for("patched", build_backend))
     shm_dir = _payload_dir(proxy_kw.pop("shm_dir", None), port)
     remove_payloads(shm_dir)  # left by an earlier run that was killed
     # A /kvctl key and an API key per run unless given: to the server in 0600 files, to the proxy

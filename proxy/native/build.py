@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import tarfile
@@ -69,6 +70,12 @@ X86_CMAKE_ARGS = [f"-DCMAKE_C_FLAGS={NO_AMX_FLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX
 
 FAULT_OPTION = "LLAMA_KVCTL_FAULT_INJECT"
 
+# Extra CMake arguments (shell words) for the builds that `radixctl serve`, `radixctl build`
+# (without --cmake-arg), the benches' arms and the device tests ask for: e.g. one GPU
+# architecture and no flash-attention kernels, which bound a CUDA build's time
+# (deploy/gpu/check.sh, docs/devices.md). Part of each build's cache key like any CMake argument.
+CMAKE_ARGS_ENV = "RADIX_BUILD_CMAKE_ARGS"
+
 
 @dataclass(frozen=True)
 class BuildSpec:
@@ -90,6 +97,16 @@ class BuildSpec:
             raise BuildError(
                 "fault injection exists only in the patched server", fix="drop --fault-injection"
             )
+
+
+def env_cmake_args() -> tuple[str, ...]:
+    return tuple(shlex.split(os.environ.get(CMAKE_ARGS_ENV, "")))
+
+
+def spec_for(variant: str, backend: str) -> BuildSpec:
+    """The build of ``variant`` for ``backend`` that serving, the benches and the device tests
+    use: the backend's own arguments plus ``$RADIX_BUILD_CMAKE_ARGS``."""
+    return BuildSpec(variant=variant, backend=backend, cmake_args=env_cmake_args())
 
 
 def repo_root() -> Path:

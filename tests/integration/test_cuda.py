@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from proxy.native.build import BuildSpec, build_server, server_path
+from proxy.native.build import build_server, server_path, spec_for
 from tests.integration import device_kv
 from tests.integration.device_kv import Device
 
 
 def _binary(variant: str) -> Path:
-    spec = BuildSpec(variant=variant, backend="cuda")
+    spec = spec_for(variant, "cuda")
     path = server_path(spec)
     if path.exists():
         return path

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.native.build import BuildSpec, build_server, server_path
+from proxy.native.build import build_server, server_path, spec_for
 from tests.integration import device_kv
 from tests.integration.device_kv import Device
 
@@ -40,7 +40,7 @@ def _lavapipe_env() -> dict[str, str]:
 
 
 def _binary(variant: str) -> Path:
-    spec = BuildSpec(variant=variant, backend="vulkan")
+    spec = spec_for(variant, "vulkan")
     path = server_path(spec)
     if path.exists():
         return path

@@ -37,6 +37,18 @@ def test_operator_flags_come_after_and_change_the_key(monkeypatch: pytest.Monkey
     assert build._key(mine, []) != build._key(build.BuildSpec(), [])
 
 
+def test_the_environment_s_cmake_args_reach_every_backend_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$RADIX_BUILD_CMAKE_ARGS (shell words) is part of what serving, the benches and the device
+    tests build, so a bounded CUDA build (deploy/gpu/check.sh) has its own cache key."""
+    monkeypatch.delenv(build.CMAKE_ARGS_ENV, raising=False)
+    assert build.spec_for("stock", "cuda") == build.BuildSpec(variant="stock", backend="cuda")
+    monkeypatch.setenv(build.CMAKE_ARGS_ENV, "-DCMAKE_CUDA_ARCHITECTURES=90-real  '-DX=a b'")
+    spec = build.spec_for("patched", "cuda")
+    assert spec.cmake_args == ("-DCMAKE_CUDA_ARCHITECTURES=90-real", "-DX=a b")
+    assert build._cmake_args(spec)[-3:-1] == ["-DCMAKE_CUDA_ARCHITECTURES=90-real", "-DX=a b"]
+    assert build._key(spec, []) != build._key(build.BuildSpec(backend="cuda"), [])
+
+
 def _headers(root: Path, new: bool) -> Path:
     (root / "vulkan").mkdir(parents=True)
     (root / "vulkan" / "vulkan.hpp").write_text("")
