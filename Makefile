@@ -120,28 +120,35 @@ vulkan-test: vulkan-deps $(STAMP) model
 	  $(MAKE) vulkan-native && RADIX_TEST_VULKAN=1 $(BIN)/python -m pytest tests/integration/test_vulkan.py; \
 	else echo "skip: no Vulkan build packages (make vulkan-deps), the Vulkan tests did not run"; fi
 
-# Not part of `make test`: the patched llama-server compiled and linked with ggml's CUDA backend
-# against the CUDA toolkit found here (nvcc; no GPU needed), for one GPU architecture
-# (CUDA_CHECK_ARCH, default 90-real: H100/H200 machine code only, no PTX) and without the flash
-# attention kernels' device code (GGML_CUDA_FA=OFF; CUDA_CHECK_FA=ON compiles them too): every
-# source file still compiles, the patch series included, and the link must succeed. Cached by
-# content like every build (its own build tree), so a change to the patch series recompiles only
-# the files it touches. Where the toolkit lacks cuBLAS (PyPI's nvidia-cuda-nvcc, as here) the
-# build fetches PyPI's nvidia-cublas wheel (420 MB) into the cache; with no GPU driver it links
-# without ggml's VMM pool (docs/devices.md). Measured on this 2-core machine: see docs/devices.md.
-# Prints a "skip:" line and succeeds where there is no nvcc. On a machine with an NVIDIA GPU,
-# deploy/gpu/check.sh builds the full CUDA variant, runs the device KV-move tests and the benches.
+# Not part of `make test`: the patch series compiled against ggml's CUDA backend and the CUDA
+# toolkit found here (nvcc; no GPU needed), for one GPU architecture (CUDA_CHECK_ARCH, default
+# 90-real: H100/H200 machine code only, no PTX) and without the flash attention kernels' device
+# code (GGML_CUDA_FA=OFF; CUDA_CHECK_FA=ON compiles them too). By default only the object files
+# of the sources the series changes (radixctl build --objects-only, configured for CUDA: minutes,
+# and it fails on a compile error in the patch); CUDA_CHECK_FULL=1 compiles every source and
+# links the server (hours on 2 cores: ggml's CUDA kernels; 192 s on a 16-core GPU machine,
+# docs/devices.md). Cached by content like every build (its own build tree). Where the toolkit
+# lacks cuBLAS (PyPI's nvidia-cuda-nvcc, as here) the build fetches PyPI's nvidia-cublas wheel
+# (420 MB) into the cache; with no GPU driver it builds without ggml's VMM pool. Prints a "skip:"
+# line and succeeds where there is no nvcc. On a machine with an NVIDIA GPU, deploy/gpu/check.sh
+# builds the full CUDA variant, runs the device KV-move tests and the benches.
 CUDA_CHECK_ARCH ?= 90-real
 CUDA_CHECK_FA ?= OFF
+CUDA_CHECK_FULL ?= 0
+CUDA_CHECK_ARGS = --backend cuda --cmake-arg -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_CHECK_ARCH) --cmake-arg -DGGML_CUDA_FA=$(CUDA_CHECK_FA)
 .PHONY: cuda-check
 cuda-check: $(STAMP)
-	@if command -v nvcc >/dev/null; then \
-	  bin=$$($(BIN)/radixctl build --backend cuda --cmake-arg -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_CHECK_ARCH) \
-	    --cmake-arg -DGGML_CUDA_FA=$(CUDA_CHECK_FA)) || exit 1; \
+	@if ! command -v nvcc >/dev/null; then echo "skip: no nvcc (CUDA toolkit), the CUDA compile check did not run"; \
+	elif [ "$(CUDA_CHECK_FULL)" = 1 ]; then \
+	  bin=$$($(BIN)/radixctl build $(CUDA_CHECK_ARGS)) || exit 1; \
 	  if $$bin --help 2>&1 | grep -q -- --kvctl; then \
 	    echo "cuda-check: $$bin (patched, CUDA, CMAKE_CUDA_ARCHITECTURES=$(CUDA_CHECK_ARCH)) compiled, linked and runs --help"; \
 	  else echo "cuda-check: $$bin --help does not list --kvctl (run it to see why)"; exit 1; fi; \
-	else echo "skip: no nvcc (CUDA toolkit), the CUDA compile check did not run"; fi
+	else \
+	  objs=$$($(BIN)/radixctl build $(CUDA_CHECK_ARGS) --objects-only) || exit 1; \
+	  echo "cuda-check: the sources the patch series changes compiled for CUDA ($(CUDA_CHECK_ARCH)), not linked:"; \
+	  echo "$$objs" | sed 's/^/  /'; \
+	fi
 
 # Not part of `make test`: ARM64 (the seed's Kunpeng 920 deployment). The patched and stock
 # llama-server cross-built for aarch64 with Debian's cross toolchain (radixctl build --cross
@@ -166,3 +173,13 @@ arm64-check: arm64-deps $(STAMP) model
 	@if command -v aarch64-linux-gnu-g++ >/dev/null && command -v qemu-aarch64-static >/dev/null; then \
 	  $(MAKE) arm64-native && RADIX_TEST_ARM64=1 $(BIN)/python -m pytest tests/integration/test_arm64.py; \
 	else echo "skip: no aarch64 cross toolchain or qemu (make arm64-deps), the arm64 tests did not run"; fi
+
+# Not part of `make test`: the compose stack's llama-server and proxy images for linux/arm64
+# (compose.arm64.yml), built from local Debian 12 bases (amd64 build stage that cross-compiles
+# the server, arm64 runtime under qemu-user) and run: health checks, aarch64 containers, two
+# chat requests through the proxy, the second reusing the first's KV (deploy/test/arm64.sh,
+# docs/deploy.md "ARM64"). The host's cross build seeds the image build's cache.
+.PHONY: arm64-images
+arm64-images: arm64-deps $(STAMP)
+	$(BIN)/radixctl build --cross aarch64
+	SEED_FROM_HOST=1 deploy/test/arm64.sh

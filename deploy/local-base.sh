@@ -8,6 +8,9 @@
 #   deploy/local-base.sh deploy/.env
 #
 #   ENGINE=docker             the container engine CLI
+#   RADIX_BASE_ARCH=arm64     also an arm64 base (debootstrap under qemu-user), for the runtime
+#                             and proxy images of compose.arm64.yml; RADIX_BASE_IMAGE (the
+#                             server's build stage, which cross-compiles) stays this machine's
 #   DEBIAN_MIRROR=URL         the Debian mirror (default: the one apt uses here, else deb.debian.org)
 set -euo pipefail
 
@@ -21,15 +24,20 @@ log() { echo "[local-base] $*" >&2; }
 # shellcheck source=portability/base-image.sh
 . "$HERE/portability/base-image.sh"
 image=$(base_image bookworm)
+runtime=$image
+if [ -n "${RADIX_BASE_ARCH:-}" ]; then
+    runtime=$(base_image bookworm "$RADIX_BASE_ARCH")
+fi
 if [ $# -ge 1 ]; then
     [ -f "$1" ] || { log "$1: no such file (cp deploy/.env.example deploy/.env first)"; exit 1; }
-    for key in RADIX_BASE_IMAGE RADIX_RUNTIME_BASE_IMAGE RADIX_PROXY_BASE_IMAGE; do
+    for pair in RADIX_BASE_IMAGE="$image" RADIX_RUNTIME_BASE_IMAGE="$runtime" RADIX_PROXY_BASE_IMAGE="$runtime"; do
+        key=${pair%%=*}
         if grep -q "^$key=" "$1"; then
-            sed -i "s|^$key=.*|$key=$image|" "$1"
+            sed -i "s|^$key=.*|$pair|" "$1"
         else
-            echo "$key=$image" >>"$1"
+            echo "$pair" >>"$1"
         fi
     done
-    log "$1: RADIX_BASE_IMAGE, RADIX_RUNTIME_BASE_IMAGE and RADIX_PROXY_BASE_IMAGE set to $image"
+    log "$1: RADIX_BASE_IMAGE set to $image, RADIX_RUNTIME_BASE_IMAGE and RADIX_PROXY_BASE_IMAGE to $runtime"
 fi
-echo "$image"
+echo "$runtime"

@@ -60,15 +60,8 @@ skip() { log "skip: $*"; exit 0; }
 command -v "$ENGINE" >/dev/null 2>&1 && "$ENGINE" info >/dev/null 2>&1 \
     || skip "no container engine ($ENGINE not installed or its daemon not reachable). To run it: apt-get install -y docker.io docker-compose debootstrap, start dockerd, then make deploy-test."
 
-# BuildKit (secret and cache mounts): a client with buildx, or one older than 23 (built in).
-buildkit_cli() {
-    local cli major
-    for cli in $(which -a "$ENGINE" | awk '!seen[$0]++'); do
-        if "$cli" buildx version >/dev/null 2>&1; then echo "$cli"; return; fi
-        major=$("$cli" version --format '{{.Client.Version}}' 2>/dev/null | cut -d. -f1)
-        if [ -n "$major" ] && [ "$major" -lt 23 ] 2>/dev/null; then echo "$cli"; return; fi
-    done
-}
+# base_image and buildkit_cli (BuildKit: secret and cache mounts).
+. "$DEPLOY/portability/base-image.sh"
 BUILD_CLI=$(buildkit_cli)
 [ -n "$BUILD_CLI" ] || skip "no BuildKit-capable $ENGINE client (install docker-buildx)."
 
@@ -84,7 +77,6 @@ log "engine $ENGINE, builds with $BUILD_CLI (BuildKit), compose: $COMPOSE ($($CO
 # compose v1 runs `docker build` from PATH: the BuildKit-capable client first.
 PATH="$(dirname "$BUILD_CLI"):$PATH"
 export PATH
-. "$DEPLOY/portability/base-image.sh"
 BASE=$(base_image "$SUITE")
 seed_from_host() {  # the host's patched CPU build into the BuildKit cache mount the Dockerfile uses
     local host_suite binary seed slug

@@ -33,6 +33,12 @@ from proxy.cli.options import build_backend_option
     default=None,
     help="Cross-compile for this CPU with Debian's cross toolchain (run it under qemu-user; docs/devices.md).",
 )
+@click.option(
+    "--objects-only",
+    is_flag=True,
+    help="Compile only the object files of the sources the patch series changes and link nothing: "
+    "a bounded compile check for a backend (make cuda-check). Prints the object files.",
+)
 @click.option("--jobs", "-j", type=int, default=os.cpu_count() or 2, show_default=True)
 @fail_cleanly
 def build(
@@ -41,10 +47,11 @@ def build(
     cmake_args: tuple[str, ...],
     fault_injection: bool,
     cross: str | None,
+    objects_only: bool,
     jobs: int,
 ) -> None:
     """Build llama-server from the pinned source (cached by content hash) and print its path."""
-    from proxy.native.build import BuildSpec, build_server, env_cmake_args
+    from proxy.native.build import BuildSpec, build_server, compile_patched_objects, env_cmake_args
 
     spec = BuildSpec(
         variant=variant,
@@ -54,6 +61,10 @@ def build(
         cross=cross or "",
         jobs=jobs,
     )
+    if objects_only:
+        for obj in compile_patched_objects(spec):
+            click.echo(obj)
+        return
     click.echo(build_server(spec))
 
 

@@ -189,6 +189,34 @@ def build_server(spec: BuildSpec) -> Path:
     return binary
 
 
+def compile_patched_objects(spec: BuildSpec) -> list[str]:
+    """Compile only the object files of the sources the patch series changes, configured as
+    ``spec`` (its backend's flags and headers), and link nothing; return them. A bounded check
+    that the series compiles for a backend (``make cuda-check``): a whole CUDA build takes hours
+    on 2 cores, these files minutes. Needs Ninja (single object files as build targets)."""
+    if spec.variant != "patched":
+        raise BuildError("only the patched variant has patched sources", fix="drop --variant stock")
+    if shutil.which("ninja") is None:
+        raise BuildError("compiling single object files needs Ninja", fix="apt-get install -y ninja-build")
+    patches = _series()
+    _check_tools(spec.backend, spec.cross)
+    if spec.backend == "cuda":
+        ensure_cuda()
+    source = pristine_source()
+    work = cache_root() / "work" / _base_key(spec)[:16]
+    with file_lock(work.parent / f".{work.name}.lock"):
+        tree = _WorkTree(work, source)
+        tree.switch_patches(patches)
+        tree.configure(_cmake_args(spec))
+        objects = tree.objects_of(tree.state.get("touched", []))
+        if not objects:
+            raise BuildError(
+                "no object file compiles a source the patch series changes", fix="check the series"
+            )
+        tree.compile(spec.jobs, objects)
+    return objects
+
+
 def _cmake_args(spec: BuildSpec) -> list[str]:
     if spec.cross:
         host = cross_args(spec.cross)
@@ -422,14 +450,42 @@ class _WorkTree:
         self.state["configured"] = args
         self._save()
 
-    def compile(self, jobs: int) -> None:
-        with step(f"compile llama-server (-j {jobs})"):
+    def compile(self, jobs: int, targets: list[str] | None = None) -> None:
+        what = f"{len(targets)} object files" if targets else "llama-server"
+        with step(f"compile {what} (-j {jobs})"):
             _run_logged(
-                ["cmake", "--build", str(self.build), "--target", "llama-server", "-j", str(jobs)],
-                "compiling llama-server failed",
+                [
+                    "cmake",
+                    "--build",
+                    str(self.build),
+                    "--target",
+                    *(targets or ["llama-server"]),
+                    "-j",
+                    str(jobs),
+                ],
+                f"compiling {what} failed",
                 self.root / "build.log",
                 progress=True,
             )
+
+    def objects_of(self, sources: list[str]) -> list[str]:
+        """The build's object files (Ninja targets) that compile any of ``sources`` (paths
+        relative to the source tree; headers have none of their own)."""
+        listing = subprocess.run(
+            ["ninja", "-C", str(self.build), "-t", "targets", "all"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        objects = [
+            line.split(":", 1)[0] for line in listing.splitlines() if line.split(":", 1)[0].endswith(".o")
+        ]
+        found = []
+        for src in sorted(set(sources)):
+            folder, name = os.path.split(src)
+            prefix = f"{folder}/CMakeFiles/" if folder else "CMakeFiles/"
+            found += [o for o in objects if o.startswith(prefix) and o.endswith(f"/{name}.o")]
+        return found
 
 
 def _ignore_git(directory: str, names: list[str]) -> set[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import platform
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,38 @@ def test_vulkan_builds_against_fetched_headers_where_the_systems_are_too_old(
     # New enough system headers (Debian 13): the compiler's own, no override.
     monkeypatch.setattr(build, "SYSTEM_INCLUDES", (_headers(tmp_path / "new-include", new=True),))
     assert not any("Vulkan_INCLUDE_DIR" in a for a in build._cmake_args(build.BuildSpec(backend="vulkan")))
+
+
+def test_objects_of_maps_each_changed_source_to_its_own_object_files(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`radixctl build --objects-only` (make cuda-check) compiles the object files of exactly
+    the sources the patch series changes: headers have none, and a file of the same name in
+    another folder is not one of them."""
+    listing = "\n".join(
+        [
+            "tools/server/CMakeFiles/server-context.dir/server-kvctl.cpp.o: CXX_COMPILER__server-context",
+            "tools/server/CMakeFiles/llama-server-impl.dir/server.cpp.o: CXX_COMPILER__llama-server-impl",
+            "tools/server/CMakeFiles/llama-server-impl.dir/server-http.cpp.o: CXX_COMPILER__llama-server-impl",
+            "tools/mtmd/CMakeFiles/mtmd.dir/arg.cpp.o: CXX_COMPILER__mtmd",
+            "common/CMakeFiles/llama-common.dir/arg.cpp.o: CXX_COMPILER__llama-common",
+            "src/CMakeFiles/llama.dir/llama-kv-cache.cpp.o: CXX_COMPILER__llama",
+            "bin/llama-server: CXX_EXECUTABLE_LINKER__llama-server",
+        ]
+    )
+    monkeypatch.setattr(
+        subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=listing, stderr="")
+    )
+    tree = build._WorkTree.__new__(build._WorkTree)
+    tree.build = tmp_path
+    changed = [
+        "common/arg.cpp",
+        "tools/server/server.cpp",
+        "tools/server/server-kvctl.h",
+        "src/llama-kv-cache.cpp",
+    ]
+    assert tree.objects_of(changed) == [
+        "common/CMakeFiles/llama-common.dir/arg.cpp.o",
+        "src/CMakeFiles/llama.dir/llama-kv-cache.cpp.o",
+        "tools/server/CMakeFiles/llama-server-impl.dir/server.cpp.o",
+    ]

@@ -118,3 +118,18 @@ def test_the_operators_own_model_is_only_checked(dirs: tuple[Path, Path]) -> Non
     assert missing.returncode == 1 and "RADIX_MODEL_FILE" in missing.stderr
     bad = fill(src, dst, "../m.gguf")
     assert bad.returncode == 2
+
+
+def test_the_arm64_variant_puts_every_server_and_the_proxy_on_arm64() -> None:
+    """compose.arm64.yml: every service of the server's image and the proxy run linux/arm64,
+    under tags of their own (an arm64 image never replaces the host's under the same name)."""
+    base, found = services(), services("compose.arm64.yml")
+    server_users = {
+        n for n, s in base.items() if s.get("image", "").startswith("llama-radix-proxy/llama-server:")
+    }
+    assert server_users == {"models-init", "llama-server", "llama-server-2"}
+    assert set(found) == server_users | {"proxy"}
+    assert all(s["platform"] == "linux/arm64" for s in found.values())
+    images = {found[n]["image"] for n in server_users}
+    assert len(images) == 1 and images.pop() == base["llama-server"]["image"] + "-arm64"
+    assert found["proxy"]["image"] != base["proxy"]["image"]
