@@ -15,6 +15,7 @@ Layout under the cache root:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -26,6 +27,7 @@ import subprocess
 import tarfile
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -158,18 +160,10 @@ def build_server(spec: BuildSpec) -> Path:
     out_dir = binary.parent
     if binary.exists():
         return binary
-    _check_tools(spec.backend, spec.cross)
-    if spec.backend == "cuda":
-        ensure_cuda()
-    source = pristine_source()
-    work = cache_root() / "work" / _base_key(spec)[:16]
-    with file_lock(work.parent / f".{work.name}.lock"):
+    with _locked_tree(spec) as tree:
         if binary.exists():
             return binary
-        tree = _WorkTree(work, source)
-        tree.switch_patches(patches)
-        args = _cmake_args(spec)
-        tree.configure(args)
+        args = tree.prepare(patches, _cmake_args(spec))
         tree.compile(spec.jobs)
         with staging_dir(out_dir) as tmp:
             shutil.copy2(tree.build / "bin" / "llama-server", tmp / "llama-server")
@@ -198,16 +192,8 @@ def compile_patched_objects(spec: BuildSpec) -> list[str]:
         raise BuildError("only the patched variant has patched sources", fix="drop --variant stock")
     if shutil.which("ninja") is None:
         raise BuildError("compiling single object files needs Ninja", fix="apt-get install -y ninja-build")
-    patches = _series()
-    _check_tools(spec.backend, spec.cross)
-    if spec.backend == "cuda":
-        ensure_cuda()
-    source = pristine_source()
-    work = cache_root() / "work" / _base_key(spec)[:16]
-    with file_lock(work.parent / f".{work.name}.lock"):
-        tree = _WorkTree(work, source)
-        tree.switch_patches(patches)
-        tree.configure(_cmake_args(spec))
+    with _locked_tree(spec) as tree:
+        tree.prepare(_series(), _cmake_args(spec))
         objects = tree.objects_of(tree.state.get("touched", []))
         if not objects:
             raise BuildError(
@@ -215,6 +201,19 @@ def compile_patched_objects(spec: BuildSpec) -> list[str]:
             )
         tree.compile(spec.jobs, objects)
     return objects
+
+
+@contextlib.contextmanager
+def _locked_tree(spec: BuildSpec) -> Iterator[_WorkTree]:
+    """The shared work tree of ``spec``'s backend and flags, held under its lock; the tools
+    checked first (and cuBLAS fetched where a CUDA build takes the pinned wheel's)."""
+    _check_tools(spec.backend, spec.cross)
+    if spec.backend == "cuda":
+        ensure_cuda()
+    source = pristine_source()
+    work = cache_root() / "work" / _base_key(spec)[:16]
+    with file_lock(work.parent / f".{work.name}.lock"):
+        yield _WorkTree(work, source)
 
 
 def _cmake_args(spec: BuildSpec) -> list[str]:
@@ -436,6 +435,12 @@ class _WorkTree:
                 "(see native/llama-server-patch/README.md)",
             )
         return proc.stdout
+
+    def prepare(self, patches: list[Path], args: list[str]) -> list[str]:
+        """``patches`` applied (only those) and the build configured with ``args``; returns them."""
+        self.switch_patches(patches)
+        self.configure(args)
+        return args
 
     def configure(self, args: list[str]) -> None:
         if self.state.get("configured") == args and (self.build / "CMakeCache.txt").exists():
