@@ -8,6 +8,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -118,6 +119,22 @@ class SlotState:
     checkpoints: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class KvPlace:
+    """Where a server's KV (and recurrent state) lives, as its caps say (``memory.buffers``)."""
+
+    devices: tuple[str, ...] = ()  # "CPU", "CUDA0", "Vulkan0", ... (): unknown
+    backends: tuple[str, ...] = ()  # "CPU", "CUDA", "Vulkan", ...
+    host: bool | None = None  # every buffer in host memory (None: unknown)
+    unknown: str | None = "not read yet"  # why the caps cannot say (None: they can)
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kv_devices": list(self.devices), "kv_backends": list(self.backends)}
+        if self.host is not None:
+            out["kv_on_host"] = self.host
+        return out
+
+
 @dataclass
 class ServerState:
     name: str
@@ -147,7 +164,8 @@ class ServerState:
     infill: InfillParams | None = None  # what /infill builds its prompt from (caps; None: not reported)
     embeddings: bool = False  # started with --embeddings (caps embedding.on): serves /v1/embeddings
     pooling: int = -1  # its pooling type (caps embedding.pooling; 4: --reranking, serves /v1/rerank)
-    rates: MeasuredRates = field(default_factory=MeasuredRates)  # from its answers' timings
+    rates: MeasuredRates = field(default_factory=MeasuredRates)  # from its answers' timings and its moves
+    kv: KvPlace = field(default_factory=KvPlace)  # where its KV lives (caps memory.buffers)
     # Set (and replaced) when a reservation ends: requests waiting for room look again.
     room_freed: asyncio.Event = field(default_factory=asyncio.Event)
     # Set when the health checks take the server out of routing, replaced when it is back: a
