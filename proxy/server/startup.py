@@ -327,11 +327,8 @@ async def _connect(
             _checkpoints_off(caps),
         )
     state = ServerState(name, backend, mover, slots, n_ctx_slot, sharing, rates=mover.rates)
-    state.kv = kv_place(caps)
-    metrics.set_kv_place(
-        name,
-        tuple(dict.fromkeys((b.device or "unknown", b.backend or "unknown") for b in caps.kv_buffers or ())),
-    )
+    state.kv = KvPlace.from_caps(caps)
+    metrics.set_kv_place(name, state.kv.pairs)
     metrics.set_move_rates(name, state.rates.export_bytes_per_s, state.rates.import_bytes_per_s)
     state.model, state.model_ns, state.named = model, model_ns, bool(spec.model)
     state.n_cells = caps.n_cells
@@ -343,17 +340,6 @@ async def _connect(
     state.pooling = caps.embedding.pooling if caps.embedding is not None else -1
     state.instance = instance or None
     return state
-
-
-def kv_place(caps: Caps) -> KvPlace:
-    """Where the server's KV lives, from its caps (``memory.buffers``)."""
-    buffers = caps.kv_buffers or ()
-    return KvPlace(
-        devices=caps.kv_devices,
-        backends=caps.kv_backends,
-        host=all(b.host for b in buffers) if buffers else None,
-        unknown=caps.kv_where_unknown(),
-    )
 
 
 def _checkpoints_off(caps: Caps) -> str:

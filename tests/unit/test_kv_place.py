@@ -22,6 +22,8 @@ from proxy.core.payload import KvSegment
 from proxy.core.planner import Route
 from proxy.core.segment import KvLayout
 from proxy.server import startup
+from proxy.server.coordinator import KvPlace
+from proxy.server.health import HealthMonitor
 from proxy.server.kvctl import Caps, ExportReply, ImportReply
 from proxy.server.layoutcheck import LayoutChecks
 from proxy.server.metrics import Metrics
@@ -67,11 +69,11 @@ def test_a_server_that_cannot_say_where_its_kv_lives_is_served_prefill_only() ->
     for unknown in (caps([]), caps([{**GOOD["caps"]["memory"]["buffers"][0], "device": ""}]), caps()):
         layout, off = startup._layout_or_why_not(unknown)
         assert layout is None and len(off) == 1 and "/kvctl/caps" in off[0], off
-        assert startup.kv_place(unknown).unknown == off[0]
+        assert KvPlace.from_caps(unknown).unknown == off[0]
     # As startup sets it up: the moves-off path, the same as a sliding window's.
     s0 = server("s0", n_slots=2)
     s0.moves_off = off
-    s0.kv = startup.kv_place(caps())
+    s0.kv = KvPlace.from_caps(caps())
     coord = coordinator(s0)
     prompt = toks(0, 100)
     coord.tree.insert(prompt, KvSegment.from_rows(0, LAYOUT, rows(prompt.tolist())))
@@ -93,7 +95,7 @@ def test_a_server_that_cannot_say_where_its_kv_lives_is_served_prefill_only() ->
 def test_health_names_the_device_and_backend() -> None:
     gpu = {**GOOD["caps"]["memory"]["buffers"][0], "name": "CUDA0", "device": "CUDA0", "backend": "CUDA"}
     s0 = server("s0")
-    s0.kv = startup.kv_place(caps([{**gpu, "host": False}]))
+    s0.kv = KvPlace.from_caps(caps([{**gpu, "host": False}]))
     entry = health_body(coordinator(s0))["servers"][0]
     assert entry["kv_moves"] == "on"
     assert (
@@ -200,3 +202,21 @@ async def test_the_mover_learns_the_servers_move_rates() -> None:
     silent = KvMover(_Backend(t_ms=None), BIG, {}, None, Metrics(CollectorRegistry(), ("s0",)))  # type: ignore[arg-type]
     await silent.import_(1, 0, list(range(n)), [segment])
     assert silent.rates.moves_seen == 0  # a server without t_ms teaches nothing
+
+
+def test_the_health_checks_follow_where_a_restarted_servers_kv_lives() -> None:
+    s0 = server("s0", n_slots=4)  # as many as the caps say
+    s0.mover.compat = dict(caps().compat)  # type: ignore[misc]
+    s0.kv = KvPlace.from_caps(caps(GOOD["caps"]["memory"]["buffers"]))
+    coord = coordinator(s0)
+    monitor = HealthMonitor(coord, 1.0, 1.0)
+    # Moves are on for where its KV was: a server that no longer says is kept out.
+    assert "restart the proxy" in HealthMonitor._incompatible(s0, caps())
+    gpu = {**GOOD["caps"]["memory"]["buffers"][0], "name": "CUDA0", "device": "CUDA0", "backend": "CUDA"}
+    moved = caps([{**gpu, "host": False}])
+    assert HealthMonitor._incompatible(s0, moved) == ""
+    monitor._follow_kv_place(s0, moved)
+    assert s0.kv.devices == ("CUDA0",) and s0.kv.host is False
+    assert coord.metrics.value("radix_server_kv_device", server="s0", device="CUDA0", backend="CUDA") == 1
+    s0.moves_off = ("sliding-window attention",)  # moves off already: nothing to keep it out for
+    assert HealthMonitor._incompatible(s0, caps()) == ""

@@ -20,6 +20,7 @@ from proxy.core.radix import HostMatch, RadixTree
 from proxy.core.routing import MeasuredRates
 from proxy.errors import FallbackCause
 from proxy.server.backend import ServerClient
+from proxy.server.kvctl import Caps
 from proxy.server.ports import KvServer, Mover
 from proxy.server.sharing import Sharing
 
@@ -127,6 +128,18 @@ class KvPlace:
     backends: tuple[str, ...] = ()  # "CPU", "CUDA", "Vulkan", ...
     host: bool | None = None  # every buffer in host memory (None: unknown)
     unknown: str | None = "not read yet"  # why the caps cannot say (None: they can)
+    pairs: tuple[tuple[str, str], ...] = ()  # (device, backend) of each buffer, each once
+
+    @classmethod
+    def from_caps(cls, caps: Caps) -> KvPlace:
+        buffers = caps.kv_buffers or ()
+        return cls(
+            devices=caps.kv_devices,
+            backends=caps.kv_backends,
+            host=all(b.host for b in buffers) if buffers else None,
+            unknown=caps.kv_where_unknown(),
+            pairs=tuple(dict.fromkeys((b.device or "unknown", b.backend or "unknown") for b in buffers)),
+        )
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kv_devices": list(self.devices), "kv_backends": list(self.backends)}
