@@ -1,5 +1,11 @@
 """A patched llama-server's KV moves where its KV lives, with Python's standard library only
-(for a GPU machine that has no project environment): `python3 kvctl_smoke.py URL OUT.json`.
+(for a GPU machine that has no project environment):
+`python3 kvctl_smoke.py URL OUT.json [DEVICE [RATE_TOKENS]]`.
+
+Where its KV lives is read from caps (`memory.buffers`, patch 0019); with DEVICE (e.g. CUDA0,
+or CPU for a server with --no-kv-offload) every buffer must be on it. With RATE_TOKENS a
+prompt that long is computed and its KV exported and imported three times: the server's own
+copy times (`t_ms`) give its device-to-host (export) and host-to-device (import) rates.
 
 With moves on: a prompt computed on slot 0, its KV exported, imported into slot 1 and exported
 again (the two payloads must be byte-identical), and the continuation from the moved KV
@@ -102,6 +108,44 @@ def moves(base: str, caps: dict[str, Any], rnd: random.Random) -> dict[str, Any]
     }
 
 
+def rates(base: str, caps: dict[str, Any], rnd: random.Random, n: int) -> dict[str, Any]:
+    """The server's copy rates, from its ``t_ms``: the median of three exports and imports of
+    ``n`` tokens' KV (slot 0 to the host, the host to slot 1)."""
+    prompt = [rnd.randrange(10, 1000) for _ in range(n)]
+    complete(base, prompt, 0, n=1)
+    tokens = call(f"{base}/kvctl/slots?tokens=1")[1]["slots"][0]["tokens"]
+    exp = {"slot": 0, "p0": 0, "p1": len(tokens), "expect_sha256": sha(tokens)}
+    out_ms, in_ms, payload = [], [], b""
+    for _ in range(3):
+        status, payload, hdrs = call(f"{base}/kvctl/export", exp, accept="application/octet-stream")
+        assert status == 200 and isinstance(payload, bytes), payload
+        out_ms.append(float(json.loads(hdrs["X-Kvctl-Meta"])["t_ms"]))
+    imp = {
+        "slot": 1,
+        "p0": 0,
+        "p1": len(tokens),
+        "tokens": tokens,
+        "compat": caps["compat_id"],
+        "segments": [{"data": base64.b64encode(payload).decode()}],
+    }
+    for _ in range(3):
+        call(f"{base}/kvctl/erase", {"slot": 1})
+        status, reply, _ = call(f"{base}/kvctl/import", imp)
+        assert status == 200, reply
+        in_ms.append(float(reply["t_ms"]))
+    call(f"{base}/kvctl/erase", {"slot": 0})
+    call(f"{base}/kvctl/erase", {"slot": 1})
+    export_ms, import_ms = sorted(out_ms)[1], sorted(in_ms)[1]
+    return {
+        "tokens": len(tokens),
+        "bytes": len(payload),
+        "export_t_ms": out_ms,
+        "import_t_ms": in_ms,
+        "device_to_host_mb_s": len(payload) / export_ms / 1e3 if export_ms > 0 else None,
+        "host_to_device_mb_s": len(payload) / import_ms / 1e3 if import_ms > 0 else None,
+    }
+
+
 def checkpoints(base: str, rnd: random.Random) -> dict[str, Any]:
     prompt = [rnd.randrange(10, 1000) for _ in range(400)]
     complete(base, prompt, 0, n=1)
@@ -121,6 +165,8 @@ def checkpoints(base: str, rnd: random.Random) -> dict[str, Any]:
 
 def main() -> int:
     base, out = sys.argv[1].rstrip("/"), sys.argv[2]
+    device = sys.argv[3] if len(sys.argv) > 3 else ""
+    rate_tokens = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     for _ in range(240):
         try:
             if call(f"{base}/health")[0] == 200:
@@ -135,13 +181,18 @@ def main() -> int:
         "checkpoints": caps.get("checkpoints"),
     }
     rnd = random.Random(7)
-    ok = True
+    buffers = caps["memory"].get("buffers")
+    result["kv_devices"] = sorted({b["device"] for b in buffers or []})
+    ok = bool(buffers) and (not device or result["kv_devices"] == [device])
     if caps["moves"]:
         result["round_trip"] = moves(base, caps, rnd)
         ok = (
-            result["round_trip"]["byte_identical_after_import"]
+            ok
+            and result["round_trip"]["byte_identical_after_import"]
             and result["round_trip"]["moved_vs_in_place"]["same_tokens"]
         )
+        if rate_tokens:
+            result["rates"] = rates(base, caps, rnd, rate_tokens)
     if (caps.get("checkpoints") or {}).get("on"):
         result["checkpoint"] = checkpoints(base, rnd)
         ok = ok and result["checkpoint"]["restored_vs_scratch"]["same_tokens"]

@@ -5,7 +5,10 @@ size, ``reps`` exports of ``[0,n)`` from slot 0 and ``reps`` imports of that pay
 slot 1 go through ``KvMover`` (payload files in the shared-memory directory, as in
 production). Each is timed twice: the whole mover call, and the /kvctl HTTP call inside it,
 during which the server's main loop does the copy and serves nothing else. A plain numpy
-copy of the same number of bytes on this machine is the yardstick. Optionally a tiny
+copy of the same number of bytes on this machine is the yardstick. The server's own copy
+(``t_ms``) is its device-to-host rate for an export and host-to-device for an import where its
+KV is on a device (where it lives: its caps, ``memory.buffers``), and the rates the mover learned
+from these moves are the ones the proxy's cost model would price restores at. Optionally a tiny
 generation on slot 3 is sent during one export and one import, and when idle, to see the
 main loop's stall from a client's side.
 """
@@ -16,6 +19,7 @@ import asyncio
 import statistics
 import time
 from collections.abc import Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +206,8 @@ async def run_kvctl_bench(
                     "server_mb_s": size / (statistics.median(servers) / 1000) / 1e6,
                     "loop_ms_p50": statistics.median(loops) if loops else None,
                     "loop_ms_max": max(loops) if loops else None,
+                    # The server's copy alone: device-to-host (export), host-to-device (import).
+                    "device_mb_s": size / (statistics.median(loops) / 1000) / 1e6 if loops else None,
                     "probe_ms": probes[0] if probes else None,
                 }
             row["memcpy_mb_s"] = memcpy_mb_s(size, max(5, reps))
@@ -217,5 +223,18 @@ async def run_kvctl_bench(
         "prefill_s": prefill_s,
         "probe_idle_ms": probe_idle,
         "layout_bytes_per_token": layout.bytes_per_token,
+        "kv": {
+            "devices": list(caps.kv_devices),
+            "backends": list(caps.kv_backends),
+            "on_host": all(b.host for b in caps.kv_buffers) if caps.kv_buffers else None,
+            "unknown": caps.kv_where_unknown(),
+            "buffers": [asdict(b) for b in caps.kv_buffers or ()],
+        },
+        # What the mover learned from these moves (bytes over the server's copy plus the proxy's).
+        "learned": {
+            "export_mb_s": mover.rates.export_bytes_per_s / 1e6,
+            "import_mb_s": mover.rates.import_bytes_per_s / 1e6,
+            "moves": mover.rates.moves_seen,
+        },
         "sizes": rows,
     }

@@ -410,9 +410,29 @@ def render_kvctl_markdown(report: dict[str, Any]) -> str:
         "KV moves through the proxy's mover against a numpy memcpy of the same bytes.",
         "`server ms` is the wall time of the /kvctl call; `loop ms` the part of it on the server's main loop "
         "(what it reports as `t_ms`: other slots wait for it); `total ms` adds the proxy's side (payload file "
-        "read / build). Probe: a tiny generation on another slot.",
+        "read / build). `device MB/s` is the server's copy alone (`loop ms`): device-to-host for an "
+        "export, host-to-device for an import where the KV is on a device. Probe: a tiny generation on "
+        "another slot.",
         "",
     ]
+    kv = report.get("kv") or {}
+    if kv:
+        on_host = kv.get("on_host")
+        memory = "" if on_host is None else " (host memory)" if on_host else " (device memory)"
+        where = ", ".join(kv.get("devices") or []) or "unknown"
+        backends = ", ".join(kv.get("backends") or []) or "unknown"
+        lines += [
+            f"KV on {where}, backend {backends}{memory}" + (f": {kv['unknown']}" if kv.get("unknown") else "")
+        ]
+    learned = report.get("learned") or {}
+    if learned:
+        lines += [
+            f"Move rates the mover learned ({learned.get('moves')} moves): export (device-to-host) "
+            f"{_n(learned.get('export_mb_s'), '{:.0f}')} MB/s, import (host-to-device) "
+            f"{_n(learned.get('import_mb_s'), '{:.0f}')} MB/s",
+        ]
+    if kv or learned:
+        lines += [""]
     rows = []
     for s in report["sizes"]:
         for op in ("export", "import"):
@@ -426,6 +446,7 @@ def render_kvctl_markdown(report: dict[str, Any]) -> str:
                     _n(o["server_ms_p50"], "{:.1f}"),
                     _n(o.get("loop_ms_p50"), "{:.1f}"),
                     _n(o["mb_s"], "{:.0f}"),
+                    _n(o.get("device_mb_s"), "{:.0f}"),
                     _n(s["memcpy_mb_s"], "{:.0f}"),
                     _n(o.get("probe_ms"), "{:.1f}"),
                     _n(report.get("probe_idle_ms"), "{:.1f}"),
@@ -440,6 +461,7 @@ def render_kvctl_markdown(report: dict[str, Any]) -> str:
             "server ms p50",
             "loop ms p50",
             "MB/s",
+            "device MB/s",
             "memcpy MB/s",
             "probe ms during",
             "probe ms idle",

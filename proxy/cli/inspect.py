@@ -199,7 +199,7 @@ def format_tree(data: dict[str, Any]) -> str:
 
 
 def format_slots(data: dict[str, Any]) -> str:
-    rows, resident_rows, pools, errors = [], [], [], []
+    rows, resident_rows, pools, places, errors = [], [], [], [], []
     for srv in data["servers"]:
         for s in srv["slots"]:
             idle = f"{s['idle_s']:.0f}s" if s.get("idle_s") is not None else None
@@ -227,6 +227,8 @@ def format_slots(data: dict[str, Any]) -> str:
                     _preview_text(r.get("preview"), 60),
                 ]
             )
+        if srv.get("kv"):
+            places.append(f"{srv['server']}: {_kv_place(srv['kv'])}")
         pool = srv.get("pool")
         if pool:
             shared = int(pool.get("logical", 0)) - int(pool.get("used", 0))
@@ -247,11 +249,31 @@ def format_slots(data: dict[str, Any]) -> str:
         if resident_rows
         else "none"
     )
+    if places:
+        out += "\n\nKV location:\n" + "\n".join("  " + p for p in places)
     if pools:
         out += "\n\nKV pool:\n" + "\n".join("  " + p for p in pools)
     if errors:
         out += "\n\nunanswered: " + "; ".join(errors)
     return out
+
+
+def _kv_place(kv: dict[str, Any]) -> str:
+    """Where a server's KV lives and its learned move rates, for ``radixctl inspect slots``."""
+    devices = ",".join(kv.get("kv_devices") or []) or "unknown"
+    backends = ",".join(kv.get("kv_backends") or []) or "unknown"
+    on_host = kv.get("kv_on_host")
+    memory = "" if on_host is None else ", host memory" if on_host else ", device memory"
+    where = f"KV on {devices} ({backends} backend{memory})"
+    if kv.get("kv_unknown"):
+        where += f": {kv['kv_unknown']}"
+    if not kv.get("moves"):
+        return where + "; moves off"
+    learned = f"learned from {kv.get('moves_measured')} moves" if kv.get("moves_measured") else "prior"
+    return (
+        f"{where}; export (device-to-host) {kv.get('export_mb_s')} MB/s, "
+        f"import (host-to-device) {kv.get('import_mb_s')} MB/s ({learned})"
+    )
 
 
 def format_stats(d: dict[str, Any]) -> str:

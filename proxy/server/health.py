@@ -4,7 +4,8 @@ Every ``health_interval_s`` each server is asked ``GET /health`` and ``GET /kvct
 (under ``health_timeout_s``). A server that does not answer, or answers an error, is taken
 out of routing; when it answers again it is put back, and if its instance id changed (it
 restarted) its slot table and resident index are reset. A server that comes back with
-another model or KV layout is kept out, with a log line saying why.
+another model or KV layout, or that no longer says where its KV lives while its moves are on,
+is kept out, with a log line saying why; one whose KV moved (another device) is followed.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 
 from proxy.errors import RadixError
-from proxy.server.coordinator import Coordinator, ServerState
+from proxy.server.coordinator import Coordinator, KvPlace, ServerState
 from proxy.server.kvctl import Caps
 
 log = logging.getLogger("radix")
@@ -68,7 +69,23 @@ class HealthMonitor:
             self.coordinator.server_down(server, reason)
             return
         self._follow_checkpoints(server, caps)
+        self._follow_kv_place(server, caps)
         self.coordinator.server_up(server, caps.instance)
+
+    def _follow_kv_place(self, server: ServerState, caps: Caps) -> None:
+        """A restarted server may hold its KV elsewhere now (another -ngl, another device)."""
+        place = KvPlace.from_caps(caps)
+        if place == server.kv:
+            return
+        log.warning(
+            "%s: its KV lives on %s (%s) now, not %s",
+            server.name,
+            ",".join(place.devices) or "an unknown device",
+            ",".join(place.backends) or "unknown backend",
+            ",".join(server.kv.devices) or "an unknown device",
+        )
+        server.kv = place
+        self.coordinator.metrics.set_kv_place(server.name, place.pairs)
 
     def _follow_checkpoints(self, server: ServerState, caps: Caps) -> None:
         """A restarted server may take whole-state checkpoints now, or no longer (another
@@ -92,6 +109,9 @@ class HealthMonitor:
             return "it now runs another model or KV layout (restart the proxy to serve it)"
         if caps.n_parallel != len(server.slots):
             return f"it now has {caps.n_parallel} slots, not {len(server.slots)} (restart the proxy)"
+        unknown = caps.kv_where_unknown()
+        if server.moves and unknown is not None:  # moves were on for where its KV was
+            return f"{unknown} (restart the proxy to serve it without moves)"
         return ""
 
 

@@ -144,6 +144,37 @@ class Embedding:
 
 
 @dataclass(frozen=True)
+class KvBuffer:
+    """One buffer the server's memory (KV cache, recurrent state) lives in, as ggml names it
+    (caps ``memory.buffers``, patch 0019): read from the buffers, not inferred from ``-ngl``."""
+
+    name: str  # the buffer type: "CPU", "CUDA0", "Vulkan0", "CUDA_Host", ...
+    device: str  # its device: "CPU", "CUDA0", "Vulkan0" ("": the server cannot say)
+    description: str  # the device's own words ("NVIDIA H200", "llvmpipe (LLVM 15.0.6, 256 bits)")
+    type: str  # cpu, gpu, igpu, accel, meta ("unknown": the server cannot say)
+    backend: str  # the ggml backend: "CPU", "CUDA", "Vulkan" ("": the server cannot say)
+    host: bool  # in host memory (a move copies it with memcpy; else through the device's API)
+    bytes: int
+
+    @classmethod
+    def parse(cls, obj: object, cause: FallbackCause, where: str) -> KvBuffer:
+        r = _Reader(obj, KvRoute.CAPS, cause, where)
+        return cls(
+            name=r.string("name"),
+            device=r.string("device"),
+            description=r.string("description"),
+            type=r.string("type"),
+            backend=r.string("backend"),
+            host=r.flag("host"),
+            bytes=r.integer("bytes"),
+        )
+
+    @property
+    def known(self) -> bool:
+        return bool(self.device and self.backend) and self.type != "unknown"
+
+
+@dataclass(frozen=True)
 class Caps:
     """GET /kvctl/caps."""
 
@@ -167,6 +198,30 @@ class Caps:
     compat_id: str
     checkpoints: bool  # patch 0017: whole-state checkpoints on (recurrent and hybrid memory)
     checkpoints_off: tuple[str, ...]  # why they are off
+    # Where the memory lives (patch 0019): None where the server does not say (an older patch).
+    kv_buffers: tuple[KvBuffer, ...] | None = None
+
+    @property
+    def kv_devices(self) -> tuple[str, ...]:
+        """The devices the KV (and recurrent state) is on, in the server's order, each once."""
+        return tuple(dict.fromkeys(b.device for b in self.kv_buffers or () if b.device))
+
+    @property
+    def kv_backends(self) -> tuple[str, ...]:
+        """The ggml backends of those devices, each once."""
+        return tuple(dict.fromkeys(b.backend for b in self.kv_buffers or () if b.backend))
+
+    def kv_where_unknown(self) -> str | None:
+        """Why the caps cannot say where the KV lives (None: they can). A server that cannot
+        say is served without moves (invariant 9: what is not known is not trusted)."""
+        if self.kv_buffers is None:
+            return "its /kvctl/caps do not say where its KV lives (no memory.buffers: a patch before 0019)"
+        if not self.kv_buffers:
+            return "its /kvctl/caps list no buffer for its KV (memory.buffers is empty)"
+        unknown = [b.name or "?" for b in self.kv_buffers if not b.known]
+        if unknown:
+            return f"its /kvctl/caps cannot say which device or backend holds KV buffer {', '.join(unknown)}"
+        return None
 
     @classmethod
     def parse(cls, obj: object, cause: FallbackCause = FallbackCause.TRANSPORT) -> Caps:
@@ -177,6 +232,12 @@ class Caps:
         memory = _Reader(r.obj_of("memory"), KvRoute.CAPS, cause, "memory.")
         ckpt_obj = r.opt_obj("checkpoints")
         ckpt = _Reader(ckpt_obj or {"on": False, "off": []}, KvRoute.CAPS, cause, "checkpoints.")
+        buffers = memory.list_of("buffers") if "buffers" in memory.obj else None
+        kv_buffers = (
+            None
+            if buffers is None
+            else tuple(KvBuffer.parse(b, cause, f"memory.buffers[{i}].") for i, b in enumerate(buffers))
+        )
         embedding_obj = r.opt_obj("embedding")
         embedding = None
         if embedding_obj is not None:
@@ -203,6 +264,7 @@ class Caps:
             compat_id=r.string("compat_id"),
             checkpoints=ckpt.flag("on"),
             checkpoints_off=ckpt.strs("off"),
+            kv_buffers=kv_buffers,
         )
 
 

@@ -323,6 +323,21 @@ class Metrics:
             ["server"],
             registry=registry,
         )
+        self.server_kv_device = Gauge(
+            f"{ns}_server_kv_device",
+            "1 for each device and ggml backend the server's KV cache (and recurrent state) "
+            "lives on, as its /kvctl/caps memory.buffers say (an info metric)",
+            ["server", "device", "backend"],
+            registry=registry,
+        )
+        self._kv_places: dict[str, tuple[tuple[str, str], ...]] = {}
+        self.server_move_rate = Gauge(
+            f"{ns}_server_kv_move_bytes_per_second",
+            "The server's KV move rate the cost model uses, learned from its moves: export "
+            "(device-to-host where its KV is on a device) and import (host-to-device)",
+            ["server", "direction"],
+            registry=registry,
+        )
         self.pool = {
             field: Gauge(name, _POOL_HELP[field], ["server"], registry=registry)
             for field, name in POOL_FIELDS.items()
@@ -390,6 +405,20 @@ class Metrics:
             return  # keep the last known counts rather than report an empty pool
         for field, gauge in self.pool.items():
             gauge.labels(server).set(float(cells.get(field, 0)))
+
+    def set_kv_place(self, server: str, places: tuple[tuple[str, str], ...]) -> None:
+        """Where the server's KV lives, as (device, backend) pairs from its caps at connect:
+        one series each, 1 (("unknown", "unknown") where the caps cannot say); a reconnected
+        server's earlier series are removed."""
+        for labels in self._kv_places.pop(server, ()):
+            self.server_kv_device.remove(server, *labels)
+        self._kv_places[server] = places or (("unknown", "unknown"),)
+        for device, backend in self._kv_places[server]:
+            self.server_kv_device.labels(server, device, backend).set(1)
+
+    def set_move_rates(self, server: str, export_bytes_per_s: float, import_bytes_per_s: float) -> None:
+        self.server_move_rate.labels(server, "export").set(export_bytes_per_s)
+        self.server_move_rate.labels(server, "import").set(import_bytes_per_s)
 
     # ---- reading (admin API, radixctl stats) -------------------------------------------------
 

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from proxy.core.payload import KvLayout, KvSegment, blob_size, parse_blob, write_blob
+from proxy.core.routing import MeasuredRates
 from proxy.errors import FallbackCause, KvMoveError, PayloadError
 from proxy.server.backend import ServerClient, move_timeout_s
 from proxy.server.metrics import Metrics
@@ -51,8 +52,11 @@ class KvMover:
         compat: dict[str, Any],
         shm_dir: Path | None,
         metrics: Metrics,
+        rates: MeasuredRates | None = None,
     ) -> None:
         self.backend = backend
+        # The server's rates: each move teaches its export or import rate (the cost model's).
+        self.rates = rates if rates is not None else MeasuredRates()
         self.layout = layout  # None: KV moves are off for this server (ServerState.moves_off)
         self.compat = compat
         self.shm_dir = shm_dir
@@ -113,6 +117,7 @@ class KvMover:
                 reply = await self.backend.export(seq, p0, tokens, name, move_timeout_s(size), in_place=True)
             if reply.compat != self.compat:
                 raise KvMoveError(FallbackCause.COMPAT, "exported payload has another compatibility key")
+            copied = time.perf_counter()
             if file is None:
                 if reply.data is None:
                     raise KvMoveError(FallbackCause.EXPORT, "an inline export's reply holds no data")
@@ -126,6 +131,7 @@ class KvMover:
                 # A server without in-place exports wrote a new file under the name: our mapping
                 # is stale, read the new file and drop both.
                 segment = await asyncio.to_thread(self._read_file, file.name)
+            proxy_s = time.perf_counter() - copied
         except PayloadError as exc:
             raise KvMoveError(FallbackCause.PAYLOAD, str(exc)) from exc
         except OSError as exc:
@@ -135,6 +141,7 @@ class KvMover:
                 file.close()  # not answered (or not in place): never read or written again
         if (segment.p0, segment.p1) != (p0, p1):
             raise KvMoveError(FallbackCause.VERIFY, f"asked for [{p0},{p1}), got [{segment.p0},{segment.p1})")
+        self.rates.observe_move("export", reply.size, _seconds(reply.t_ms), proxy_s)
         self.metrics.kv_move_bytes.labels("export").inc(segment.nbytes)
         self.metrics.kv_move_seconds.labels("export").inc(time.perf_counter() - started)
         return segment
@@ -168,6 +175,7 @@ class KvMover:
         }
         size = blob_size(self._layout(), n)
         file: _PayloadFile | None = None
+        copied = time.perf_counter()
         try:
             if self.shm_dir is not None:
                 # Taken on the event loop, so concurrent imports never share a file.
@@ -184,8 +192,9 @@ class KvMover:
                 buf = bytearray(size)
                 await asyncio.to_thread(write_blob, segments, buf)
                 body["segments"] = [{"data": bytes(buf)}]
+            proxy_s = time.perf_counter() - copied
             async with hold or contextlib.nullcontext():
-                await self.backend.import_(body, timeout_s=move_timeout_s(size))
+                reply = await self.backend.import_(body, timeout_s=move_timeout_s(size))
             # Answered: the server is done reading the file, so it may be written again.
             file, done = None, file
             if done is not None:
@@ -200,6 +209,7 @@ class KvMover:
         finally:
             if file is not None:
                 file.close()  # not answered: the server may still read it, never reuse it
+        self.rates.observe_move("import", reply.bytes, _seconds(reply.t_ms), proxy_s)
         self.metrics.kv_move_bytes.labels("import").inc(size)
         self.metrics.kv_move_seconds.labels("import").inc(time.perf_counter() - started)
 
@@ -264,6 +274,10 @@ class KvMover:
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _seconds(t_ms: float | None) -> float | None:
+    return None if t_ms is None else t_ms / 1000
 
 
 async def _file_in_thread(fn: Callable[..., _PayloadFile], *args: Any) -> _PayloadFile:

@@ -71,9 +71,14 @@ def set_resident(runtime: Runtime, server: ServerState, cells: Cells | None) -> 
 
 
 async def refresh_metrics(runtime: Runtime) -> None:
-    """Everything /metrics shows that is not counted as it happens: tree mirror and pool gauges."""
+    """Everything /metrics shows that is not counted as it happens: tree mirror, pool gauges and
+    the servers' learned move rates."""
     runtime.metrics.sync_tree(runtime.coordinator.tree.stats())
     runtime.metrics.queue_length.set(runtime.coordinator.leases.waiting())
+    for server in runtime.coordinator.servers:
+        runtime.metrics.set_move_rates(
+            server.name, server.rates.export_bytes_per_s, server.rates.import_bytes_per_s
+        )
     await refresh_pool_gauges(runtime)
 
 

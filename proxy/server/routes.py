@@ -306,6 +306,9 @@ async def health(request: web.Request) -> web.Response:
                 if s.healthy
                 else {}
             ),
+            # Where its KV lives (caps memory.buffers); a server whose caps cannot say has moves
+            # off, and kv_moves_off says so.
+            **(s.kv.as_json() if s.kv.unknown is None else {}),
         }
         for s in runtime.coordinator.servers
     ]

@@ -21,7 +21,7 @@ from proxy.core.radix import RadixTree
 from proxy.core.resident import ResidentIndex
 from proxy.errors import ConfigError, FallbackCause, KvMoveError, PayloadError, RadixError
 from proxy.server.backend import ServerClient
-from proxy.server.coordinator import Coordinator, ServerState, SlotState
+from proxy.server.coordinator import Coordinator, KvPlace, ServerState, SlotState
 from proxy.server.disk import DiskTier, compat_key
 from proxy.server.kvctl import Caps, KvctlReplyError, SeqInfo
 from proxy.server.layoutcheck import LayoutCheckDeferred, LayoutChecks
@@ -296,12 +296,14 @@ async def _connect(
     sharing = await _sharing(config, name, backend, caps) if config.kv_share and not moves_off else None
     model = spec.model or await _server_model_name(backend)
     log.info(
-        "%s: %s, model %r, %d slots, %d cells, payloads %s%s",
+        "%s: %s, model %r, %d slots, %d cells, KV on %s (%s), payloads %s%s",
         name,
         url,
         model,
         len(slots),
         caps.n_cells,
+        ",".join(caps.kv_devices) or "an unknown device",
+        ",".join(caps.kv_backends) or "unknown backend",
         f"via {shm}" if shm else "inline",
         ", resident sharing on" if sharing else "",
     )
@@ -324,7 +326,10 @@ async def _connect(
             "; ".join(moves_off),
             _checkpoints_off(caps),
         )
-    state = ServerState(name, backend, mover, slots, n_ctx_slot, sharing)
+    state = ServerState(name, backend, mover, slots, n_ctx_slot, sharing, rates=mover.rates)
+    state.kv = KvPlace.from_caps(caps)
+    metrics.set_kv_place(name, state.kv.pairs)
+    metrics.set_move_rates(name, state.rates.export_bytes_per_s, state.rates.import_bytes_per_s)
     state.model, state.model_ns, state.named = model, model_ns, bool(spec.model)
     state.n_cells = caps.n_cells
     state.moves_off = moves_off
@@ -346,10 +351,14 @@ def _checkpoints_off(caps: Caps) -> str:
 
 def _layout_or_why_not(caps: Caps) -> tuple[KvLayout | None, tuple[str, ...]]:
     """The payload layout, or why KV moves are off: the server says so (`moves`, `moves_off`:
-    a sliding window, a recurrent state, a layout its probe does not know), or its caps do not
-    describe a layout the proxy can read. Never guessed from the architecture's name."""
+    a sliding window, a recurrent state, a layout its probe does not know), its caps cannot say
+    where its KV lives (`memory.buffers`), or they do not describe a layout the proxy can read.
+    Never guessed from the architecture's name."""
     if not caps.moves:
         return None, caps.moves_off or ("the server turned KV moves off",)
+    unknown = caps.kv_where_unknown()
+    if unknown is not None:  # a move's cost and exactness depend on where the KV lives
+        return None, (unknown,)
     try:
         return KvLayout.from_caps(dict(caps.compat)), ()
     except (PayloadError, KeyError, TypeError, ValueError) as exc:

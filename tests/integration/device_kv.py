@@ -186,6 +186,12 @@ def test_kv_lives_on_the_device(
     assert device.expect_in_description in device.description, device
     caps = arch._kvctl(kv_server, "caps").body
     assert caps["moves"] is True, caps
+    # Its caps say so too (patch 0019), from the buffers themselves: every one on the device,
+    # under the device's backend (CUDA0: CUDA, Vulkan0: Vulkan), none in host memory.
+    buffers = caps["memory"]["buffers"]
+    assert buffers and all(b["device"] == device.name for b in buffers), buffers
+    assert all(device.name.startswith(b["backend"]) and b["backend"] for b in buffers), buffers
+    assert not any(b["host"] for b in buffers), buffers
 
     # Not through start_server, which would refuse it.
     control = _start_unchecked(kv_server, device, ("--no-kv-offload",))

@@ -31,6 +31,7 @@ import pytest
 
 from proxy.core.payload import tokens_sha256
 from proxy.native.launch import PROXY_SERVER_ARGS, ServerProcess, free_port
+from proxy.server.kvctl import Caps
 from tests.helpers import NEAR_TIE_NATS, Reply, ServerFactory, chat_body, request
 
 # Story text: greedy continuations of N_PREDICT tokens without an early end of text, and no
@@ -1422,6 +1423,26 @@ def test_moves_are_bound_to_tokens(moved: Moved) -> None:
     )
     ok(url, "POST", "/kvctl/release", {"owner": owner})
     assert export(url, 0, n) == moved.blob
+
+
+def test_caps_say_where_the_kv_lives(kv_server: ServerProcess) -> None:
+    """Patch 0019: caps name the buffers the KV lives in, read from them (not from -ngl): on the
+    cpu build, the CPU device and backend, in host memory, the size of the whole pool; the proxy's
+    parser reads it."""
+    reply = caps(kv_server.url)
+    buffers = reply["memory"]["buffers"]
+    assert [(b["name"], b["device"], b["backend"], b["type"], b["host"]) for b in buffers] == [
+        ("CPU", "CPU", "CPU", "cpu", True)
+    ], buffers
+    assert isinstance(buffers[0]["description"], str)
+    # Every cell's K and V rows of every layer: the whole pool, in that one buffer.
+    compat = reply["compat"]
+    per_cell = sum(compat["k_row_bytes"]) + sum(compat["v_row_bytes"])
+    assert buffers[0]["bytes"] == reply["n_cells"] * per_cell, (buffers, reply["n_cells"], per_cell)
+    parsed = Caps.parse(reply)
+    assert (
+        parsed.kv_devices == ("CPU",) and parsed.kv_backends == ("CPU",) and parsed.kv_where_unknown() is None
+    )
 
 
 def test_instance_id(start_server: ServerFactory, patched_bin: Path, moved: Moved) -> None:

@@ -45,6 +45,17 @@ def test_a_busy_server_is_checked_once_a_slot_is_idle(start_server: ServerFactor
         assert proxy.call(lambda rt: rt.metrics.server_moves.labels("s0")._value.get()) == 1
         entry = get(f"{proxy.url}/health").body["servers"][0]
         assert entry["kv_moves"] == "on", entry
+        # Where its KV lives, from its caps (patch 0019), in /health and the info metric.
+        assert entry["kv_devices"] == ["CPU"] and entry["kv_backends"] == ["CPU"], entry
+        assert entry["kv_on_host"] is True, entry
+        assert (
+            proxy.call(
+                lambda rt: rt.metrics.value(
+                    "radix_server_kv_device", server="s0", device="CPU", backend="CPU"
+                )
+            )
+            == 1
+        )
     finally:
         proxy.stop()
         server.stop()

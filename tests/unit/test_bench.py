@@ -515,15 +515,26 @@ def test_report_pairs_overhead() -> None:
 
 
 def test_kvctl_report_renders(tmp_path: Path) -> None:
-    op = {"total_ms_p50": 5.0, "server_ms_p50": 4.0, "loop_ms_p50": 1.5, "mb_s": 2000.0, "probe_ms": 12.0}
+    op = {
+        "total_ms_p50": 5.0,
+        "server_ms_p50": 4.0,
+        "loop_ms_p50": 1.5,
+        "mb_s": 2000.0,
+        "device_mb_s": 7689.0,
+        "probe_ms": 12.0,
+    }
     rep = {
         "workload": {"name": "kvctl"},
         "probe_idle_ms": 8.0,
+        "kv": {"devices": ["CUDA0"], "backends": ["CUDA"], "on_host": False, "unknown": None},
+        "learned": {"export_mb_s": 1500.0, "import_mb_s": 2500.0, "moves": 6},
         "sizes": [{"tokens": 512, "bytes": 11 * 2**20, "export": op, "import": op, "memcpy_mb_s": 9000.0}],
     }
     report_mod.write_report(rep, tmp_path, charts=False)
     md = (tmp_path / "report.md").read_text()
-    assert "| 512 | export | 11.0 MiB | 5.0 | 4.0 | 1.5 | 2000 | 9000 | 12.0 | 8.0 |" in md
+    assert "| 512 | export | 11.0 MiB | 5.0 | 4.0 | 1.5 | 2000 | 7689 | 9000 | 12.0 | 8.0 |" in md
+    assert "KV on CUDA0, backend CUDA (device memory)" in md
+    assert "export (device-to-host) 1500 MB/s, import (host-to-device) 2500 MB/s" in md
 
 
 def test_kvctl_sizes_clamped_to_what_a_slot_holds() -> None:

@@ -33,6 +33,16 @@ INSTANCE = "5f0c3a9e1d7b42c88e6a0f3b9d2c4e71"
 COMPAT = {"format_version": 1, "fingerprint": "cd2d", "n_layer": 2, "k_types": [1, 1], "v_types": [1, 1]}
 SEQ = {"id": 0, "n_tokens": 3, "tokens_hash": "d9d5", "pos_min": 0, "pos_max": 2, "n_cells": 3}
 
+CPU_BUFFER = {
+    "name": "CPU",
+    "device": "CPU",
+    "description": "AMD EPYC 7B13",
+    "type": "cpu",
+    "backend": "CPU",
+    "host": True,
+    "bytes": 47185920,
+}
+
 # The replies as the patched server sends them (docs/kvctl.md), "instance" included.
 GOOD: dict[str, dict[str, Any]] = {
     "caps": {
@@ -57,7 +67,14 @@ GOOD: dict[str, dict[str, Any]] = {
         "reasons": [],
         "moves": True,
         "moves_off": [],
-        "memory": {"kind": "kv", "n_swa": 0, "swa_full": False, "n_layer": 2, "n_pos_per_embd": 1},
+        "memory": {
+            "kind": "kv",
+            "n_swa": 0,
+            "swa_full": False,
+            "n_layer": 2,
+            "n_pos_per_embd": 1,
+            "buffers": [CPU_BUFFER],
+        },
         "infill": {"n_batch": 2048},
         "embedding": {"on": False, "pooling": 0},
         "checkpoints": {"on": False, "off": ["not needed"], "per_slot": 32},
@@ -173,6 +190,48 @@ def test_optional_fields_of_older_patches() -> None:
     # Before patch 0017: no checkpoints; slots list none.
     assert Caps.parse({k: v for k, v in GOOD["caps"].items() if k != "checkpoints"}).checkpoints is False
     assert Slots.parse(GOOD["slots"]).slots[0].checkpoints == ()
+
+
+def test_caps_say_where_the_kv_lives() -> None:
+    caps = Caps.parse(GOOD["caps"])
+    assert caps.kv_buffers is not None and caps.kv_buffers[0].host
+    assert caps.kv_devices == ("CPU",) and caps.kv_backends == ("CPU",) and caps.kv_where_unknown() is None
+    # Layers split over a GPU and the CPU: both named, each once, in the server's order.
+    gpu = {**CPU_BUFFER, "name": "CUDA0", "device": "CUDA0", "type": "gpu", "backend": "CUDA", "host": False}
+    split = copy.deepcopy(GOOD["caps"])
+    split["memory"]["buffers"] = [gpu, CPU_BUFFER, {**gpu, "name": "CUDA0_split"}]
+    parsed = Caps.parse(split)
+    assert parsed.kv_devices == ("CUDA0", "CPU") and parsed.kv_backends == ("CUDA", "CPU")
+    assert parsed.kv_where_unknown() is None
+
+
+def test_caps_that_cannot_say_where_the_kv_lives() -> None:
+    older = copy.deepcopy(GOOD["caps"])
+    del older["memory"]["buffers"]  # a patch before 0019
+    parsed = Caps.parse(older)
+    assert parsed.kv_buffers is None and parsed.kv_devices == ()
+    assert "no memory.buffers" in (parsed.kv_where_unknown() or "")
+    empty = copy.deepcopy(GOOD["caps"])
+    empty["memory"]["buffers"] = []
+    assert "empty" in (Caps.parse(empty).kv_where_unknown() or "")
+    unknown = copy.deepcopy(GOOD["caps"])
+    unknown["memory"]["buffers"] = [{**CPU_BUFFER, "name": "X_Host", "device": "", "type": "unknown"}]
+    assert "X_Host" in (Caps.parse(unknown).kv_where_unknown() or "")
+
+
+@pytest.mark.parametrize("field", sorted(CPU_BUFFER))
+def test_a_renamed_buffer_field_fails_in_the_caps_parser(field: str) -> None:
+    caps = copy.deepcopy(GOOD["caps"])
+    buffer = caps["memory"]["buffers"][0]
+    buffer[field + "_renamed"] = buffer.pop(field)
+    with pytest.raises(KvctlReplyError, match=rf"field memory\.buffers\[0\]\.'{field}' is missing"):
+        Caps.parse(caps)
+    caps["memory"]["buffers"] = [{**CPU_BUFFER, field: None}]
+    with pytest.raises(KvctlReplyError, match=rf"'{field}' is NoneType, expected"):
+        Caps.parse(caps)
+    caps["memory"]["buffers"] = {"CPU": CPU_BUFFER}
+    with pytest.raises(KvctlReplyError, match=r"field memory\.'buffers' is dict, expected a list"):
+        Caps.parse(caps)
 
 
 def test_checkpoints_in_caps_slots_and_the_checkpoint_reply() -> None:

@@ -240,3 +240,56 @@ def test_slowdown_is_the_blockers_overrun() -> None:
     assert slowdown(200, 30, 0.5, CPU) == 1.0  # within its estimate (2 s)
     assert slowdown(200, 30, 8.0, CPU) == pytest.approx(4.0)
     assert slowdown(0, 0, 8.0, CPU) == 1.0
+
+
+# ---- measured move rates -------------------------------------------------------------------------
+
+
+def test_a_move_teaches_the_servers_rate_from_its_work() -> None:
+    rates = MeasuredRates()
+    assert rates.import_bytes_per_s == rates.export_bytes_per_s == CostModel.move_bytes_per_s  # the prior
+    nbytes = 100 << 20
+    rates.observe_move("import", nbytes, server_s=0.5, proxy_s=0.5)  # 100 MiB in 1 s of work
+    assert rates.import_bytes_per_s == pytest.approx(400e6 + 0.25 * (nbytes - 400e6))
+    assert rates.export_bytes_per_s == 400e6 and rates.moves_seen == 1
+    for _ in range(60):
+        rates.observe_move("export", nbytes, server_s=2.0, proxy_s=0.0)  # a slow device-to-host copy
+    assert rates.export_bytes_per_s == pytest.approx(nbytes / 2.0, rel=1e-6)
+    # A small move (fixed costs), a server that reports no t_ms, a nonsense time: nothing learned.
+    before = (rates.export_bytes_per_s, rates.import_bytes_per_s, rates.moves_seen)
+    rates.observe_move("import", 4096, server_s=0.001, proxy_s=0.0)
+    rates.observe_move("import", nbytes, server_s=None, proxy_s=0.2)
+    rates.observe_move("import", nbytes, server_s=0.0, proxy_s=0.0)
+    rates.observe_move("export", nbytes, server_s=-1.0, proxy_s=0.5)
+    assert (rates.export_bytes_per_s, rates.import_bytes_per_s, rates.moves_seen) == before
+    with pytest.raises(ValueError, match="direction"):
+        rates.observe_move("sideways", nbytes, 1.0, 0.0)  # type: ignore[arg-type]
+
+
+def test_the_cost_model_prices_a_host_restore_at_the_servers_import_rate() -> None:
+    moved = 1000 * TOK  # 23 MB
+    prior = cost_s(load(0, cached=1000, n_prompt=1001, moved_bytes=moved), M)
+    assert prior == pytest.approx(0.005 + moved / 400e6)
+    fast = cost_s(load(0, cached=1000, n_prompt=1001, moved_bytes=moved, import_bytes_per_s=4e9), M)
+    slow = cost_s(load(0, cached=1000, n_prompt=1001, moved_bytes=moved, import_bytes_per_s=2e6), M)
+    assert fast == pytest.approx(0.005 + moved / 4e9) and slow == pytest.approx(0.005 + moved / 2e6)
+    # Inline payloads are no faster than HTTP bodies, however fast the server copies.
+    inline = cost_s(
+        load(0, cached=1000, n_prompt=1001, moved_bytes=moved, inline=True, import_bytes_per_s=4e9), M
+    )
+    assert inline == pytest.approx(0.005 + moved / 100e6)
+    # Two servers holding the same prefix: the one whose device imports faster takes it; a
+    # server that imports slower than it computes loses to one that computes it all.
+    a = load(0, cached=1000, n_prompt=1001, moved_bytes=moved, import_bytes_per_s=2e6)
+    b = load(1, cached=1000, n_prompt=1001, moved_bytes=moved, import_bytes_per_s=2e9)
+    assert choose_server([a, b], M) is b
+    computes = load(2, cached=0, n_prompt=1001)  # 5 s of prefill against 11.5 s of import
+    assert choose_server([a, computes], M) is computes
+
+
+def test_waiting_for_a_prefix_prices_its_restore_at_the_servers_rate() -> None:
+    gain, restore = 400, 400 * TOK  # 2 s to compute, 9.2 MB to restore
+    fast = MeasuredRates(import_bytes_per_s=4e9)
+    slow = MeasuredRates(import_bytes_per_s=5e6)  # 1.8 s to restore
+    assert worth_waiting(gain, 1.0, restore, 0, fast, M)
+    assert not worth_waiting(gain, 1.0, restore, 0, slow, M)

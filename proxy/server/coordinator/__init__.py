@@ -15,6 +15,15 @@ from __future__ import annotations
 from proxy.server.coordinator.coordinator import Coordinator
 from proxy.server.coordinator.decisions import Decision
 from proxy.server.coordinator.moves import RestoreAbandoned
-from proxy.server.coordinator.state import Divergence, Lease, ServerState, SlotState
+from proxy.server.coordinator.state import Divergence, KvPlace, Lease, ServerState, SlotState
 
-__all__ = ["Coordinator", "Decision", "Divergence", "Lease", "RestoreAbandoned", "ServerState", "SlotState"]
+__all__ = [
+    "Coordinator",
+    "Decision",
+    "Divergence",
+    "KvPlace",
+    "Lease",
+    "RestoreAbandoned",
+    "ServerState",
+    "SlotState",
+]

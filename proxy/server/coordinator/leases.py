@@ -18,7 +18,7 @@ import collections
 import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -260,18 +260,27 @@ class Leases:
 
     def _plan_and_lease(self, request_id: str, found: PrefixScan, want: _Want = _Want()) -> Lease | None:
         """Pick server, slot and route on pure data, and mark the slot busy (synchronous).
-        Each server's planner gives its best plan; the routing cost model picks the server."""
+        Each server's planner gives its best plan (one with a host restore also its plan
+        without it); the routing cost model picks the server and, so, whether to restore."""
         plans: list[tuple[Plan, ServerScan]] = []
         loads: list[ServerLoad] = []
         for sv in found.servers:
             server = sv.server
             if not server.healthy or (want.model and server.model != want.model):
                 continue
-            plan = choose_plan(self._plan_input(sv, found))
+            inp = self._plan_input(sv, found)
+            plan = choose_plan(inp)
             if plan is None:
                 continue
             loads.append(self._load(len(plans), plan, server, found, want))
             plans.append((plan, sv))
+            if plan.host_to > plan.host_from:
+                # The host restore priced against computing those tokens on the same server
+                # (at its measured import rate): listed after it, so it wins a tie.
+                alt = choose_plan(replace(inp, host_len=0, host_whole=False))
+                if alt is not None:
+                    loads.append(self._load(len(plans), alt, server, found, want))
+                    plans.append((alt, sv))
         chosen = choose_server(loads, self.cost_model)
         if chosen is None:
             return None
@@ -330,6 +339,7 @@ class Leases:
             cached=plan.predicted_cached,
             moved_bytes=(plan.host_to - plan.host_from) * server.mover.bytes_per_token,
             inline=server.mover.shm_dir is None,
+            import_bytes_per_s=server.rates.import_bytes_per_s,
             busy_slots=self._running(server),
             free_cells=server.free_cells_estimate() + max(0, len(slot.tokens) - kept),
             n_predict=min(want.n_predict, max(0, server.n_ctx_slot - len(found.tokens))),

@@ -8,6 +8,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from proxy.core.radix import HostMatch, RadixTree
 from proxy.core.routing import MeasuredRates
 from proxy.errors import FallbackCause
 from proxy.server.backend import ServerClient
+from proxy.server.kvctl import Caps
 from proxy.server.ports import KvServer, Mover
 from proxy.server.sharing import Sharing
 
@@ -118,6 +120,34 @@ class SlotState:
     checkpoints: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class KvPlace:
+    """Where a server's KV (and recurrent state) lives, as its caps say (``memory.buffers``)."""
+
+    devices: tuple[str, ...] = ()  # "CPU", "CUDA0", "Vulkan0", ... (): unknown
+    backends: tuple[str, ...] = ()  # "CPU", "CUDA", "Vulkan", ...
+    host: bool | None = None  # every buffer in host memory (None: unknown)
+    unknown: str | None = "not read yet"  # why the caps cannot say (None: they can)
+    pairs: tuple[tuple[str, str], ...] = ()  # (device, backend) of each buffer, each once
+
+    @classmethod
+    def from_caps(cls, caps: Caps) -> KvPlace:
+        buffers = caps.kv_buffers or ()
+        return cls(
+            devices=caps.kv_devices,
+            backends=caps.kv_backends,
+            host=all(b.host for b in buffers) if buffers else None,
+            unknown=caps.kv_where_unknown(),
+            pairs=tuple(dict.fromkeys((b.device or "unknown", b.backend or "unknown") for b in buffers)),
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kv_devices": list(self.devices), "kv_backends": list(self.backends)}
+        if self.host is not None:
+            out["kv_on_host"] = self.host
+        return out
+
+
 @dataclass
 class ServerState:
     name: str
@@ -147,7 +177,8 @@ class ServerState:
     infill: InfillParams | None = None  # what /infill builds its prompt from (caps; None: not reported)
     embeddings: bool = False  # started with --embeddings (caps embedding.on): serves /v1/embeddings
     pooling: int = -1  # its pooling type (caps embedding.pooling; 4: --reranking, serves /v1/rerank)
-    rates: MeasuredRates = field(default_factory=MeasuredRates)  # from its answers' timings
+    rates: MeasuredRates = field(default_factory=MeasuredRates)  # from its answers' timings and its moves
+    kv: KvPlace = field(default_factory=KvPlace)  # where its KV lives (caps memory.buffers)
     # Set (and replaced) when a reservation ends: requests waiting for room look again.
     room_freed: asyncio.Event = field(default_factory=asyncio.Event)
     # Set when the health checks take the server out of routing, replaced when it is back: a
