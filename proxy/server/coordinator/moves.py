@@ -239,7 +239,9 @@ class KvMoves:
         ok, free = await self._free_cells(lease, cells)
         if ok:
             return True
-        idle = [s for s in server.slots if not s.busy and s is not lease.slot and len(s.tokens)]
+        idle = [
+            s for s in server.slots if not s.busy and s is not lease.slot and (len(s.tokens) or s.unrecorded)
+        ]
         for slot in sorted(idle, key=lambda s: s.last_used):
             slot.busy = True  # not leased while the server erases it
             try:
