@@ -255,3 +255,27 @@ async def test_idle_release_leaves_a_slot_handed_on_alone() -> None:
     await coord.finish(nxt, 10)  # nobody waits now: saved, then released from the pool
     assert fake.erased == [0] and len(s0.slots[0].tokens) == 0
     check(coord)
+
+
+async def test_a_request_waiting_for_the_prefix_wakes_once_the_tree_has_it() -> None:
+    s0, fake = gated("s0", 2)
+    coord = coordinator(s0)
+    first = await coord.acquire("a", toks(0, 100))
+    fake.held[first.slot.slot_id] = toks(0, 120).tolist()
+    fake.export_gate, fake.parse_gate = asyncio.Event(), asyncio.Event()
+    saving = asyncio.create_task(coord.finish(first, 20))
+    await turns(lambda: first.finishing)
+    # The next turn arrives while the answer is being saved: it waits for the save (fan-out).
+    nxt_task = asyncio.create_task(coord.acquire("n", toks(0, 130)))
+    await turns(lambda: coord.leases.waiting_for_prefix == 1)
+    fake.export_gate.set()  # exported: the slot is handed on, the tree does not have it yet
+    await turns(lambda: first.handed_on)
+    await turns(nxt_task.done, 50)
+    assert first.handed_on and not first.done.is_set() and not nxt_task.done()
+    fake.parse_gate.set()
+    await saving
+    nxt = await nxt_task
+    assert coord.tree.match(toks(0, 120)).length == 120
+    assert nxt.route is Route.A and nxt.plan.reuse_len == 120  # the slot's own KV, still there
+    coord.release(nxt)
+    check(coord)

@@ -103,7 +103,8 @@ class Coordinator:
             if not lease.handed_on:
                 lease.handed_on = True
                 self._held_for_save(lease)
-                self.leases.release(lease)
+                # Requests waiting for this prefix wake when the tree has it (below), not now.
+                self.leases.release(lease, done=False)
 
         def queued() -> bool:  # a request waits for a slot, or for a prefix in flight
             return self.leases.queued_for(lease.server.model) or self.leases.waiting_for_prefix > 0
@@ -124,6 +125,7 @@ class Coordinator:
             )
         finally:
             hand_on()
+            lease.done.set()
 
     def _held_for_save(self, lease: Lease) -> None:
         """How long the slot stayed leased after its answer, for its save."""

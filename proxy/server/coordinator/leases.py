@@ -405,23 +405,26 @@ class Leases:
         finally:
             self._end(old)
 
-    def release(self, lease: Lease) -> None:
-        """Give the slot back and hand it to the first waiter that can use a slot now."""
+    def release(self, lease: Lease, done: bool = True) -> None:
+        """Give the slot back and hand it to the first waiter that can use a slot now.
+        ``done=False``: requests waiting for this one's prefix (``lease.done``) keep waiting
+        (its save sets it once the tree has the KV)."""
         lease.slot.busy = False
         lease.slot.saver = None
         lease.slot.last_used = time.monotonic()
         try:
             lease.unpin(self.tree)
         finally:
-            self._end(lease)
+            self._end(lease, done)
             self.grant_waiters()
 
-    def _end(self, lease: Lease) -> None:
+    def _end(self, lease: Lease, done: bool = True) -> None:
         lease.server.admission_ended(lease)
         if lease.epoch != lease.server.epoch:  # the server restarted under this lease: contents unknown
             lease.slot.tokens, lease.slot.ns = EMPTY, None
         self.inflight.pop(lease.request_id, None)
-        lease.done.set()
+        if done:
+            lease.done.set()
 
     def queued_for(self, model: str) -> bool:
         """Someone waits for a slot this request could take (FIFO within a model)."""
