@@ -172,11 +172,6 @@ class Metrics:
             ["server"],
             registry=registry,
         )
-        self.saves_skipped = Counter(
-            f"{ns}_saves_skipped",
-            "Exports skipped because the save was not worth waiting for and a request waited for a slot",
-            registry=registry,
-        )
         self.prompt_tokens = Counter(
             f"{ns}_prompt_tokens", "Prompt tokens of steered requests", registry=registry
         )

@@ -4,7 +4,8 @@
   and inserted after that), not after the insert and the idle release;
 - a save not worth waiting for (the tree lacks less than a restore of the slot) leaves the
   slot to a request that finds no idle one, and that save then never touches the slot: no
-  read-back written to it, no export from it, no erase of it;
+  read-back written to it, no export started from it, no erase of it; an export already sent
+  files only what the server confirms the slot holds;
 - saves take no move lock: a restore does not queue behind a save's export.
 
 No timed assertions: each wait is a gate the test opens, each check a few loop turns.
@@ -23,6 +24,7 @@ import pytest
 
 from proxy.core.payload import KvSegment
 from proxy.core.planner import Route
+from proxy.errors import FallbackCause, KvMoveError
 from proxy.server.coordinator import Coordinator, Lease, ServerState
 from proxy.server.kvctl import Slots
 from tests.unit.test_coordinator import LAYOUT, FakeServer, check, coordinator, rows, server, toks
@@ -58,7 +60,8 @@ class GatedServer(FakeServer):
             if self.export_gate is not None:
                 await self.export_gate.wait()
             held = self.held[seq["slot"]]
-            assert list(held[: len(tokens)]) == [int(t) for t in tokens], "exported under other tokens"
+            if list(held[: len(tokens)]) != [int(t) for t in tokens]:  # the server's expect_sha256
+                raise KvMoveError(FallbackCause.CONFLICT, "the slot holds other tokens")
             self.exported.append((seq["slot"], p0, len(tokens)))
         if self.parse_gate is not None:
             await self.parse_gate.wait()
@@ -278,4 +281,28 @@ async def test_a_request_waiting_for_the_prefix_wakes_once_the_tree_has_it() -> 
     assert coord.tree.match(toks(0, 120)).length == 120
     assert nxt.route is Route.A and nxt.plan.reuse_len == 120  # the slot's own KV, still there
     coord.release(nxt)
+    check(coord)
+
+
+async def test_a_slot_taken_during_its_export_keeps_the_takers_state_and_the_tree_stays_right() -> None:
+    s0, fake = gated("s0", 1)
+    coord = coordinator(s0, min_restore_tokens=64)
+    doc = toks(0, 200)
+    in_tree(coord, doc)
+    prompt = np.concatenate([doc, toks(7000, 30)])
+    first = await answered_host_turn(coord, fake, prompt, 8)  # 38 tokens the tree lacks: exported
+    fake.export_gate = asyncio.Event()  # the export waits in the server's main loop
+    saving = asyncio.create_task(coord.finish(first, 8))
+    await turns(lambda: len(s0.slots[0].tokens) == 238)  # read back: a taker can plan on it
+    taker = await coord.acquire("t", np.concatenate([prompt, toks(8000, 8), toks(9000, 5)]))
+    assert taker.took_saving and taker.route is Route.A and taker.plan.reuse_len == 238
+    # The server ran the taker first: its slot holds other tokens when the export comes.
+    fake.held[0] = toks(3000, 300).tolist()
+    fake.export_gate.set()
+    await saving
+    assert fake.exported == [] and coord.metrics.value("radix_fallbacks_total", cause="conflict") == 1
+    assert coord.tree.match(prompt).length == 200  # nothing filed under the old tokens
+    slot = s0.slots[0]
+    assert slot.busy and len(slot.tokens) == 238 and slot.gen == taker.gen  # the taker's, untouched
+    coord.release(taker)
     check(coord)

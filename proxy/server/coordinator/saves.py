@@ -7,14 +7,16 @@ A slot's life after its answer (``Coordinator.finish``; docs/design.md, "Saving"
    the prompt the tree lacks plus the whole answer is shorter than ``--min-restore-tokens``:
    ``takeable_cells``), it is not worth waiting for: the slot is recorded as holding no known
    tokens and at most that many cells (``SlotState.unrecorded``), and a request that finds no
-   idle slot may take it at once (``Leases``). The save then stops before it touches the slot
-   again: the lease is ``handed_on``, and every step checks that after each ``await``.
-2. The slot is read back (``/kvctl/slots``): the only step such a save runs before it.
-3. What the tree lacks is exported, bound to the tokens just read back (the server checks them
-   when it exports: invariant 6). Only the server's part needs the slot: once the server
-   answered, the slot is handed on (released, the queue served), and the payload is read into
-   segments and inserted after that, under the tokens the save kept, never the slot's.
-   A save not worth waiting for skips its export when a request is queued for a slot.
+   idle slot may take it at once, until the save ends (``Leases``). The lease is then
+   ``handed_on``: the save writes nothing to the slot from then on, and starts no export or
+   erase of it (checked after every ``await``).
+2. The slot is read back (``/kvctl/slots``); the proxy records what it holds (a taker plans on it).
+3. What the tree lacks is exported, bound to the tokens just read back: the server exports
+   only from an idle slot that holds exactly these tokens (``expect_sha256``, invariant 6), so
+   an export that was already sent when its slot was taken files the right KV whichever request
+   the server ran first, or fails (409, counted). Only the server's part needs the slot: once
+   the server answered, the slot is handed on (released, the queue served), and the payload is
+   read into segments and inserted after that, under the tokens the save kept, never the slot's.
 4. With --cache-idle-release the slot's KV is erased once the tree holds it, unless the slot
    went to another request meanwhile (its ``gen`` moved on) or a request is queued (it will
    replace that KV anyway); the slot is marked busy during the erase.
@@ -106,10 +108,10 @@ class KvSaves:
                 if server.checkpoints:
                     await self._save_checkpoints(lease)
                 return
-            # Not worth waiting for, and someone waits: the slot goes on without the export.
-            wait = not (lease.takeable and queued())
-            await self._save(lease, hand_on if server.sharing is None else None, export=wait)
+            await self._save(lease, hand_on if server.sharing is None else None)
             await self._share(lease)
+        except HandedOn:
+            return  # taken while the export's file was made ready: nothing sent, nothing to do
         except SAVE_ERRORS as exc:  # a move refused, a server gone: expected
             cause = exc.cause if isinstance(exc, KvMoveError) else FallbackCause.TRANSPORT
             self.metrics.fallbacks.labels(cause).inc()
@@ -140,9 +142,8 @@ class KvSaves:
             if lease.handed_on:
                 return False
         else:  # still busy: what it will hold is unknown
-            slot.tokens, slot.ns, slot.saver = EMPTY, None, None
+            slot.tokens, slot.ns = EMPTY, None
             return True
-        slot.saver = None  # what it holds is known from here on: the save holds the slot
         tokens = entry.held_tokens()
         held = entry.pos_max + 1
         slot.checkpoints = entry.checkpoints
@@ -156,16 +157,13 @@ class KvSaves:
             slot.tokens, slot.ns = EMPTY, None
         return True
 
-    async def _save(self, lease: Lease, hand_on: Callable[[], None] | None, export: bool) -> None:
+    async def _save(self, lease: Lease, hand_on: Callable[[], None] | None) -> None:
         """Export what the tree lacks of the slot's tokens and insert it. ``hand_on`` runs as
         soon as the server answered the export (the payload is read and inserted after it, from
         ``tokens``, kept here: never the slot's, which belong to the next request by then)."""
         tokens = lease.slot.tokens
         match = self.tree.match(tokens, ns=lease.ns)
-        if len(tokens) - match.length < self._min_save():
-            return
-        if not export:
-            self.metrics.saves_skipped.inc()
+        if len(tokens) - match.length < self._min_save() or lease.handed_on:
             return
         # Pinned so the prefix the export continues cannot be evicted while we wait; the
         # exported rows count against the budget from now on, not only once inserted.
@@ -173,7 +171,7 @@ class KvSaves:
         held = self.tree.reserve(lease.server.mover.bytes_per_token * (len(tokens) - match.length))
         try:
             segment = await lease.server.mover.export(
-                {"slot": lease.slot.slot_id}, match.length, tokens, hold=_then(hand_on)
+                {"slot": lease.slot.slot_id}, match.length, tokens, hold=_server_part(lease, hand_on)
             )
             self.tree.release(held)  # the same step as the insert that counts them: no await between
             held = 0
@@ -274,11 +272,19 @@ class KvSaves:
             await sharing.publish_prefixes(lease.slot.slot_id, tokens, lengths, lease.ns)
 
 
+class HandedOn(Exception):
+    """The slot went to another request before the export was sent: it is not sent."""
+
+
 @contextlib.asynccontextmanager
-async def _then(after: Callable[[], None] | None) -> AsyncIterator[None]:
-    """Around the server's part of an export: ``after`` runs once the server answered or failed
-    (the slot is no longer needed then, whatever the payload holds); not when cancelled (the
-    save's deadline: the server may still be at it, and finish() releases the slot as unknown)."""
+async def _server_part(lease: Lease, after: Callable[[], None] | None) -> AsyncIterator[None]:
+    """Around the server's part of an export (entered right before the request is sent, after
+    the payload file was made ready): not sent at all if the slot was taken meanwhile; ``after``
+    runs once the server answered or failed (the slot is no longer needed then, whatever the
+    payload holds), not when cancelled (the save's deadline: the server may still be at it, and
+    finish() releases the slot as unknown)."""
+    if lease.handed_on:
+        raise HandedOn(f"slot {lease.slot.slot_id} was taken before its export was sent")
     try:
         yield
     except asyncio.CancelledError:
