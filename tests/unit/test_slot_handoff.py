@@ -306,3 +306,27 @@ async def test_a_slot_taken_during_its_export_keeps_the_takers_state_and_the_tre
     assert slot.busy and len(slot.tokens) == 238 and slot.gen == taker.gen  # the taker's, untouched
     coord.release(taker)
     check(coord)
+
+
+async def test_a_slot_is_taken_once_its_export_is_on_its_way_and_the_export_still_lands() -> None:
+    s0, fake = gated("s0", 1)
+    coord = coordinator(s0, min_restore_tokens=64)
+    first = await coord.acquire("a", toks(0, 100))
+    fake.held[0] = toks(0, 120).tolist()  # 120 tokens the tree lacks: worth the export
+    waiter = asyncio.create_task(coord.acquire("w", toks(0, 125)))
+    await turns(lambda: coord.leases.queued() == 1)
+    fake.export_gate = asyncio.Event()  # the export waits in the server's main loop
+    saving = asyncio.create_task(coord.finish(first, 20))
+    await turns(waiter.done)
+    # Taken while the export is under way, planned on what the slot was read back to hold.
+    nxt = waiter.result()
+    assert nxt.took_saving and nxt.route is Route.A and nxt.plan.reuse_len == 120
+    assert fake.exported == [] and not saving.done()
+    assert coord.metrics.value("radix_saving_slot_takes_total", server="s0") == 1
+    check(coord)
+    fake.export_gate.set()  # the server ran the export first (it was sent first)
+    await saving
+    assert fake.exported == [(0, 0, 120)] and coord.tree.match(toks(0, 120)).length == 120
+    assert s0.slots[0].busy and s0.slots[0].gen == nxt.gen and len(s0.slots[0].tokens) == 120
+    coord.release(nxt)
+    check(coord)

@@ -19,7 +19,7 @@ from proxy.errors import FallbackCause, RadixError
 from proxy.server.coordinator.decisions import Decision, DecisionLog
 from proxy.server.coordinator.leases import Leases
 from proxy.server.coordinator.moves import KvMoves
-from proxy.server.coordinator.saves import KvSaves
+from proxy.server.coordinator.saves import KvSaves, SaveHooks
 from proxy.server.coordinator.scan import scan as scan_prefixes
 from proxy.server.coordinator.state import EMPTY, Lease, ServerState
 from proxy.server.disk import DiskTier
@@ -109,9 +109,10 @@ class Coordinator:
         def queued() -> bool:  # a request waits for a slot, or for a prefix in flight
             return self.leases.queued_for(lease.server.model) or self.leases.waiting_for_prefix > 0
 
+        hooks = SaveHooks(hand_on, lambda: self.leases.offer(lease), queued, self.leases.grant_waiters)
         try:
             async with asyncio.timeout(self.config.finish_timeout_s):
-                await self.saves.save(lease, hand_on, queued, self.leases.grant_waiters)
+                await self.saves.save(lease, hooks)
         except TimeoutError:
             self.metrics.fallbacks.labels(FallbackCause.TIMEOUT).inc()
             if not lease.handed_on:

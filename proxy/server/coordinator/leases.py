@@ -392,6 +392,15 @@ class Leases:
         slot.tokens, slot.unrecorded, slot.saver = EMPTY, takeable_cells, lease
         self.grant_waiters()
 
+    def offer(self, lease: Lease) -> None:
+        """The save's export is on its way: the slot may be taken by a request that finds no idle
+        one (what it holds is known: read back). Nothing if it was handed on already."""
+        slot = lease.slot
+        if lease.handed_on or not slot.busy or slot.gen != lease.gen or slot.saver is lease:
+            return
+        slot.saver = lease
+        self.grant_waiters()
+
     def _take(self, slot: SlotState) -> None:
         """A request takes a slot whose save was not worth waiting for: that save's lease ends
         here (the save sees ``handed_on`` and leaves the slot alone from now on)."""

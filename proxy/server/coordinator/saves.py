@@ -12,11 +12,12 @@ A slot's life after its answer (``Coordinator.finish``; docs/design.md, "Saving"
    erase of it (checked after every ``await``).
 2. The slot is read back (``/kvctl/slots``); the proxy records what it holds (a taker plans on it).
 3. What the tree lacks is exported, bound to the tokens just read back: the server exports
-   only from an idle slot that holds exactly these tokens (``expect_sha256``, invariant 6), so
-   an export that was already sent when its slot was taken files the right KV whichever request
-   the server ran first, or fails (409, counted). Only the server's part needs the slot: once
-   the server answered, the slot is handed on (released, the queue served), and the payload is
-   read into segments and inserted after that, under the tokens the save kept, never the slot's.
+   only from an idle slot that holds exactly these tokens (``expect_sha256``, invariant 6).
+   Once the request is on its way the slot may be taken (``_server_part``): the server runs the
+   export first (it came first), or refuses it (409, counted): the save is lost, never wrong.
+   Once the server answered, the slot is handed on in any case (released, the queue served),
+   and the payload is read into segments and inserted after that, under the tokens the save
+   kept, never the slot's. No export is sent after its slot was taken.
 4. With --cache-idle-release the slot's KV is erased once the tree holds it, unless the slot
    went to another request meanwhile (its ``gen`` moved on) or a request is queued (it will
    replace that KV anyway); the slot is marked busy during the erase.
@@ -33,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from proxy.config import Config
 from proxy.core.checkpoints import CheckpointStore
@@ -51,6 +53,16 @@ log = logging.getLogger("radix")
 BUSY_POLLS = 100  # a cancelled request may still be winding down: poll its slot this often
 BUSY_POLL_S = 0.02
 CHECKPOINTS_PER_ANSWER = 3  # whole-state checkpoints kept from one answer's prompt, newest first
+
+
+@dataclass(frozen=True)
+class SaveHooks:
+    """What a save asks of the leases (``Coordinator.finish``)."""
+
+    hand_on: Callable[[], None]  # release the slot to the next request (idempotent)
+    offer: Callable[[], None]  # let a request that finds no idle slot take it (export under way)
+    queued: Callable[[], bool]  # a request waits for a slot of this model, or for a prefix
+    grant: Callable[[], None]  # serve the queue (after the slot was busy erasing)
 
 
 class KvSaves:
@@ -80,18 +92,11 @@ class KvSaves:
         lacking = most - self.tree.match(lease.tokens, ns=lease.ns).length
         return most if lacking < self.config.min_restore_tokens else None
 
-    async def save(
-        self,
-        lease: Lease,
-        hand_on: Callable[[], None],
-        queued: Callable[[], bool],
-        grant: Callable[[], None],
-    ) -> None:
+    async def save(self, lease: Lease, hooks: SaveHooks) -> None:
         """After the answer: learn what the slot holds, save what the tree lacks, share it, hand
-        the slot on (``hand_on``: released, as soon as it is no longer needed), then release its
-        KV from the pool if it is still idle. ``queued``: a request waits for a slot of this
-        server's model; ``grant``: serve the queue (after the slot was busy erasing). A failed
-        save loses a future hit, never an answer: it is counted, not raised."""
+        the slot on (as soon as it is no longer needed), then release its KV from the pool if it
+        is still idle. A failed save loses a future hit, never an answer: it is counted, not
+        raised."""
         if lease.handed_on:  # taken before the save started
             return
         lease.finishing = True
@@ -108,7 +113,7 @@ class KvSaves:
                 if server.checkpoints:
                     await self._save_checkpoints(lease)
                 return
-            await self._save(lease, hand_on if server.sharing is None else None)
+            await self._save(lease, hooks if server.sharing is None else None)
             await self._share(lease)
         except HandedOn:
             return  # taken while the export's file was made ready: nothing sent, nothing to do
@@ -120,8 +125,8 @@ class KvSaves:
             self.metrics.fallbacks.labels(FallbackCause.INTERNAL).inc()
             log.exception("saving %s slot %d failed unexpectedly", server.name, slot.slot_id)
         # Not on cancellation (the deadline): finish() then releases the slot as unknown.
-        hand_on()
-        await self._release_idle(lease, queued, grant)
+        hooks.hand_on()
+        await self._release_idle(lease, hooks)
 
     async def _refresh_slot(self, lease: Lease) -> bool:
         """Read back what the slot holds (the server is the source of truth). False when the slot
@@ -157,10 +162,11 @@ class KvSaves:
             slot.tokens, slot.ns = EMPTY, None
         return True
 
-    async def _save(self, lease: Lease, hand_on: Callable[[], None] | None) -> None:
-        """Export what the tree lacks of the slot's tokens and insert it. ``hand_on`` runs as
-        soon as the server answered the export (the payload is read and inserted after it, from
-        ``tokens``, kept here: never the slot's, which belong to the next request by then)."""
+    async def _save(self, lease: Lease, hooks: SaveHooks | None) -> None:
+        """Export what the tree lacks of the slot's tokens and insert it. With ``hooks`` (no
+        sharing), the slot may be taken once the export is on its way, and is handed on as soon
+        as the server answered it (the payload is read and inserted after that, from ``tokens``,
+        kept here: never the slot's, which belong to the next request by then)."""
         tokens = lease.slot.tokens
         match = self.tree.match(tokens, ns=lease.ns)
         if len(tokens) - match.length < self._min_save() or lease.handed_on:
@@ -171,7 +177,7 @@ class KvSaves:
         held = self.tree.reserve(lease.server.mover.bytes_per_token * (len(tokens) - match.length))
         try:
             segment = await lease.server.mover.export(
-                {"slot": lease.slot.slot_id}, match.length, tokens, hold=_server_part(lease, hand_on)
+                {"slot": lease.slot.slot_id}, match.length, tokens, hold=_server_part(lease, hooks)
             )
             self.tree.release(held)  # the same step as the insert that counts them: no await between
             held = 0
@@ -213,16 +219,14 @@ class KvSaves:
                 self.metrics.checkpoint_saves.inc()
                 self.metrics.kv_move_bytes.labels("export").inc(len(data))
 
-    async def _release_idle(
-        self, lease: Lease, queued: Callable[[], bool], grant: Callable[[], None]
-    ) -> None:
+    async def _release_idle(self, lease: Lease, hooks: SaveHooks) -> None:
         """--cache-idle-release: erase the slot's KV from the server's pool once the host tree
         holds it (all but a tail too short to save), as stock's idle-slot cache does. Owner
         sequences keep what they share. The slot's next request restores from the host. Only
         while the slot is idle and untouched since this answer, and nobody waits for a slot (a
         waiter replaces the KV anyway); the slot is busy during the erase."""
         slot, server = lease.slot, lease.server
-        if slot.busy or slot.gen != lease.gen or queued():
+        if slot.busy or slot.gen != lease.gen or hooks.queued():
             return  # handed on to another request, or wanted at once
         tokens = slot.tokens
         if not self.config.idle_release or len(tokens) == 0 or slot.ns != lease.ns or lease.fallback:
@@ -247,7 +251,7 @@ class KvSaves:
             raise
         finally:
             slot.busy = False
-            grant()
+            hooks.grant()
         slot.confirmed(EMPTY)
         if server.sharing is not None:
             server.sharing.index.slot_changed(slot.slot_id, EMPTY)
@@ -277,14 +281,20 @@ class HandedOn(Exception):
 
 
 @contextlib.asynccontextmanager
-async def _server_part(lease: Lease, after: Callable[[], None] | None) -> AsyncIterator[None]:
-    """Around the server's part of an export (entered right before the request is sent, after
-    the payload file was made ready): not sent at all if the slot was taken meanwhile; ``after``
-    runs once the server answered or failed (the slot is no longer needed then, whatever the
+async def _server_part(lease: Lease, hooks: SaveHooks | None) -> AsyncIterator[None]:
+    """Around the server's part of an export, entered right before the request is sent (the
+    payload file is ready): not sent at all if the slot was taken meanwhile. Once it is on its
+    way the slot is offered to requests that find no idle one (from the loop's next turn: the
+    request is written first, so the server's main loop, first come first served, runs the
+    export before a taker's first move; should it not, the server refuses the export, 409). The
+    slot is handed on once the server answered or failed (no longer needed then, whatever the
     payload holds), not when cancelled (the save's deadline: the server may still be at it, and
     finish() releases the slot as unknown)."""
     if lease.handed_on:
         raise HandedOn(f"slot {lease.slot.slot_id} was taken before its export was sent")
+    after = hooks.hand_on if hooks is not None else None
+    if hooks is not None:
+        asyncio.get_running_loop().call_soon(hooks.offer)
     try:
         yield
     except asyncio.CancelledError:
