@@ -323,9 +323,11 @@ async def test_a_slot_is_taken_once_its_export_is_on_its_way_and_the_export_stil
     assert nxt.took_saving and nxt.route is Route.A and nxt.plan.reuse_len == 120
     assert fake.exported == [] and not saving.done()
     assert coord.metrics.value("radix_saving_slot_takes_total", server="s0") == 1
+    assert not first.done.is_set()  # requests waiting for its prefix wait for the export
     check(coord)
     fake.export_gate.set()  # the server ran the export first (it was sent first)
     await saving
+    assert first.done.is_set()
     assert fake.exported == [(0, 0, 120)] and coord.tree.match(toks(0, 120)).length == 120
     assert s0.slots[0].busy and s0.slots[0].gen == nxt.gen and len(s0.slots[0].tokens) == 120
     coord.release(nxt)

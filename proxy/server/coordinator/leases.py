@@ -412,7 +412,7 @@ class Leases:
         try:
             old.unpin(self.tree)
         finally:
-            self._end(old)
+            self._end(old, done=False)  # its save sets ``done`` when it ends (the export may land)
 
     def release(self, lease: Lease, done: bool = True) -> None:
         """Give the slot back and hand it to the first waiter that can use a slot now.
