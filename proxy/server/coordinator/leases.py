@@ -389,7 +389,9 @@ class Leases:
         if takeable_cells is None or not slot.busy or slot.gen != lease.gen:
             return
         lease.takeable = True
-        slot.tokens, slot.unrecorded, slot.saver = EMPTY, takeable_cells, lease
+        # At most what the answer can have left, or what the slot held if the request never ran.
+        held = max(takeable_cells, len(slot.tokens) + slot.unrecorded)
+        slot.tokens, slot.unrecorded, slot.saver = EMPTY, held, lease
         self.grant_waiters()
 
     def offer(self, lease: Lease) -> None:
