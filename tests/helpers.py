@@ -166,13 +166,13 @@ class ProxyThread:
 def slots_keep_kv(proxy: ProxyThread) -> Iterator[None]:
     """Within the block, answered slots keep their KV (``--cache-idle-release off``) on a running
     proxy: for a test that reads a slot's KV after its answer, or needs a slot to keep it."""
-    config = proxy.call(lambda rt: rt.coordinator.moves.config)
-    proxy.call(lambda rt: setattr(rt.coordinator.moves, "config", replace(config, idle_release=False)))
+    config = proxy.call(lambda rt: rt.coordinator.saves.config)
+    proxy.call(lambda rt: setattr(rt.coordinator.saves, "config", replace(config, idle_release=False)))
     try:
         yield
         proxy.settle()  # the saves after the block's answers ran with the release held back
     finally:
-        proxy.call(lambda rt: setattr(rt.coordinator.moves, "config", config))
+        proxy.call(lambda rt: setattr(rt.coordinator.saves, "config", config))
 
 
 def proxy_config(*servers: ServerProcess, **over: Any) -> Config:

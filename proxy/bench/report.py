@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.bench.limit import arm_limit, render_limit
+from proxy.bench.waits import route_waits, waits_markdown
 from proxy.traffic.runner import RequestResult
 
 
@@ -189,6 +190,9 @@ def build_report(
                 routes[r.route] = routes.get(r.route, 0) + 1
         if routes:
             entry["routes"] = routes
+        waits = route_waits(results)
+        if waits:
+            entry["waits"] = waits
         overhead = paired_overhead(results)
         if overhead:
             entry["overhead"] = overhead
@@ -398,6 +402,7 @@ def render_markdown(report: dict[str, Any], chart_note: str = "") -> str:
     routes = {n: a["routes"] for n, a in arms.items() if a.get("routes")}
     for name, r in routes.items():
         lines += ["", f"{name} routes: " + ", ".join(f"{k} {v}" for k, v in sorted(r.items()))]
+    lines += waits_markdown(arms)
     if chart_note:
         lines += ["", chart_note]
     return "\n".join(lines) + "\n"

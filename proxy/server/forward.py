@@ -117,8 +117,23 @@ def radix_headers(lease: Lease, show: bool) -> dict[str, str]:
         "X-Radix-Slot": str(lease.slot.slot_id),
         "X-Radix-Prompt-Tokens": str(len(lease.tokens)),
         "X-Radix-Predicted-Cached-Tokens": str(0 if lease.fallback else lease.plan.predicted_cached),
+        # Where the time before the forward went (docs/observability.md): all known by now.
+        "X-Radix-Waits-Ms": wait_header(lease),
         "X-Request-Id": lease.request_id,
     }
+
+
+def wait_header(lease: Lease) -> str:
+    """``queued=..,prefix=..,lock=..,restore=..`` in whole milliseconds: the wait for a slot, for
+    a request in flight with the prompt's prefix, for the server's move lock (within the
+    restore), and the whole restore."""
+    parts = (
+        ("queued", lease.queued_s),
+        ("prefix", lease.prefix_wait_s),
+        ("lock", lease.lock_wait_s),
+        ("restore", lease.restore_s),
+    )
+    return ",".join(f"{k}={round(v * 1000)}" for k, v in parts)
 
 
 def sse_error(message: str, code: int = 502) -> bytes:

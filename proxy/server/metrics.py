@@ -157,6 +157,21 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
+        self.save_hold = Histogram(
+            f"{ns}_save_hold_seconds",
+            "How long a slot stayed leased after its answer for the save (read back and export; "
+            "the tree insert and idle release run after the slot is handed on)",
+            ["server"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.saving_slot_takes = Counter(
+            f"{ns}_saving_slot_takes",
+            "Slots a request took while their previous answer's save was pending (not worth "
+            "waiting for: the tree lacked less than --min-restore-tokens of it)",
+            ["server"],
+            registry=registry,
+        )
         self.prompt_tokens = Counter(
             f"{ns}_prompt_tokens", "Prompt tokens of steered requests", registry=registry
         )
@@ -357,6 +372,8 @@ class Metrics:
 
         for server in servers:
             self.queue_wait.labels(server)
+            self.save_hold.labels(server)
+            self.saving_slot_takes.labels(server)
             self.poison_requests.labels(server)
             self.resident_entries.labels(server)
             self.resident_cells.labels(server)

@@ -254,7 +254,13 @@ def _finish(runtime: Runtime, lease: Lease, outcome: Outcome, api: str) -> None:
     try:
         runtime.coordinator.record_decision(lease, outcome.timings, outcome.ttft_s, outcome.status)
     finally:  # the slot is saved and released whatever the record made of the answer
-        runtime.spawn(runtime.coordinator.finish(lease))
+        runtime.spawn(runtime.coordinator.finish(lease, _answer_tokens(outcome.timings)))
+
+
+def _answer_tokens(timings: dict[str, Any] | None) -> int | None:
+    """The answer's length as the server reported it (timings.predicted_n); None if it did not."""
+    n = (timings or {}).get("predicted_n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
 
 
 def _once(fn: Callable[[], None]) -> Callable[[], None]:

@@ -200,7 +200,8 @@ class Simulator:
         self.at(back, lambda t: self.release(t, server, slot))
 
     def save(self, now: float, server: SimServer, slot: SimSlot) -> float:
-        """Export what the host tree lacks (moves.save): engine time; returns when it ends."""
+        """Export what the host tree lacks (saves.save): engine time; returns when it ends (the slot is
+        handed on then; takes of a saving slot are not modelled)."""
         tree = self.tree_of(server)
         if tree is None:
             return now

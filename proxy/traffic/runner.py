@@ -52,6 +52,8 @@ class RequestResult:
     route: str | None = None  # X-Radix-Route, when the answer came through the proxy
     meta: dict[str, Any] = field(default_factory=dict)
     finish_reason: str | None = None  # of the last choice that gave one ("stop", "length", ...)
+    # X-Radix-Waits-Ms: the proxy's waits before the forward, in ms (queued, prefix, lock, restore)
+    waits_ms: dict[str, float] | None = None
 
     @property
     def ok(self) -> bool:
@@ -153,6 +155,20 @@ class Progress:
         self.stream.flush()
 
 
+def parse_waits(header: str | None) -> dict[str, float] | None:
+    """``queued=12,prefix=0,...`` as a dict; None when absent or not that shape."""
+    if not header:
+        return None
+    out: dict[str, float] = {}
+    for part in header.split(","):
+        key, _, value = part.partition("=")
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            return None
+    return out
+
+
 def _has_content(chunk: dict[str, Any]) -> bool:
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") or {}
@@ -171,6 +187,7 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any], r
         ) as resp:
             result.status = resp.status
             result.route = resp.headers.get("X-Radix-Route")
+            result.waits_ms = parse_waits(resp.headers.get("X-Radix-Waits-Ms"))
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                 return

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from proxy.errors import FallbackCause, RadixError
 from proxy.server.coordinator.decisions import Decision, DecisionLog
 from proxy.server.coordinator.leases import Leases
 from proxy.server.coordinator.moves import KvMoves
+from proxy.server.coordinator.saves import KvSaves, SaveHooks
 from proxy.server.coordinator.scan import scan as scan_prefixes
 from proxy.server.coordinator.state import EMPTY, Lease, ServerState
 from proxy.server.disk import DiskTier
@@ -47,8 +49,10 @@ class Coordinator:
             tree,
             on_reject=lambda reason: metrics.rejected.labels(reason).inc(),
             checkpoints=self.checkpoints,
+            on_take=self._taken,
         )
         self.moves = KvMoves(config, tree, metrics, self.checkpoints)
+        self.saves = KvSaves(config, tree, metrics, self.checkpoints)
         self.log = DecisionLog(metrics)
         self.disk: DiskTier | None = None  # set by startup with --cache-disk
 
@@ -86,24 +90,52 @@ class Coordinator:
     async def restore(self, lease: Lease, n_predict: int) -> None:
         await self.moves.restore(lease, n_predict)
 
-    async def finish(self, lease: Lease) -> None:
-        """After the answer: save what the tree lacks, then release the slot on every path.
-        A save past its deadline leaves the slot's content unknown: it is emptied (and erased
-        before anyone reuses it)."""
+    async def finish(self, lease: Lease, answer_tokens: int | None = None) -> None:
+        """After the answer (``answer_tokens`` long, when the server said): save what the tree
+        lacks, handing the slot on as soon as the save no longer needs it, and on every path
+        (``saves.py``). A save not worth waiting for leaves the slot to a request that finds no
+        idle one. A save past its deadline while it still held the slot leaves the slot's
+        content unknown: it is emptied (and erased before anyone reuses it)."""
+        lease.answered_at = time.monotonic()
+        self.leases.finishing(lease, self.saves.takeable_cells(lease, answer_tokens))
+
+        def hand_on() -> None:
+            if not lease.handed_on:
+                lease.handed_on = True
+                self._held_for_save(lease)
+                # Requests waiting for this prefix wake when the tree has it (below), not now.
+                self.leases.release(lease, done=False)
+
+        def queued() -> bool:  # a request waits for a slot, or for a prefix in flight
+            return self.leases.queued_for(lease.server.model) or self.leases.waiting_for_prefix > 0
+
+        hooks = SaveHooks(hand_on, lambda: self.leases.offer(lease), queued, self.leases.grant_waiters)
         try:
             async with asyncio.timeout(self.config.finish_timeout_s):
-                await self.moves.save(lease)
+                await self.saves.save(lease, hooks)
         except TimeoutError:
-            lease.slot.tokens, lease.slot.ns = EMPTY, None
             self.metrics.fallbacks.labels(FallbackCause.TIMEOUT).inc()
+            if not lease.handed_on:
+                lease.slot.tokens, lease.slot.ns = EMPTY, None
             log.warning(
-                "saving %s slot %d took over %g s; the slot is released as unknown",
+                "saving %s slot %d took over %g s%s",
                 lease.server.name,
                 lease.slot.slot_id,
                 self.config.finish_timeout_s,
+                "" if lease.handed_on else "; the slot is released as unknown",
             )
         finally:
-            self.leases.release(lease)
+            hand_on()
+            lease.done.set()
+
+    def _held_for_save(self, lease: Lease) -> None:
+        """How long the slot stayed leased after its answer, for its save."""
+        self.metrics.save_hold.labels(lease.server.name).observe(time.monotonic() - lease.answered_at)
+
+    def _taken(self, lease: Lease) -> None:
+        """A request took this lease's slot while its save was pending (not worth waiting for)."""
+        self._held_for_save(lease)
+        self.metrics.saving_slot_takes.labels(lease.server.name).inc()
 
     def release(self, lease: Lease) -> None:
         self.leases.release(lease)

@@ -9,6 +9,10 @@ Every wait is bounded: the queue holds at most ``max_queue`` requests (429 past 
 queued request gets a slot within ``queue_timeout_s`` or a 503, and the wait for a request
 holding the prefix ends after ``fanout_wait_s`` whatever happened. Servers that are down
 get no new leases.
+
+A slot whose answer is done and whose save is not worth waiting for (``finishing``) may be
+taken by a request that finds no idle slot: the save's lease ends there (``_take``), and the
+save stops before it touches the slot again (``saves.py``).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from proxy.core.routing import (
 from proxy.errors import BadRequest, RejectReason, TooManyRequests, Unavailable
 from proxy.server.coordinator.decisions import divergence
 from proxy.server.coordinator.scan import PrefixScan, ServerScan, scan
-from proxy.server.coordinator.state import EMPTY, Lease, ServerState
+from proxy.server.coordinator.state import EMPTY, Lease, ServerState, SlotState
 
 
 @dataclass
@@ -80,6 +84,7 @@ class Leases:
         tree: RadixTree,
         on_reject: Callable[[RejectReason], None] = lambda reason: None,
         checkpoints: CheckpointStore | None = None,
+        on_take: Callable[[Lease], None] = lambda lease: None,
     ) -> None:
         self.config = config
         self.servers = servers
@@ -90,6 +95,7 @@ class Leases:
         self.waiting_for_prefix = 0
         self.closed = False
         self.on_reject = on_reject  # counts a refused request by reason (metrics)
+        self.on_take = on_take  # counts a slot taken while its save was pending (metrics)
         self.cost_model = CostModel()
         self._affinity: collections.OrderedDict[str, str] = collections.OrderedDict()
         n_slots = sum(len(s.slots) for s in servers)
@@ -134,7 +140,7 @@ class Leases:
         waited = time.monotonic() - waited
         if self.closed:
             raise self._refuse(RejectReason.SHUTTING_DOWN, Unavailable("the proxy is shutting down"))
-        if not self._queued_for(want.model):
+        if not self.queued_for(want.model):
             lease = self._plan_and_lease(request_id, found, want)
             if lease is not None:
                 lease.prefix_wait_s = waited
@@ -294,7 +300,11 @@ class Leases:
         host = found.host
         self.tree.touch(host)
         slot = server.slots[plan.slot_id]
+        took_saving = slot.saver is not None
+        if took_saving:
+            self._take(slot)
         slot.busy = True
+        slot.gen += 1
         # A host restore comes from the tree's segments, or with moves off from a checkpoint.
         uses_host = plan.host_to > plan.host_from and server.moves
         checkpoint = sv.checkpoint if plan.host_to > plan.host_from and not server.moves else None
@@ -314,8 +324,11 @@ class Leases:
             route=plan.route,
             ns=found.ns,
             epoch=server.epoch,
-            erase_first=slot.ns != found.ns and (slot.ns is None or len(slot.tokens) > 0),
+            erase_first=slot.ns != found.ns
+            and (slot.ns is None or len(slot.tokens) > 0 or slot.unrecorded > 0),
             n_predict=want.n_predict,
+            gen=slot.gen,
+            took_saving=took_saving,
         )
         # What the slot holds from now on is this request's: its namespace, once a slot holding
         # another key's KV is erased (unknown until moves._erase confirms it).
@@ -355,8 +368,12 @@ class Leases:
 
     def _plan_input(self, sv: ServerScan, found: PrefixScan) -> PlanInput:
         server = sv.server
+        # A slot only being saved (not worth waiting for) is offered when no slot is idle.
+        takeable = not any(not s.busy for s in server.slots)
         views = tuple(
-            SlotView(s.slot_id, not s.busy, lcp, len(s.tokens), s.last_used)
+            SlotView(
+                s.slot_id, not s.busy or (takeable and s.saver is not None), lcp, len(s.tokens), s.last_used
+            )
             for s, lcp in zip(server.slots, sv.slot_lcp, strict=True)
         )
         return PlanInput(
@@ -372,24 +389,65 @@ class Leases:
             share_enabled=server.sharing is not None and server.moves,
         )
 
-    def release(self, lease: Lease) -> None:
-        """Give the slot back and hand it to the first waiter that can use a slot now."""
+    def finishing(self, lease: Lease, takeable_cells: int | None) -> None:
+        """The answer is done; its save starts. A save not worth waiting for (``takeable_cells``:
+        the most KV cells the slot can hold now) leaves the slot to a request that finds no idle
+        one: until the save reads it back, the slot is recorded as holding no known tokens and
+        at most that many cells."""
+        lease.finishing = True
+        slot = lease.slot
+        if takeable_cells is None or not slot.busy or slot.gen != lease.gen:
+            return
+        lease.takeable = True
+        # At most what the answer can have left, or what the slot held if the request never ran.
+        held = max(takeable_cells, len(slot.tokens) + slot.unrecorded)
+        slot.tokens, slot.unrecorded, slot.saver = EMPTY, held, lease
+        self.grant_waiters()
+
+    def offer(self, lease: Lease) -> None:
+        """The save's export is on its way: the slot may be taken by a request that finds no idle
+        one (what it holds is known: read back). Nothing if it was handed on already."""
+        slot = lease.slot
+        if lease.handed_on or not slot.busy or slot.gen != lease.gen or slot.saver is lease:
+            return
+        slot.saver = lease
+        self.grant_waiters()
+
+    def _take(self, slot: SlotState) -> None:
+        """A request takes a slot whose save was not worth waiting for: that save's lease ends
+        here (the save sees ``handed_on`` and leaves the slot alone from now on)."""
+        old = slot.saver
+        assert old is not None and old.slot is slot
+        slot.saver = None
+        old.handed_on = True
+        self.on_take(old)
+        try:
+            old.unpin(self.tree)
+        finally:
+            self._end(old, done=False)  # its save sets ``done`` when it ends (the export may land)
+
+    def release(self, lease: Lease, done: bool = True) -> None:
+        """Give the slot back and hand it to the first waiter that can use a slot now.
+        ``done=False``: requests waiting for this one's prefix (``lease.done``) keep waiting
+        (its save sets it once the tree has the KV)."""
         lease.slot.busy = False
+        lease.slot.saver = None
         lease.slot.last_used = time.monotonic()
         try:
             lease.unpin(self.tree)
         finally:
-            self._forget(lease)
+            self._end(lease, done)
+            self.grant_waiters()
 
-    def _forget(self, lease: Lease) -> None:
+    def _end(self, lease: Lease, done: bool = True) -> None:
         lease.server.admission_ended(lease)
         if lease.epoch != lease.server.epoch:  # the server restarted under this lease: contents unknown
             lease.slot.tokens, lease.slot.ns = EMPTY, None
         self.inflight.pop(lease.request_id, None)
-        lease.done.set()
-        self.grant_waiters()
+        if done:
+            lease.done.set()
 
-    def _queued_for(self, model: str) -> bool:
+    def queued_for(self, model: str) -> bool:
         """Someone waits for a slot this request could take (FIFO within a model)."""
         return any(not w.future.done() and _overlaps(w.want.model, model) for w in self._waiters)
 

@@ -18,7 +18,6 @@ from proxy.config import Config
 from proxy.core.admission import cells_needed, free_estimate, own_tail
 from proxy.core.checkpoints import CheckpointStore
 from proxy.core.planner import Route
-from proxy.core.prefix import common_prefix
 from proxy.core.radix import RadixTree
 from proxy.errors import FallbackCause, KvMoveError, RadixError, RejectReason, Unavailable
 from proxy.server.backend import TRANSPORT_ERRORS
@@ -216,7 +215,8 @@ class KvMoves:
         server = lease.server
         if server.sharing is not None or any(s.ns is None for s in server.slots):
             return False
-        free = free_estimate(server.n_cells, (len(s.tokens) for s in server.slots), server.admitted_cells)
+        held = (len(s.tokens) + s.unrecorded for s in server.slots)
+        free = free_estimate(server.n_cells, held, server.admitted_cells)
         return free is not None and need <= free
 
     async def _free_cells(self, lease: Lease, cells: int) -> tuple[bool, int]:
@@ -239,12 +239,15 @@ class KvMoves:
         ok, free = await self._free_cells(lease, cells)
         if ok:
             return True
-        idle = [s for s in server.slots if not s.busy and s is not lease.slot and len(s.tokens)]
+        idle = [
+            s for s in server.slots if not s.busy and s is not lease.slot and (len(s.tokens) or s.unrecorded)
+        ]
         for slot in sorted(idle, key=lambda s: s.last_used):
             slot.busy = True  # not leased while the server erases it
             try:
                 await server.backend.erase(slot.slot_id)
-                slot.tokens, slot.ns = EMPTY, ""
+                slot.confirmed(EMPTY)
+                slot.ns = ""
                 if server.sharing is not None:
                     server.sharing.index.slot_changed(slot.slot_id, EMPTY)
                 self.metrics.room_erases.inc()
@@ -276,7 +279,8 @@ class KvMoves:
                 "erasing %s slot %d failed, prefilling without reuse: %s", server.name, slot.slot_id, exc
             )
             return False
-        slot.tokens, slot.ns = EMPTY, lease.ns
+        slot.confirmed(EMPTY)
+        slot.ns = lease.ns
         return True
 
     async def _import_host(
@@ -295,7 +299,7 @@ class KvMoves:
         finally:
             self.tree.release(inline)
             lease.import_s += time.monotonic() - started
-        lease.slot.tokens = lease.tokens[:p1].copy()
+        lease.slot.confirmed(lease.tokens[:p1].copy())  # the server dropped what it held past p0
         self.tree.record_load(p1 - p0)
         self.metrics.tree_loads.inc()
 
@@ -310,159 +314,7 @@ class KvMoves:
         finally:
             lease.import_s += time.monotonic() - started
             lease.checkpoint = None
-        lease.slot.tokens = cp.tokens.copy()
+        lease.slot.confirmed(cp.tokens.copy())
         lease.slot.checkpoints = ()  # the server cleared the slot's own
         self.metrics.checkpoint_restores.inc()
         self.metrics.kv_move_bytes.labels("import").inc(len(cp.data))
-
-    async def save(self, lease: Lease) -> None:
-        """After the answer: learn what the slot holds, save what the tree lacks, share it.
-        A failed save loses a future hit, never an answer: it is counted, not raised."""
-        lease.finishing = True
-        if lease.epoch != lease.server.epoch:  # the server restarted meanwhile: nothing to save
-            lease.slot.tokens, lease.slot.ns = EMPTY, None
-            return
-        try:
-            await self._refresh_slot(lease)
-            if not lease.server.moves:
-                # The slot keeps its KV for the server's own reuse (route A); with whole-state
-                # checkpoints the host keeps the states the server took of this prompt too.
-                if lease.server.checkpoints:
-                    await self._save_checkpoints(lease)
-                return
-            await self._save(lease)
-            await self._share(lease)
-            await self._release_idle(lease)
-        except SAVE_ERRORS as exc:  # a move refused, a server gone: expected
-            cause = exc.cause if isinstance(exc, KvMoveError) else FallbackCause.TRANSPORT
-            self.metrics.fallbacks.labels(cause).inc()
-            log.warning("saving %s slot %d failed: %s", lease.server.name, lease.slot.slot_id, exc)
-        except Exception:  # a bug: still never the answer's failure, but loud
-            self.metrics.fallbacks.labels(FallbackCause.INTERNAL).inc()
-            log.exception("saving %s slot %d failed unexpectedly", lease.server.name, lease.slot.slot_id)
-
-    async def _refresh_slot(self, lease: Lease) -> None:
-        slot = lease.slot
-        if (
-            lease.no_cache or slot.ns is None
-        ):  # unknown provenance (erase failed or never ran): use none of it
-            slot.tokens, slot.ns = EMPTY, None
-            return
-        for _ in range(BUSY_POLLS):
-            entry = (await lease.server.backend.slots(tokens=True)).slot(slot.slot_id)
-            if not entry.busy:
-                break
-            await asyncio.sleep(BUSY_POLL_S)
-        else:  # still busy: what it will hold is unknown
-            slot.tokens, slot.ns = EMPTY, None
-            return
-        tokens = entry.held_tokens()
-        held = entry.pos_max + 1
-        slot.checkpoints = entry.checkpoints
-        # Invariant 1: only tokens whose KV the sequence really holds count. With moves off only
-        # the server reuses a slot's KV (route A), and a sliding window's cache forgets the start
-        # (pos_min > 0): the tokens then only steer the request to the slot.
-        starts_at_0 = entry.pos_min <= 0 or not lease.server.moves
-        if held == len(tokens) and starts_at_0:
-            slot.tokens = tokens
-        else:  # holds KV it does not account for: erase before anyone reuses it
-            slot.tokens, slot.ns = EMPTY, None
-
-    async def _save(self, lease: Lease) -> None:
-        tokens = lease.slot.tokens
-        match = self.tree.match(tokens, ns=lease.ns)
-        if len(tokens) - match.length < self._min_save():
-            return
-        # Pinned so the prefix the export continues cannot be evicted while we wait; the
-        # exported rows count against the budget from now on, not only once inserted.
-        self.tree.pin(match)
-        held = self.tree.reserve(lease.server.mover.bytes_per_token * (len(tokens) - match.length))
-        try:
-            segment = await lease.server.mover.export(
-                {"slot": lease.slot.slot_id}, match.length, lease.slot.tokens, hold=lease.server.move_lock
-            )
-            self.tree.release(held)  # the same step as the insert that counts them: no await between
-            held = 0
-            stored = self.tree.insert(tokens, segment, ns=lease.ns)
-        finally:
-            self.tree.release(held)
-            self.tree.unpin(match)
-        self.metrics.tree_saves.inc()
-        self.metrics.tree_saved_tokens.inc(stored)
-
-    async def _save_checkpoints(self, lease: Lease) -> None:
-        """Keep the whole-state checkpoints the server took while computing this prompt (at
-        the start of user messages and just before the prompt's end) that the host lacks, the
-        newest first. Each is exported as the state after exactly its tokens, which the slot
-        still holds (the server checks them: a 409 means the slot moved on)."""
-        slot, server = lease.slot, lease.server
-        if lease.fallback or slot.ns != lease.ns:
-            return
-        held = common_prefix(slot.tokens, lease.tokens)  # 0 when the slot's content is unknown
-        todo = [
-            n for n in sorted(slot.checkpoints, reverse=True) if self.config.min_restore_tokens <= n <= held
-        ][:CHECKPOINTS_PER_ANSWER]
-        for n in todo:
-            tokens = lease.tokens[:n]
-            if self.checkpoints.find(lease.ns, server.compat_id, tokens) is not None:
-                continue
-            try:
-                async with server.move_lock:
-                    data = (await server.backend.checkpoint(slot.slot_id, tokens)).data
-            except KvMoveError as exc:
-                if exc.cause in (FallbackCause.TRANSPORT, FallbackCause.TIMEOUT, FallbackCause.INSTANCE):
-                    raise  # the server is gone or stuck: the next ones would fail alike
-                # One refused (larger than the inline limit, the slot moved on): the smaller ones
-                # may still be kept. Counted, never the answer's failure.
-                self.metrics.fallbacks.labels(exc.cause).inc()
-                log.warning("checkpoint %d of %s slot %d not kept: %s", n, server.name, slot.slot_id, exc)
-                continue
-            if self.checkpoints.add(lease.ns, server.compat_id, tokens, data) is not None:
-                self.metrics.checkpoint_saves.inc()
-                self.metrics.kv_move_bytes.labels("export").inc(len(data))
-
-    async def _release_idle(self, lease: Lease) -> None:
-        """--cache-idle-release: erase the slot's KV from the server's pool once the host tree
-        holds it (all but a tail too short to save), as stock's idle-slot cache does. Owner
-        sequences keep what they share. The slot's next request restores from the host."""
-        slot, server = lease.slot, lease.server
-        tokens = slot.tokens
-        if not self.config.idle_release or len(tokens) == 0 or slot.ns != lease.ns or lease.fallback:
-            return
-        if len(tokens) < self.config.min_restore_tokens:
-            return  # shorter than any host restore: erased, it would be computed again
-        if server.mover.shm_dir is None:
-            # Inline payloads (no shared directory): a restore is a slower HTTP body, refused
-            # past the server's 64 MiB: the slot keeps its KV for its next turn.
-            return
-        if len(tokens) - self.tree.match(tokens, ns=lease.ns).length >= self._min_save():
-            return  # the tree lacks part of it: keep it resident
-        try:
-            async with server.move_lock:
-                await server.backend.erase(slot.slot_id)
-        except KvMoveError as exc:
-            slot.tokens, slot.ns = EMPTY, None  # unknown: erased before anyone reuses it
-            log.warning("releasing idle %s slot %d failed: %s", server.name, slot.slot_id, exc)
-            return
-        slot.tokens = EMPTY
-        if server.sharing is not None:
-            server.sharing.index.slot_changed(slot.slot_id, EMPTY)
-        self.metrics.idle_releases.inc()
-
-    def _min_save(self) -> int:
-        """A slot tail shorter than this is not worth an export."""
-        return max(1, self.config.min_restore_tokens // 4)
-
-    async def _share(self, lease: Lease) -> None:
-        """Record the completed prompt, and a restored host prefix, as resident prefixes."""
-        sharing = lease.server.sharing
-        if sharing is None:
-            return
-        tokens = lease.slot.tokens
-        sharing.index.slot_changed(lease.slot.slot_id, tokens)
-        held = common_prefix(tokens, lease.tokens)
-        lengths = [n for n in (len(lease.tokens), lease.plan.host_to) if 0 < n <= held]
-        if not lengths or lease.fallback:
-            return
-        async with lease.server.move_lock:
-            await sharing.publish_prefixes(lease.slot.slot_id, tokens, lengths, lease.ns)

@@ -118,6 +118,18 @@ class SlotState:
     # Recurrent and hybrid memory: where the server took context checkpoints of its tokens (as
     # /kvctl/slots lists them after each answer): how far its own reuse can go back.
     checkpoints: tuple[int, ...] = ()
+    # KV cells it may hold past ``tokens`` (at most): an answer that was not read back because
+    # the slot was taken while its save was pending. Counted as held; cleared when the server
+    # confirms what the slot holds (read back, import, erase).
+    unrecorded: int = 0
+    # The lease whose answer is done and whose save is not worth waiting for: busy, yet a waiting
+    # request may take the slot (``Leases``); its save then stops before it touches the slot.
+    saver: Lease | None = None
+    gen: int = 0  # bumped at every lease: a save after its slot was handed on sees it moved on
+
+    def confirmed(self, tokens: np.ndarray) -> None:
+        """The server confirmed the slot holds exactly ``tokens`` (nothing unrecorded)."""
+        self.tokens, self.unrecorded = tokens, 0
 
 
 @dataclass(frozen=True)
@@ -221,7 +233,7 @@ class ServerState:
         slots hold, what admitted requests reserved, and cells only owner sequences hold."""
         if self.n_cells <= 0:
             return 1 << 30
-        held = sum(len(s.tokens) for s in self.slots) + self.reserved_cells
+        held = sum(len(s.tokens) + s.unrecorded for s in self.slots) + self.reserved_cells
         if self.sharing is not None:
             held += self.sharing.last_cells.owner_only if self.sharing.last_cells else 0
         return max(0, self.n_cells - held)
@@ -271,6 +283,13 @@ class Lease:
     fallback: FallbackCause | None = None
     owner_pinned: bool = False
     finishing: bool = False  # the answer is complete; the slot is being saved
+    answered_at: float = 0.0  # when the answer was complete (the save's start)
+    gen: int = 0  # the slot's ``gen`` when leased
+    # The slot went on to the next request (released after the save's export, or taken while the
+    # save was not worth waiting for): from then on the save touches no state of the slot.
+    handed_on: bool = False
+    took_saving: bool = False  # this request took a slot whose previous answer's save was pending
+    takeable: bool = False  # its save is not worth waiting for (``KvSaves.takeable_cells``)
     started: float = field(default_factory=time.monotonic)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
