@@ -7,24 +7,14 @@ the markdown says the charts were skipped.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from proxy.bench.limit import arm_limit, render_limit
+from proxy.bench.stats import percentile
 from proxy.bench.waits import route_waits, waits_markdown
 from proxy.traffic.runner import RequestResult
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default); None when empty."""
-    data = sorted(values)
-    if not data:
-        return None
-    pos = (len(data) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
 
 
 def _sum(values: Sequence[int | None]) -> int | None:

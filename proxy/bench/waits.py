@@ -4,10 +4,10 @@ for a request in flight with their prefix, for the server's move lock, and the w
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
+from proxy.bench.stats import percentile
 from proxy.traffic.runner import RequestResult
 
 KINDS = ("queued", "prefix", "lock", "restore")
@@ -58,16 +58,6 @@ def waits_markdown(arms: dict[str, dict[str, Any]]) -> list[str]:
         "|" + "---|" * len(header),
         *("| " + " | ".join(r) + " |" for r in rows),
     ]
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """As ``report.percentile`` (which imports this module): linear between closest ranks."""
-    data = sorted(values)
-    if not data:
-        return None
-    pos = (len(data) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
 
 
 def _ms(v: float | None) -> str:

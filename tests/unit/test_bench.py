@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from proxy.bench import capacity as cap
 from proxy.bench import report as report_mod
 from proxy.bench.arms import legacy_cache_bytes, parse_arms
+from proxy.bench.stats import percentile
 from proxy.bench.workloads import make_workload, prompt_words
 from proxy.errors import ConfigError
 from proxy.traffic.runner import (
@@ -457,10 +458,10 @@ def _results(
 
 
 def test_percentile() -> None:
-    assert report_mod.percentile([], 50) is None
-    assert report_mod.percentile([3.0], 90) == 3.0
-    assert report_mod.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert report_mod.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == pytest.approx(4.6)
+    assert percentile([], 50) is None
+    assert percentile([3.0], 90) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == pytest.approx(4.6)
 
 
 def test_report_on_synthetic_results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
