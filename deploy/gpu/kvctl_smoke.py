@@ -82,14 +82,7 @@ def moves(base: str, caps: dict[str, Any], rnd: random.Random) -> dict[str, Any]
     export_s = time.perf_counter() - t0
     assert status == 200 and isinstance(payload, bytes), payload
     meta = json.loads(hdrs["X-Kvctl-Meta"])
-    imp = {
-        "slot": 1,
-        "p0": 0,
-        "p1": len(tokens),
-        "tokens": tokens,
-        "compat": caps["compat_id"],
-        "segments": [{"data": base64.b64encode(payload).decode()}],
-    }
+    imp = import_body(caps, tokens, payload)
     t0 = time.perf_counter()
     status, reply, _ = call(f"{base}/kvctl/import", imp)
     import_s = time.perf_counter() - t0
@@ -108,6 +101,18 @@ def moves(base: str, caps: dict[str, Any], rnd: random.Random) -> dict[str, Any]
     }
 
 
+def import_body(caps: dict[str, Any], tokens: list[int], payload: bytes) -> dict[str, Any]:
+    """/kvctl/import of an exported octet-stream ``payload`` of ``tokens`` into slot 1, inline."""
+    return {
+        "slot": 1,
+        "p0": 0,
+        "p1": len(tokens),
+        "tokens": tokens,
+        "compat": caps["compat_id"],
+        "segments": [{"data": base64.b64encode(payload).decode()}],
+    }
+
+
 def rates(base: str, caps: dict[str, Any], rnd: random.Random, n: int) -> dict[str, Any]:
     """The server's copy rates, from its ``t_ms``: the median of three exports and imports of
     ``n`` tokens' KV (slot 0 to the host, the host to slot 1)."""
@@ -120,14 +125,7 @@ def rates(base: str, caps: dict[str, Any], rnd: random.Random, n: int) -> dict[s
         status, payload, hdrs = call(f"{base}/kvctl/export", exp, accept="application/octet-stream")
         assert status == 200 and isinstance(payload, bytes), payload
         out_ms.append(float(json.loads(hdrs["X-Kvctl-Meta"])["t_ms"]))
-    imp = {
-        "slot": 1,
-        "p0": 0,
-        "p1": len(tokens),
-        "tokens": tokens,
-        "compat": caps["compat_id"],
-        "segments": [{"data": base64.b64encode(payload).decode()}],
-    }
+    imp = import_body(caps, tokens, payload)
     for _ in range(3):
         call(f"{base}/kvctl/erase", {"slot": 1})
         status, reply, _ = call(f"{base}/kvctl/import", imp)

@@ -50,3 +50,20 @@ buildkit_cli() {
         if [ -n "$major" ] && [ "$major" -lt 23 ] 2>/dev/null; then echo "$cli"; return; fi
     done
 }
+
+# seed_build_cache BASE BINARY: the cached build holding BINARY (radixctl's bin/<key>/ folder) into
+# the BuildKit cache mount deploy/Dockerfile builds in for BASE, so the image's `radixctl build`
+# finds it (same content key) instead of compiling. Needs BUILD_CLI (buildkit_cli), ENGINE, log().
+seed_build_cache() {
+    local base=$1 binary=$2 seed slug
+    seed=$(mktemp -d /var/tmp/radix-seed.XXXXXX)
+    mkdir -p "$seed/bin" && cp -a "$(dirname "$binary")" "$seed/bin/"
+    slug=$(printf %s "$base" | tr -c 'A-Za-z0-9.-' _)   # as deploy/Dockerfile names the cache
+    printf 'FROM %s\nRUN --mount=type=cache,target=/cache --mount=type=bind,source=.,target=/seed mkdir -p /cache/%s && cp -an /seed/bin /cache/%s/ && ls /cache/%s/bin\n' \
+        "$base" "$slug" "$slug" "$slug" >"$seed/Dockerfile"
+    DOCKER_BUILDKIT=1 "$BUILD_CLI" build --no-cache --progress plain -t radix-seed "$seed" >"$seed.log" 2>&1 \
+        || { log "seeding failed:"; tail -10 "$seed.log" >&2; exit 1; }
+    "$ENGINE" rmi radix-seed >/dev/null 2>&1 || true
+    rm -rf "$seed" "$seed.log"
+    log "seeded the image build's cache with the host's $(basename "$(dirname "$binary")")"
+}

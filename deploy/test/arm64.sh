@@ -108,18 +108,7 @@ ca_test=""
 trap cleanup EXIT
 
 seed_from_host() {  # the host's cross build into the BuildKit cache mount the Dockerfile uses
-    local binary seed slug
-    binary=$("$RADIXCTL" build --cross aarch64)
-    seed=$(mktemp -d /var/tmp/radix-arm64-seed.XXXXXX)
-    mkdir -p "$seed/bin" && cp -a "$(dirname "$binary")" "$seed/bin/"
-    slug=$(printf %s "$BASE" | tr -c 'A-Za-z0-9.-' _)   # as deploy/Dockerfile names the cache
-    printf 'FROM %s\nRUN --mount=type=cache,target=/cache --mount=type=bind,source=.,target=/seed mkdir -p /cache/%s && cp -an /seed/bin /cache/%s/ && ls /cache/%s/bin\n' \
-        "$BASE" "$slug" "$slug" "$slug" >"$seed/Dockerfile"
-    DOCKER_BUILDKIT=1 "$BUILD_CLI" build --no-cache -t radix-arm64-seed "$seed" >"$seed.log" 2>&1 \
-        || { log "seeding failed:"; tail -10 "$seed.log" >&2; exit 1; }
-    "$ENGINE" rmi radix-arm64-seed >/dev/null 2>&1 || true
-    rm -rf "$seed" "$seed.log"
-    log "seeded the build cache with the host's $(basename "$(dirname "$binary")")"
+    seed_build_cache "$BASE" "$("$RADIXCTL" build --cross aarch64)"
 }
 
 # Behind a TLS-inspecting proxy: the CA bundle's non-public certificates to the build through

@@ -79,21 +79,10 @@ PATH="$(dirname "$BUILD_CLI"):$PATH"
 export PATH
 BASE=$(base_image "$SUITE")
 seed_from_host() {  # the host's patched CPU build into the BuildKit cache mount the Dockerfile uses
-    local host_suite binary seed slug
+    local host_suite
     host_suite=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
     [ "$host_suite" = "$SUITE" ] || { log "SEED_FROM_HOST: host is $host_suite, not $SUITE: not seeding"; return; }
-    binary=$("$ROOT/.venv/bin/radixctl" build)
-    seed=$(mktemp -d /var/tmp/radix-deploy-seed.XXXXXX)
-    mkdir -p "$seed/bin"
-    cp -a "$(dirname "$binary")" "$seed/bin/"
-    slug=$(printf %s "$BASE" | tr -c 'A-Za-z0-9.-' _)   # as deploy/Dockerfile names the cache
-    printf 'FROM %s\nRUN --mount=type=cache,target=/cache --mount=type=bind,source=.,target=/seed mkdir -p /cache/%s && cp -an /seed/bin /cache/%s/ && ls /cache/%s/bin\n' \
-        "$BASE" "$slug" "$slug" "$slug" >"$seed/Dockerfile"
-    DOCKER_BUILDKIT=1 "$BUILD_CLI" build --no-cache --progress plain -t radix-deploy-seed "$seed" >"$seed.log" 2>&1 \
-        || { log "seeding failed:"; tail -10 "$seed.log" >&2; exit 1; }
-    "$ENGINE" rmi radix-deploy-seed >/dev/null 2>&1 || true
-    rm -rf "$seed" "$seed.log"
-    log "seeded the image build's cache with the host's $(basename "$(dirname "$binary")")"
+    seed_build_cache "$BASE" "$("$ROOT/.venv/bin/radixctl" build)"
 }
 # ---- the stack's settings: .env.example with free loopback ports ----------------------------------
 work=$(mktemp -d /var/tmp/radix-deploy-test.XXXXXX)
