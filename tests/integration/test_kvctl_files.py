@@ -218,6 +218,195 @@ def test_export_in_place(server: ServerProcess) -> None:
     assert _files(directory) == before
 
 
+def _chunks_of(p0: int, p1: int, c: int) -> list[tuple[int, int]]:
+    """[p0, p1) cut at the multiples of ``c``."""
+    out = []
+    c0 = p0
+    while c0 < p1:
+        c1 = min(p1, (c0 // c + 1) * c)
+        out.append((c0, c1))
+        c0 = c1
+    return out
+
+
+def _range_export(server: ServerProcess, slot: int, tokens: list[int], p0: int, p1: int) -> bytes:
+    """The payload of an inline export of ``[p0, p1)`` of ``slot``."""
+    body = {"slot": slot, "p0": p0, "p1": p1, "expect_sha256": tokens_sha256(tokens[:p1])}
+    status, reply = _kv(server, "POST", "/kvctl/export", body)
+    assert status == 200 and isinstance(reply, dict), reply
+    return base64.b64decode(reply["data"])
+
+
+def test_export_in_chunks_at_offsets(server: ServerProcess) -> None:
+    """Patch 0020: an in-place export with ``chunk`` cuts ``[p0, p1)`` at the multiples of
+    ``chunk`` and writes each part as its own payload at its entry of ``offsets`` (any order,
+    gaps untouched), equal byte for byte to an export of that part alone; without
+    ``offsets`` the parts lie back to back from offset 0."""
+    directory = server.spec.kvctl_dir
+    assert directory is not None
+    tokens = _prefill(server, 0)
+    n, p0, c = len(tokens), 5, 64
+    assert n > 3 * c, n
+    parts = _chunks_of(p0, n, c)
+    refs = [_range_export(server, 0, tokens, c0, c1) for c0, c1 in parts]
+    before = _files(directory)
+
+    # the parts in reverse order, with gaps between them and around them
+    offsets = [0] * len(parts)
+    end = 100
+    for i in reversed(range(len(parts))):
+        offsets[i] = end
+        end += len(refs[i]) + 37 * (i + 1)
+    target = directory / "chunks.kv"
+    target.write_bytes(b"\xaa" * (end + 50))
+    inode = target.stat().st_ino
+    body = {"slot": 0, "p0": p0, "p1": n, "expect_sha256": tokens_sha256(tokens), "file": "chunks.kv"}
+    status, res = _kv(
+        server, "POST", "/kvctl/export", {**body, "in_place": True, "chunk": c, "offsets": offsets}
+    )
+    assert status == 200 and isinstance(res, dict), res
+    assert res["in_place"] is True and res["file"] == "chunks.kv"
+    assert res["chunks"] == [[c0, c1, o, len(r)] for (c0, c1), o, r in zip(parts, offsets, refs, strict=True)]
+    assert res["size"] == sum(len(r) for r in refs) and res["n_cells"] == n - p0
+    assert target.stat().st_ino == inode and target.stat().st_size == end + 50
+    data = target.read_bytes()
+    expect = bytearray(b"\xaa" * (end + 50))
+    for o, r in zip(offsets, refs, strict=True):
+        expect[o : o + len(r)] = r
+    assert data == bytes(expect)
+
+    # without offsets: back to back from 0, the rest untouched
+    status, res = _kv(server, "POST", "/kvctl/export", {**body, "in_place": True, "chunk": c})
+    assert status == 200 and isinstance(res, dict), res
+    packed = b"".join(refs)
+    assert target.read_bytes() == packed + bytes(expect[len(packed) :])
+    assert [ch[2] for ch in res["chunks"]] == [sum(len(r) for r in refs[:i]) for i in range(len(refs))]
+
+    # a plain in-place export is one chunk at 0, as before; so is a chunk as long as the range
+    _, whole = _inline_export(server, 0, tokens)
+    for extra, at in (({}, 0), ({"chunk": n}, 0), ({"offsets": [7]}, 7)):
+        target.write_bytes(b"\xbb" * (len(whole) + 20))
+        status, res = _kv(server, "POST", "/kvctl/export", {**body, "p0": 0, "in_place": True, **extra})
+        assert status == 200 and isinstance(res, dict), (extra, res)
+        assert res["chunks"] == [[0, n, at, len(whole)]] and res["size"] == len(whole)
+        assert target.read_bytes() == b"\xbb" * at + whole + b"\xbb" * (20 - at)
+    target.unlink()
+    assert _files(directory) == before
+
+
+def test_chunk_payloads_import_as_segments(server: ServerProcess) -> None:
+    """The parts of a chunked export are complete payloads: imported into another slot as
+    file segments (at their offsets, in position order) they give back the same KV, byte for
+    byte, and the same next token."""
+    directory = server.spec.kvctl_dir
+    assert directory is not None
+    tokens = _prefill(server, 0)
+    n, c = len(tokens), 64
+    inline, whole = _inline_export(server, 0, tokens)
+    parts = _chunks_of(0, n, c)
+    sizes = [len(_range_export(server, 0, tokens, c0, c1)) for c0, c1 in parts]
+    offsets = [0] * len(parts)
+    end = 0
+    for i in reversed(range(len(parts))):
+        offsets[i] = end
+        end += sizes[i] + 11
+    target = directory / "parts.kv"
+    target.write_bytes(b"\0" * end)
+    body = {"slot": 0, "p0": 0, "p1": n, "expect_sha256": tokens_sha256(tokens), "file": "parts.kv"}
+    status, res = _kv(
+        server, "POST", "/kvctl/export", {**body, "in_place": True, "chunk": c, "offsets": offsets}
+    )
+    assert status == 200 and isinstance(res, dict), res
+
+    status, erased = _kv(server, "POST", "/kvctl/erase", {"slot": 1})
+    assert status == 200, erased
+    segments = [{"file": "parts.kv", "offset": o, "size": s} for o, s in zip(offsets, sizes, strict=True)]
+    status, res = _kv(
+        server,
+        "POST",
+        "/kvctl/import",
+        {"slot": 1, "p0": 0, "p1": n, "tokens": tokens, "compat": inline["compat"], "segments": segments},
+    )
+    assert status == 200 and isinstance(res, dict), res
+    assert res["n_cells"] == n
+    assert _inline_export(server, 1, tokens)[1] == whole
+
+    def continuation(slot: int) -> tuple[str, int]:
+        reply = request(
+            server.url + "/completion",
+            "POST",
+            {"prompt": PROMPT, "n_predict": 4, "id_slot": slot, "cache_prompt": True, "temperature": 0},
+            timeout=300,
+        )
+        assert reply.status == 200 and isinstance(reply.body, dict), reply.body
+        return str(reply.body["content"]), int(reply.body["timings"]["cache_n"])
+
+    imported = continuation(1)
+    assert imported == continuation(0) and imported[1] >= n - 1, imported
+    target.unlink()
+
+
+def test_bad_chunks_are_refused_and_leave_the_file(server: ServerProcess) -> None:
+    """Wrong ``chunk`` or ``offsets`` are a 400 before anything is written: the caller's file
+    keeps its bytes and inode, no file appears."""
+    directory = server.spec.kvctl_dir
+    assert directory is not None
+    tokens = _prefill(server, 0)
+    n, c = len(tokens), 64
+    status, caps = _kv(server, "GET", "/kvctl/caps")
+    assert status == 200 and isinstance(caps, dict)
+    n_ctx_slot = int(caps["n_ctx_slot"])
+    parts = _chunks_of(0, n, c)
+    sizes = [len(_range_export(server, 0, tokens, c0, c1)) for c0, c1 in parts]
+    k = len(parts)
+    good = [sum(sizes[:i]) for i in range(k)]
+    target = directory / "keep.kv"
+    content = os.urandom(sum(sizes) + 10)
+    target.write_bytes(content)
+    inode = target.stat().st_ino
+    before = _files(directory)
+    body = {"slot": 0, "p0": 0, "p1": n, "expect_sha256": tokens_sha256(tokens), "file": "keep.kv"}
+    placed = {**body, "in_place": True, "chunk": c}
+
+    cases: dict[str, tuple[dict[str, object], str]] = {
+        "too few offsets": ({**placed, "offsets": good[:-1]}, f"need {k} ("),
+        "too many offsets": ({**placed, "offsets": [*good, 0]}, f"need {k} ("),
+        "offsets for the whole range": ({**body, "in_place": True, "offsets": good}, "need 1 ("),
+        "past the end": ({**placed, "offsets": [*good[:-1], len(content) - sizes[-1] + 1]}, "at least"),
+        "far past the end": ({**placed, "offsets": [*good[:-1], 1 << 62]}, "at least"),
+        "overlap": ({**placed, "offsets": [good[1] - 1, good[1], *good[2:]]}, "overlap"),
+        "same offset": ({**placed, "offsets": [good[1], *good[1:]]}, "overlap"),
+        "chunk 0": ({**placed, "chunk": 0}, "'chunk'"),
+        "chunk negative": ({**placed, "chunk": -64}, "'chunk'"),
+        "chunk past n_ctx_slot": ({**placed, "chunk": n_ctx_slot + 1}, "'chunk'"),
+        "chunk float": ({**placed, "chunk": 64.0}, "'chunk'"),
+        "chunk string": ({**placed, "chunk": "64"}, "'chunk'"),
+        "chunk without in_place": ({**body, "chunk": c}, "in_place"),
+        "offsets without in_place": ({**body, "offsets": [0]}, "in_place"),
+        "chunk with in_place false": ({**body, "in_place": False, "chunk": c}, "in_place"),
+        "chunk inline": ({k2: v for k2, v in body.items() if k2 != "file"} | {"chunk": c}, "in_place"),
+        "offset float": ({**placed, "offsets": [0.0, *good[1:]]}, "entry 0"),
+        "offset string": ({**placed, "offsets": [*good[:-1], str(good[-1])]}, f"entry {k - 1}"),
+        "offset null": ({**placed, "offsets": [*good[:-1], None]}, f"entry {k - 1}"),
+        "offset bool": ({**placed, "offsets": [*good[:-1], True]}, f"entry {k - 1}"),
+        "offset negative": ({**placed, "offsets": [-1, *good[1:]]}, "entry 0"),
+        "offset above int64": ({**placed, "offsets": [*good[:-1], 1 << 63]}, f"entry {k - 1}"),
+        "offsets not an array": ({**placed, "offsets": 0}, "'offsets'"),
+        "offsets longer than n_ctx_slot": ({**placed, "offsets": [0] * (n_ctx_slot + 1)}, "at most"),
+    }
+    for name, (req, words) in cases.items():
+        status, err = _kv(server, "POST", "/kvctl/export", req)
+        assert status == 400, (name, err)
+        assert isinstance(err, dict) and words in err["error"]["message"], (name, err)
+        assert target.read_bytes() == content and target.stat().st_ino == inode, name
+        assert _files(directory) == before, name
+
+    # the same request with the right offsets is fine
+    status, res = _kv(server, "POST", "/kvctl/export", {**placed, "offsets": good})
+    assert status == 200 and isinstance(res, dict), res
+    target.unlink()
+
+
 def test_mover_reuses_one_import_file_and_drops_unanswered_ones(server: ServerProcess) -> None:
     tokens = _prefill(server, 0)
     asyncio.run(_mover_moves(server, tokens))
