@@ -59,6 +59,11 @@ class Config:
     cache_disk_key_file: Path | None = None
     # Payload files live here when the server shares the host (normally under /dev/shm).
     shm_dir: Path | None = None
+    # The host tree's KV in one shared-memory arena of --cache-ram bytes in --shm-dir, made and
+    # faulted in at startup; moves are one copy (docs/design.md, "The arena"). Off: payload files.
+    kv_arena: bool = True
+    # Exports are cut into blobs at positions that are multiples of this (arena blocks).
+    kv_arena_chunk: int = 256
     # A host restore shorter than this is not worth a KV move (prefill it instead).
     min_restore_tokens: int = 64
     kvctl_key: str | None = None

@@ -445,11 +445,12 @@ del _name
 @click.option("--no-probe", is_flag=True, help="Do not time a tiny generation during the moves.")
 @click.option(
     "--transport",
-    type=click.Choice(["shared", "inline", "both"]),
-    default="shared",
+    type=click.Choice(["arena", "shared", "inline", "both", "all"]),
+    default="arena",
     show_default=True,
-    help="Payloads through shared-memory files, inline over HTTP (msgpack binary, as across "
-    "hosts), or both side by side.",
+    help="Moves through the KV arena (one copy, the proxy's default), shared-memory payload "
+    "files (--kv-arena off), inline over HTTP (msgpack binary, as across hosts); both: files "
+    "and inline side by side; all: the three.",
 )
 @fail_cleanly
 def kvctl(
@@ -485,7 +486,7 @@ def kvctl(
         build_backend,
         gpu_layers,
     )
-    kinds = ["shared", "inline"] if transport == "both" else [transport]
+    kinds = {"both": ["shared", "inline"], "all": ["arena", "shared", "inline"]}.get(transport, [transport])
     reports: dict[str, dict[str, Any]] = {}
     with patched_server(settings, max(ctx_size, kvctl_ctx_size(token_sizes))) as (server, shm):
         from proxy.bench.transport import warm_slot0
@@ -495,12 +496,13 @@ def kvctl(
             reports[kind] = asyncio.run(
                 run_kvctl_bench(
                     server.url,
-                    shm if kind == "shared" else None,
+                    shm if kind in ("arena", "shared") else None,
                     token_sizes,
                     reps,
                     not no_probe,
                     _say,
                     kvctl_key=server.spec.kvctl_key,
+                    arena=kind == "arena",
                 )
             )
     for kind, report in reports.items():
@@ -508,7 +510,7 @@ def kvctl(
         for path in write_report(report, where):
             _say(f"wrote {path}")
         click.echo((where / "report.md").read_text())
-    if len(reports) > 1:
+    if "shared" in reports and "inline" in reports:
         from proxy.bench.transport import transport_table
 
         table, rows = transport_table(reports["shared"], reports["inline"])

@@ -28,11 +28,13 @@ import numpy as np
 import orjson
 from prometheus_client import CollectorRegistry
 
+from proxy.config import Config
 from proxy.core.payload import KvLayout, blob_size
 from proxy.errors import FallbackCause
+from proxy.server.arena import Arena
 from proxy.server.backend import MOVE_BASE_S, ServerClient
 from proxy.server.kvctl import KvRoute
-from proxy.server.metrics import Metrics
+from proxy.server.metrics import ARENA_PATHS, Metrics
 from proxy.server.mover import INLINE_LIMIT, KvMover
 from proxy.traffic.text import prose, seeded
 
@@ -143,7 +145,10 @@ async def run_kvctl_bench(
     probe: bool = True,
     progress: Any = None,
     kvctl_key: str | None = None,
+    arena: bool = False,
 ) -> dict[str, Any]:
+    """With ``arena`` (and ``shm_dir``): moves through a KV arena made in ``shm_dir`` for
+    the run, as the proxy's with --kv-arena (else through payload files, or inline)."""
     say = progress or (lambda _msg: None)
     sizes = tuple(sorted(set(sizes)))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
@@ -153,73 +158,92 @@ async def run_kvctl_bench(
         compat = dict(caps.compat)
         layout = KvLayout.from_caps(compat)
         shm = shm_dir if shm_dir and caps.dir and Path(caps.dir).resolve() == shm_dir.resolve() else None
-        mover = KvMover(backend, layout, compat, shm, Metrics(CollectorRegistry(), ("s0",)))
         sizes = clamp_sizes(sizes, caps.n_ctx_slot, say)
-        tokens = await _tokens(plain, max(sizes))
-        say(f"prefilling {len(tokens)} tokens into slot 0")
-        started = time.perf_counter()
-        await _prefill(plain, tokens)
-        prefill_s = time.perf_counter() - started
-        slot0 = (await backend.slots(tokens=True)).slot(0)
-        held = slot0.held_tokens().tolist()[: slot0.pos_max + 1]
-        probe_idle = statistics.median([await _probe(plain) for _ in range(3)]) if probe else None
-        rows = []
-        for n in sizes:
-            if n > len(held):
-                say(f"skipping {n} tokens: slot 0 holds only {len(held)}")
-                continue
-            size = blob_size(layout, n)
-            if shm is None and size > INLINE_LIMIT:
-                # The server refuses a larger payload in a body: the proxy's own moves of such a
-                # prefix to an inline server fall back to prefill (docs/bench.md).
-                say(f"skipping {n} tokens inline: {size} bytes exceed the inline limit of {INLINE_LIMIT}")
-                continue
-            row: dict[str, Any] = {"tokens": n, "bytes": size, "bytes_per_token": layout.bytes_per_token}
-            segment = None
-            for op in ("export", "import"):
-                totals, servers, loops, probes = [], [], [], []
-                for rep in range(reps):
-                    with_probe = plain if probe and rep == reps - 1 else None
-                    if op == "export":
-                        holder: dict[str, Any] = {}
-
-                        async def export(holder: dict[str, Any] = holder, n: int = n) -> None:
-                            holder["seg"] = await mover.export({"slot": 0}, 0, held[:n])
-
-                        total, probe_ms = await _timed(export(), with_probe)
-                        segment = holder["seg"]
-                    else:
-                        assert segment is not None
-                        total, probe_ms = await _timed(mover.import_(1, 0, held[:n], [segment]), with_probe)
-                    totals.append(1000 * total)
-                    servers.append(1000 * backend.last_call_s)
-                    if backend.last_loop_ms is not None:
-                        loops.append(backend.last_loop_ms)
-                    if probe_ms is not None:
-                        probes.append(probe_ms)
-                row[op] = {
-                    "total_ms_p50": statistics.median(totals),
-                    "total_ms_max": max(totals),
-                    "server_ms_p50": statistics.median(servers),
-                    "server_ms_max": max(servers),
-                    "mb_s": size / (statistics.median(totals) / 1000) / 1e6,
-                    "server_mb_s": size / (statistics.median(servers) / 1000) / 1e6,
-                    "loop_ms_p50": statistics.median(loops) if loops else None,
-                    "loop_ms_max": max(loops) if loops else None,
-                    # The server's copy alone: device-to-host (export), host-to-device (import).
-                    "device_mb_s": size / (statistics.median(loops) / 1000) / 1e6 if loops else None,
-                    "probe_ms": probes[0] if probes else None,
-                }
-            row["memcpy_mb_s"] = memcpy_mb_s(size, max(5, reps))
-            rows.append(row)
-            say(
-                f"{n} tokens ({size / 2**20:.1f} MiB): export {row['export']['total_ms_p50']:.1f} ms "
-                f"({row['export']['mb_s']:.0f} MB/s), import {row['import']['total_ms_p50']:.1f} ms "
-                f"({row['import']['mb_s']:.0f} MB/s), memcpy {row['memcpy_mb_s']:.0f} MB/s"
+        home = None
+        if arena and shm is not None and caps.export_chunks:
+            # Room for one export's blocks while the previous one is still imported from.
+            home = Arena.create(shm, 3 * blob_size(layout, max(sizes)) + (64 << 20))
+            say(f"KV arena: {home.capacity >> 20} MiB ({home.note})")
+        try:
+            metrics = Metrics(CollectorRegistry(), ("s0",))
+            chunk = Config.kv_arena_chunk
+            mover = KvMover(
+                backend, layout, compat, shm, metrics, arena=home, chunk_tokens=chunk if home else 0
             )
+            tokens = await _tokens(plain, max(sizes))
+            say(f"prefilling {len(tokens)} tokens into slot 0")
+            started = time.perf_counter()
+            await _prefill(plain, tokens)
+            prefill_s = time.perf_counter() - started
+            slot0 = (await backend.slots(tokens=True)).slot(0)
+            held = slot0.held_tokens().tolist()[: slot0.pos_max + 1]
+            probe_idle = statistics.median([await _probe(plain) for _ in range(3)]) if probe else None
+            rows = []
+            for n in sizes:
+                if n > len(held):
+                    say(f"skipping {n} tokens: slot 0 holds only {len(held)}")
+                    continue
+                size = blob_size(layout, n)
+                if shm is None and size > INLINE_LIMIT:
+                    # The server refuses a larger payload in a body: the proxy's own moves of such a
+                    # prefix to an inline server fall back to prefill (docs/bench.md).
+                    say(f"skipping {n} tokens inline: {size} bytes exceed the inline limit of {INLINE_LIMIT}")
+                    continue
+                row: dict[str, Any] = {"tokens": n, "bytes": size, "bytes_per_token": layout.bytes_per_token}
+                segment = None
+                for op in ("export", "import"):
+                    totals, servers, loops, probes = [], [], [], []
+                    for rep in range(reps):
+                        with_probe = plain if probe and rep == reps - 1 else None
+                        if op == "export":
+                            holder: dict[str, Any] = {}
+
+                            async def export(holder: dict[str, Any] = holder, n: int = n) -> None:
+                                holder["seg"] = await mover.export({"slot": 0}, 0, held[:n])
+
+                            total, probe_ms = await _timed(export(), with_probe)
+                            segment = holder["seg"]
+                        else:
+                            assert segment is not None
+                            total, probe_ms = await _timed(mover.import_(1, 0, held[:n], segment), with_probe)
+                        totals.append(1000 * total)
+                        servers.append(1000 * backend.last_call_s)
+                        if backend.last_loop_ms is not None:
+                            loops.append(backend.last_loop_ms)
+                        if probe_ms is not None:
+                            probes.append(probe_ms)
+                    row[op] = {
+                        "total_ms_p50": statistics.median(totals),
+                        "total_ms_max": max(totals),
+                        "server_ms_p50": statistics.median(servers),
+                        "server_ms_max": max(servers),
+                        "mb_s": size / (statistics.median(totals) / 1000) / 1e6,
+                        "server_mb_s": size / (statistics.median(servers) / 1000) / 1e6,
+                        "loop_ms_p50": statistics.median(loops) if loops else None,
+                        "loop_ms_max": max(loops) if loops else None,
+                        # The server's copy alone: device-to-host (export), host-to-device (import).
+                        "device_mb_s": size / (statistics.median(loops) / 1000) / 1e6 if loops else None,
+                        "probe_ms": probes[0] if probes else None,
+                    }
+                row["memcpy_mb_s"] = memcpy_mb_s(size, max(5, reps))
+                rows.append(row)
+                say(
+                    f"{n} tokens ({size / 2**20:.1f} MiB): export {row['export']['total_ms_p50']:.1f} ms "
+                    f"({row['export']['mb_s']:.0f} MB/s), import {row['import']['total_ms_p50']:.1f} ms "
+                    f"({row['import']['mb_s']:.0f} MB/s), memcpy {row['memcpy_mb_s']:.0f} MB/s"
+                )
+        finally:
+            if home is not None:
+                home.close()  # the file goes; the mapping with the last segment
+    paths = {
+        f"{d}_{p}_bytes": metrics.value("radix_arena_move_bytes_total", direction=d, path=p)
+        for d in ("export", "import")
+        for p in ARENA_PATHS
+    }
     return {
         "workload": {"name": "kvctl", "params": {"sizes": list(sizes), "reps": reps, "probe": probe}},
-        "transport": "shm files" if shm else "inline msgpack",
+        "transport": ("shm arena" if home else "shm files") if shm else "inline msgpack",
+        "arena": {"chunk_tokens": chunk, **paths} if home else None,
         "prefill_s": prefill_s,
         "probe_idle_ms": probe_idle,
         "layout_bytes_per_token": layout.bytes_per_token,

@@ -100,6 +100,23 @@ shm_dir_option = click.option(
     envvar="RADIX_SHM_DIR",
     help="Shared-memory directory for KV payload files (same host as the server).",
 )
+kv_arena_option = _on_off_option(
+    "--kv-arena",
+    "kv_arena",
+    Config.kv_arena,
+    "RADIX_KV_ARENA",
+    "Keep the host tree's KV in one shared-memory arena of --cache-ram bytes in --shm-dir, "
+    "allocated at startup; same-host moves are then one copy. Off: payload files per move.",
+)
+kv_arena_chunk_option = click.option(
+    "--kv-arena-chunk",
+    "kv_arena_chunk",
+    type=click.IntRange(16, 65536),
+    default=Config.kv_arena_chunk,
+    show_default=True,
+    envvar="RADIX_KV_ARENA_CHUNK",
+    help="Tokens per arena block: exports are cut at multiples of it, imports read whole blocks.",
+)
 min_restore_tokens_option = click.option(
     "--min-restore-tokens",
     default=Config.min_restore_tokens,
@@ -517,6 +534,8 @@ PROXY_OPTIONS = [
     cache_disk_size_option,
     cache_disk_key_file_option,
     shm_dir_option,
+    kv_arena_option,
+    kv_arena_chunk_option,
     min_restore_tokens_option,
     kvctl_key_option,
     kvctl_key_file_option,

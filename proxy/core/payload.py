@@ -109,18 +109,22 @@ class _Reader:
             )
 
 
-def parse_blob(buf: Buffer, expect: KvLayout | None = None, cell_ext_bytes: int | None = None) -> KvSegment:
+def parse_blob(
+    buf: Buffer, expect: KvLayout | None = None, cell_ext_bytes: int | None = None, view: bool = False
+) -> KvSegment:
     """Validate a payload and return its KV as one segment in position order.
 
     The cells must cover exactly [p0, p0+n) once each (any pool order). With `expect`,
     the blob's layout must equal it. The size of the cells' extra metadata cannot be read from
     the blob itself: it is `expect`'s, else `cell_ext_bytes` (default 0). Any violation raises
-    PayloadError. The result owns its memory: `buf` (e.g. an mmap) may be closed right after.
+    PayloadError. The result owns its memory: `buf` (e.g. an mmap) may be closed right after;
+    with `view`, when the cells are already in position order (the server sorts them), the
+    segment's parts are views of `buf` instead (no copy: an arena block stays the KV's home).
     """
     if cell_ext_bytes is None:
         cell_ext_bytes = expect.cell_ext_bytes if expect is not None else 0
     try:
-        return _parse(buf, expect, cell_ext_bytes)
+        return _parse(buf, expect, cell_ext_bytes, view)
     except PayloadError as e:
         err = PayloadError(e.message)
     # Raised outside the except block so no traceback frame keeps a numpy view of `buf`:
@@ -128,7 +132,7 @@ def parse_blob(buf: Buffer, expect: KvLayout | None = None, cell_ext_bytes: int 
     raise err
 
 
-def _parse(buf: Buffer, expect: KvLayout | None, ext: int) -> KvSegment:
+def _parse(buf: Buffer, expect: KvLayout | None, ext: int, view: bool) -> KvSegment:
     raw = np.frombuffer(buf, dtype=np.uint8)
     rd = _Reader(raw)
     magic, _seq_id = rd.unpack(_HEAD, "header")
@@ -156,6 +160,11 @@ def _parse(buf: Buffer, expect: KvLayout | None, ext: int) -> KvSegment:
     if ext:
         _check_same_ext(sections, ext)
         blocks.append(((0, ext, 0, 0, _cell_ext_view(first.cells, ext)), first.order))
+    if view and all(sec.order is None for sec in sections):
+        parts = tuple(
+            blk.reshape(part_shape(layout, i, first.n)) for i, ((_, _, _, _, blk), _) in enumerate(blocks)
+        )
+        return KvSegment(first.p0, layout, parts)
     return _gather(layout, first.p0, first.n, blocks)
 
 

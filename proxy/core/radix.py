@@ -184,6 +184,9 @@ class RadixTree:
         self._evictions = self._evicted_tokens = 0
         # Told of every evicted leaf before its KV is dropped (the disk tier demotes it).
         self.on_evict: Callable[[Spill], None] | None = None
+        # Makes the copy of a segment the tree keeps on its own (a slice that would hold a larger
+        # buffer alive): with the arena, into a block of its own, so it stays one-copy movable.
+        self.copier: Callable[[KvSegment], KvSegment] = KvSegment.copy
 
     # ------------------------------------------------------------ lookups
 
@@ -273,6 +276,27 @@ class RadixTree:
             self._saved_tokens += stored
         return stored
 
+    def insert_run(self, tokens: Tokens, segments: Sequence[KvSegment], ns: str = "") -> int:
+        """``insert`` for adjacent segments (an export's chunks), each as its own edge, in
+        order; stops at the first one not stored whole (the next would not start in the tree)."""
+        q = as_tokens(tokens)
+        stored = 0
+        for seg in segments:
+            stored += self.insert(q[: seg.p1], seg, ns)
+            if self.match(q[: seg.p1], touch=False, ns=ns).length < seg.p1:
+                break
+        return stored
+
+    def evict_lru_leaf(self) -> bool:
+        """Evict the least recently used unpinned leaf (the arena needs a free range);
+        False when there is none."""
+        while self._heap:
+            last_used, _, node = heapq.heappop(self._heap)
+            if self._evictable(node) and node.last_used == last_used:
+                self._evict_leaf(node)
+                return True
+        return False
+
     def _store(self, deepest: _Node, length: int, q: np.ndarray, segment: KvSegment) -> int:
         split = deepest.parent is not None and length < deepest.end
         extra = NODE_OVERHEAD_BYTES if split else 0
@@ -287,7 +311,7 @@ class RadixTree:
         parent = self._split(deepest, length) if split else deepest
         seg = segment.slice(length, length + k)
         if seg.keeps_extra():
-            seg = seg.copy()
+            seg = self.copier(seg)
         self._add_leaf(parent, q[length : length + k].copy(), seg)
         return k
 
@@ -544,7 +568,7 @@ class RadixTree:
         owner = leaf.segment.owner
         cur = leaf.parent
         while cur is not None and cur.segment is not None and cur.segment.owner is owner:
-            cur.segment = cur.segment.copy()
+            cur.segment = self.copier(cur.segment)
             cur = cur.parent
 
     def _iter_nodes(self) -> list[_Node]:

@@ -258,8 +258,13 @@ class KvSegment:
         return _buffer_owner(self.parts[0])
 
     def keeps_extra(self) -> bool:
-        """True when the segment is a view that keeps a larger buffer alive than its own bytes."""
+        """True when the segment is a view that keeps a larger buffer alive than its own bytes.
+        An owner with an int ``kv_nbytes`` holds a whole payload blob (headers and cell table
+        besides the KV): only its KV bytes count."""
         owner = self.owner
+        held = getattr(owner, "kv_nbytes", None)  # a payload's home (an arena block): its KV only
+        if isinstance(held, int):
+            return held > self.nbytes
         if isinstance(owner, np.ndarray):
             return owner.nbytes > self.nbytes
         try:

@@ -286,14 +286,20 @@ class ServerClient:
         file: str | None,
         timeout_s: float = MOVE_BASE_S,
         in_place: bool = False,
+        chunk: int = 0,
+        offsets: Sequence[int] = (),
     ) -> ExportReply:
         """Export ``[p0, len(tokens))`` of a sequence that must hold ``tokens`` (else 409: CONFLICT).
-        ``in_place``: into the existing ``file`` (its first bytes), not a new one."""
+        ``in_place``: into the existing ``file`` (its first bytes), not a new one; with ``chunk``
+        and ``offsets`` (the arena), one blob per chunk of the range at its offset."""
         body: dict[str, Any] = {**seq, "p0": p0, "p1": len(tokens), "expect_sha256": tokens_sha256(tokens)}
         if file:
             body["file"] = file
             if in_place:
                 body["in_place"] = True
+            if chunk:
+                body["chunk"] = chunk
+                body["offsets"] = list(offsets)
         reply = await self.kv_post(KvRoute.EXPORT, body, cause=FallbackCause.EXPORT, timeout_s=timeout_s)
         return ExportReply.parse(reply)
 

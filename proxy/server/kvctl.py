@@ -200,6 +200,9 @@ class Caps:
     checkpoints_off: tuple[str, ...]  # why they are off
     # Where the memory lives (patch 0019): None where the server does not say (an older patch).
     kv_buffers: tuple[KvBuffer, ...] | None = None
+    # Patch 0020: exports in chunks at the caller's offsets (the arena); an older server would
+    # write a whole blob at offset 0 of the arena instead, so it gets payload files.
+    export_chunks: bool = False
 
     @property
     def kv_devices(self) -> tuple[str, ...]:
@@ -265,6 +268,7 @@ class Caps:
             checkpoints=ckpt.flag("on"),
             checkpoints_off=ckpt.strs("off"),
             kv_buffers=kv_buffers,
+            export_chunks=r.flag("export_chunks", default=False),
         )
 
 
@@ -392,10 +396,19 @@ class ExportReply:
     file: str | None  # with ``file``: the payload's name in the payload directory
     data: bytes | None  # without ``file``: the payload inline
     t_ms: float | None  # the time the export held the server's main loop
+    # With ``chunk``: each chunk's [c0, c1, offset, size] in the file (patch 0020), else empty.
+    chunks: tuple[tuple[int, int, int, int], ...] = ()
 
     @classmethod
     def parse(cls, obj: object, cause: FallbackCause = FallbackCause.EXPORT) -> ExportReply:
         r = _Reader(obj, KvRoute.EXPORT, cause)
+        chunks = []
+        for item in r.list_of("chunks", default_empty=True):
+            if not (isinstance(item, list) and len(item) == 4 and all(type(v) is int for v in item)):
+                raise KvctlReplyError(
+                    cause, KvRoute.EXPORT, f"'chunks' holds {item!r}, not [c0, c1, offset, size]"
+                )
+            chunks.append((item[0], item[1], item[2], item[3]))
         reply = cls(
             size=r.integer("size"),
             n_cells=r.integer("n_cells"),
@@ -406,6 +419,7 @@ class ExportReply:
             file=r.opt_str("file"),
             data=r.blob("data"),
             t_ms=r.number("t_ms"),
+            chunks=tuple(chunks),
         )
         if reply.file is None and reply.data is None:
             raise KvctlReplyError(cause, KvRoute.EXPORT, "neither 'file' nor 'data'")

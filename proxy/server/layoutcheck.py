@@ -124,7 +124,7 @@ async def _round_trip(backend: ServerClient, mover: KvMover) -> tuple[str, ...]:
         if len(tokens) < 2:
             return (f"the layout check's slot {slot_id} holds {len(tokens)} tokens after a completion",)
         first = await mover.export({"slot": slot_id}, 0, tokens)
-        await mover.import_(slot_id, 0, tokens.tolist(), [first])
+        await mover.import_(slot_id, 0, tokens.tolist(), first)
         again = await mover.export({"slot": slot_id}, 0, tokens)
     finally:
         try:
@@ -132,7 +132,7 @@ async def _round_trip(backend: ServerClient, mover: KvMover) -> tuple[str, ...]:
         except (RadixError, aiohttp.ClientError, TimeoutError) as exc:
             # The slots are read after the check: one holding unknown KV is erased before reuse.
             log.warning("%s: erasing the layout check's slot %d failed: %s", backend.url, slot_id, exc)
-    if build_blob([first]) != build_blob([again]):
+    if build_blob(first) != build_blob(again):
         return (f"a test move of {len(tokens)} tokens did not round-trip byte for byte",)
     log.info(
         "%s: KV layout checked: %d tokens exported, imported, exported again: identical",

@@ -38,6 +38,8 @@ SHARE_PATHS = {
 }
 FALLBACK_CAUSES = tuple(c.value for c in FallbackCause)
 DIRECTIONS = ("export", "import")
+ARENA_PATHS = ("in_place", "staged", "file")
+ARENA_STATES = ("capacity", "used", "quarantined")
 REJECT_REASONS = tuple(r.value for r in RejectReason)
 APIS = (
     "chat",
@@ -207,6 +209,26 @@ class Metrics:
         )
         self.kv_move_seconds = Counter(
             f"{ns}_kv_move_seconds", "Time spent in KV moves", ["direction"], registry=registry
+        )
+        # ---- the arena (docs/design.md, "The arena") ---------------------------------------
+        self.arena_bytes = Gauge(
+            f"{ns}_arena_bytes",
+            "The KV arena: capacity, bytes in blocks, bytes quarantined after unanswered moves",
+            ["state"],
+            registry=registry,
+        )
+        self.arena_move_bytes = Counter(
+            f"{ns}_arena_move_bytes",
+            "KV bytes moved, by path: in_place (the server copies to or from arena blocks, the proxy "
+            "not at all), staged (the proxy copied them into a temporary block), file (payload files)",
+            ["direction", "path"],
+            registry=registry,
+        )
+        self.arena_full = Counter(
+            f"{ns}_arena_full",
+            "Moves that found no room in the arena even after evicting, and went through a payload file",
+            ["direction"],
+            registry=registry,
         )
         # ---- host radix tree ---------------------------------------------------------------
         self.tree_nodes = Gauge(f"{ns}_host_tree_nodes", "Nodes in the host radix tree", registry=registry)
@@ -394,6 +416,11 @@ class Metrics:
         for direction in DIRECTIONS:
             self.kv_move_bytes.labels(direction)
             self.kv_move_seconds.labels(direction)
+            self.arena_full.labels(direction)
+            for path in ARENA_PATHS:
+                self.arena_move_bytes.labels(direction, path)
+        for state in ARENA_STATES:
+            self.arena_bytes.labels(state)
         for status in ("4xx", "5xx"):
             self.request_errors.labels(status)
         for api in APIS:
@@ -432,6 +459,10 @@ class Metrics:
         self._kv_places[server] = places or (("unknown", "unknown"),)
         for device, backend in self._kv_places[server]:
             self.server_kv_device.labels(server, device, backend).set(1)
+
+    def set_arena(self, stats: Mapping[str, int]) -> None:
+        for state in ARENA_STATES:
+            self.arena_bytes.labels(state).set(stats.get(state, 0))
 
     def set_move_rates(self, server: str, export_bytes_per_s: float, import_bytes_per_s: float) -> None:
         self.server_move_rate.labels(server, "export").set(export_bytes_per_s)

@@ -6,6 +6,12 @@ its KV cache, the proxy between the file and its segments (block copies), one co
 hosts: inline msgpack bytes. Parsing and building payloads run in a worker thread so the
 event loop keeps serving while megabytes are copied.
 
+With the arena (proxy/server/arena.py, servers with chunked exports), neither file is used:
+an export writes each chunk's blob straight into arena blocks and its segments are views of
+them; an import names the whole blocks of its segments by offset and stages only the rest (a
+tree edge split inside a chunk, KV read from disk) into temporary blocks. One copy per move,
+the server's, for everything but the staged parts. A full arena falls back to the files.
+
 Payload files are reused: a fresh tmpfs file costs a page allocation and a fault per page,
 about as much as the copy itself. One idle file per direction (pages allocated, kept mapped)
 waits for the next move. An import file goes back to its pool only after the server answered
@@ -32,9 +38,11 @@ from typing import Any
 
 import numpy as np
 
+from proxy.core.arena import chunk_bounds
 from proxy.core.payload import KvLayout, KvSegment, blob_size, parse_blob, write_blob
 from proxy.core.routing import MeasuredRates
 from proxy.errors import FallbackCause, KvMoveError, PayloadError
+from proxy.server.arena import Arena, ArenaBlock, block_segments, stage_runs
 from proxy.server.backend import ServerClient, move_timeout_s
 from proxy.server.metrics import Metrics
 from proxy.server.paydir import private_dir_fd
@@ -53,8 +61,13 @@ class KvMover:
         shm_dir: Path | None,
         metrics: Metrics,
         rates: MeasuredRates | None = None,
+        arena: Arena | None = None,
+        chunk_tokens: int = 0,
     ) -> None:
         self.backend = backend
+        # The arena and its chunk size, for a same-host server with chunked exports (else None).
+        self.arena = arena if shm_dir is not None and chunk_tokens > 0 else None
+        self.chunk_tokens = chunk_tokens
         # The server's rates: each move teaches its export or import rate (the cost model's).
         self.rates = rates if rates is not None else MeasuredRates()
         self.layout = layout  # None: KV moves are off for this server (ServerState.moves_off)
@@ -85,8 +98,9 @@ class KvMover:
         p0: int,
         tokens: Sequence[int] | np.ndarray,
         hold: contextlib.AbstractAsyncContextManager[Any] | None = None,
-    ) -> KvSegment:
-        """The KV of positions ``[p0, len(tokens))`` of a slot's or owner's sequence, verified.
+    ) -> list[KvSegment]:
+        """The KV of positions ``[p0, len(tokens))`` of a slot's or owner's sequence, verified:
+        adjacent segments (one per chunk with the arena, else one).
 
         Bound to ``tokens`` (invariant 6): the server checks that the sequence holds exactly
         these tokens at ``[0, len(tokens))`` when it exports, else KvMoveError(CONFLICT).
@@ -97,6 +111,12 @@ class KvMover:
         started = time.perf_counter()
         p1 = len(tokens)
         layout = self._layout()
+        if self.arena is not None:
+            run = await self._export_to_arena(self.arena, seq, p0, tokens, hold)
+            if run is not None:
+                self.metrics.kv_move_bytes.labels("export").inc(sum(s.nbytes for s in run))
+                self.metrics.kv_move_seconds.labels("export").inc(time.perf_counter() - started)
+                return run
         size = blob_size(layout, p1 - p0)
         file: _PayloadFile | None = None
         try:
@@ -143,8 +163,67 @@ class KvMover:
             raise KvMoveError(FallbackCause.VERIFY, f"asked for [{p0},{p1}), got [{segment.p0},{segment.p1})")
         self.rates.observe_move("export", reply.size, _seconds(reply.t_ms), proxy_s)
         self.metrics.kv_move_bytes.labels("export").inc(segment.nbytes)
+        self.metrics.arena_move_bytes.labels("export", "file").inc(segment.nbytes)
         self.metrics.kv_move_seconds.labels("export").inc(time.perf_counter() - started)
-        return segment
+        return [segment]
+
+    async def _export_to_arena(
+        self,
+        arena: Arena,
+        seq: dict[str, int],
+        p0: int,
+        tokens: Sequence[int] | np.ndarray,
+        hold: contextlib.AbstractAsyncContextManager[Any] | None,
+    ) -> list[KvSegment] | None:
+        """The export as one blob per chunk, written by the server into arena blocks; the
+        segments are views of them. None when the arena has no room (the caller uses a file)."""
+        layout = self._layout()
+        chunks = chunk_bounds(p0, len(tokens), self.chunk_tokens)
+        sizes = [blob_size(layout, c1 - c0) for c0, c1 in chunks]
+        blocks = arena.take(sizes, arena.make_room)
+        if blocks is None:
+            self.metrics.arena_full.labels("export").inc()
+            return None
+        run: list[KvSegment] = []
+        answered = False
+        try:
+            async with hold or contextlib.nullcontext():
+                reply = await self.backend.export(
+                    seq,
+                    p0,
+                    tokens,
+                    arena.name,
+                    move_timeout_s(sum(sizes)),
+                    in_place=True,
+                    chunk=self.chunk_tokens,
+                    offsets=[b.offset for b in blocks],
+                )
+            answered = True
+            if reply.compat != self.compat:
+                raise KvMoveError(FallbackCause.COMPAT, "exported payload has another compatibility key")
+            want = tuple((c0, c1, b.offset, n) for (c0, c1), b, n in zip(chunks, blocks, sizes, strict=True))
+            if reply.chunks != want:
+                raise KvMoveError(
+                    FallbackCause.VERIFY, f"asked for chunks {want}, the server wrote {reply.chunks}"
+                )
+            copied = time.perf_counter()
+            run = await asyncio.to_thread(block_segments, blocks, layout)
+            got = [(seg.p0, seg.p1) for seg in run]
+            if got != chunks:
+                raise KvMoveError(FallbackCause.VERIFY, f"asked for {chunks}, got {got}")
+        except PayloadError as exc:
+            run.clear()
+            raise KvMoveError(FallbackCause.PAYLOAD, str(exc)) from exc
+        except BaseException as exc:
+            run.clear()  # freed now, not when the traceback goes
+            if not answered:
+                arena.quarantine_unanswered(exc, blocks)
+            raise
+        finally:
+            blocks.clear()  # from here on only the segments keep their blocks
+        self.rates.observe_move("export", reply.size, _seconds(reply.t_ms), time.perf_counter() - copied)
+        self.metrics.arena_move_bytes.labels("export", "in_place").inc(sum(seg.nbytes for seg in run))
+        return run
 
     async def import_(
         self,
@@ -173,6 +252,9 @@ class KvMover:
             "tokens": [int(t) for t in tokens],
             "compat": self.compat,
         }
+        if self.arena is not None and await self._import_from_arena(self.arena, body, segments, hold):
+            self.metrics.kv_move_seconds.labels("import").inc(time.perf_counter() - started)
+            return
         size = blob_size(self._layout(), n)
         file: _PayloadFile | None = None
         copied = time.perf_counter()
@@ -211,7 +293,56 @@ class KvMover:
                 file.close()  # not answered: the server may still read it, never reuse it
         self.rates.observe_move("import", reply.bytes, _seconds(reply.t_ms), proxy_s)
         self.metrics.kv_move_bytes.labels("import").inc(size)
+        self.metrics.arena_move_bytes.labels("import", "file").inc(n * self._layout().bytes_per_token)
         self.metrics.kv_move_seconds.labels("import").inc(time.perf_counter() - started)
+
+    async def _import_from_arena(
+        self,
+        arena: Arena,
+        body: dict[str, Any],
+        segments: Sequence[KvSegment],
+        hold: contextlib.AbstractAsyncContextManager[Any] | None,
+    ) -> bool:
+        """The import with each segment that is a whole arena block named by its offset, the
+        runs of the others staged into temporary blocks (one proxy copy of those only). False
+        when the arena has no room for the staged runs (the caller uses a file)."""
+        layout = self._layout()
+        pieces = _pieces(arena, segments)
+        runs = [p for p in pieces if isinstance(p, list)]
+        sizes = [blob_size(layout, run[-1].p1 - run[0].p0) for run in runs]
+        staged = arena.take(sizes, arena.make_room) if runs else []
+        if staged is None:
+            self.metrics.arena_full.labels("import").inc()
+            return False
+        fill = iter(staged)
+        named = [p if isinstance(p, ArenaBlock) else next(fill) for p in pieces]
+        size = sum(b.blob_size for b in named)
+        answered = False
+        try:
+            copied = time.perf_counter()
+            if runs:
+                await asyncio.to_thread(stage_runs, runs, staged)
+            proxy_s = time.perf_counter() - copied
+            body["segments"] = [{"file": arena.name, "offset": b.offset, "size": b.blob_size} for b in named]
+            async with hold or contextlib.nullcontext():
+                reply = await self.backend.import_(body, timeout_s=move_timeout_s(size))
+            answered = True
+        except BaseException as exc:
+            if not answered:
+                arena.quarantine_unanswered(exc, [*named, *segments])
+            raise
+        finally:
+            named.clear()  # the staged blocks are free now, not when a traceback goes
+            staged.clear()
+            pieces.clear()
+        self.rates.observe_move("import", reply.bytes, _seconds(reply.t_ms), proxy_s)
+        self.metrics.kv_move_bytes.labels("import").inc(size)
+        n_staged = sum(run[-1].p1 - run[0].p0 for run in runs)
+        n_all = sum(s.n for s in segments)
+        bpt = layout.bytes_per_token
+        self.metrics.arena_move_bytes.labels("import", "in_place").inc((n_all - n_staged) * bpt)
+        self.metrics.arena_move_bytes.labels("import", "staged").inc(n_staged * bpt)
+        return True
 
     def _new_file(self, size: int) -> _PayloadFile:
         assert self.shm_dir is not None
@@ -274,6 +405,20 @@ class KvMover:
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _pieces(arena: Arena, segments: Sequence[KvSegment]) -> list[ArenaBlock | list[KvSegment]]:
+    """An import's segments as the arena blocks they wholly are, and runs of the others."""
+    pieces: list[ArenaBlock | list[KvSegment]] = []
+    for seg in segments:
+        block = arena.whole_block(seg)
+        if block is not None:
+            pieces.append(block)
+        elif pieces and isinstance(pieces[-1], list):
+            pieces[-1].append(seg)
+        else:
+            pieces.append([seg])
+    return pieces
 
 
 def _seconds(t_ms: float | None) -> float | None:

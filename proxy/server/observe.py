@@ -75,6 +75,8 @@ async def refresh_metrics(runtime: Runtime) -> None:
     the servers' learned move rates."""
     runtime.metrics.sync_tree(runtime.coordinator.tree.stats())
     runtime.metrics.queue_length.set(runtime.coordinator.leases.waiting())
+    if runtime.arena is not None:
+        runtime.metrics.set_arena(runtime.arena.stats())
     for server in runtime.coordinator.servers:
         runtime.metrics.set_move_rates(
             server.name, server.rates.export_bytes_per_s, server.rates.import_bytes_per_s

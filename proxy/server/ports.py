@@ -71,7 +71,7 @@ class Mover(Protocol):
         p0: int,
         tokens: Sequence[int] | np.ndarray,
         hold: contextlib.AbstractAsyncContextManager[Any] | None = None,
-    ) -> KvSegment: ...
+    ) -> list[KvSegment]: ...
 
     async def import_(
         self,

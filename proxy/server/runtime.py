@@ -14,6 +14,7 @@ from aiohttp import web
 from proxy.config import Config
 from proxy.core.infill import PieceCache
 from proxy.errors import Unavailable
+from proxy.server.arena import Arena
 from proxy.server.backend import ServerClient
 from proxy.server.coordinator import Coordinator, ServerState
 from proxy.server.health import HealthMonitor
@@ -78,6 +79,7 @@ class Runtime:
         self.health: HealthMonitor | None = None  # set by the app while it runs
         self.pending: list[tuple[str, str]] = []  # (name, url) of servers that did not answer yet
         self.layout_checks = LayoutChecks()  # verdicts of servers still pending, by instance
+        self.arena: Arena | None = None  # the host tree's KV memory (startup), None without
         self.local_tokenizer: PromptTokenizer | None = None
         self.tokenizer_note = "server"
         # Served models by name (startup); the attributes above describe the first one.

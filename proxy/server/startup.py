@@ -20,6 +20,7 @@ from proxy.core.payload import KvLayout
 from proxy.core.radix import RadixTree
 from proxy.core.resident import ResidentIndex
 from proxy.errors import ConfigError, FallbackCause, KvMoveError, PayloadError, RadixError
+from proxy.server.arena import Arena, is_shared_memory
 from proxy.server.backend import ServerClient
 from proxy.server.coordinator import Coordinator, KvPlace, ServerState, SlotState
 from proxy.server.disk import DiskTier, compat_key
@@ -55,11 +56,32 @@ async def create_runtime(
     names = tuple(f"s{i}" for i in range(len(config.backends)))
     metrics = Metrics(registry, names)
     checks = LayoutChecks()
-    servers, pending = await _connect_answering(config, session, metrics, names, checks)
+    arena = make_arena(config)
+    try:
+        return await _build_runtime(config, session, metrics, names, checks, arena, recorder)
+    except BaseException:
+        if arena is not None:
+            arena.close()
+        raise
+
+
+async def _build_runtime(
+    config: Config,
+    session: aiohttp.ClientSession,
+    metrics: Metrics,
+    names: tuple[str, ...],
+    checks: LayoutChecks,
+    arena: Arena | None,
+    recorder: Recorder | None,
+) -> Runtime:
+    servers, pending = await _connect_answering(config, session, metrics, names, checks, arena)
     for server in servers:
         checks.forget(server.instance or "")
     models = await _models(servers)
     tree = RadixTree(config.cache_bytes)
+    if arena is not None:
+        arena.make_room = tree.evict_lru_leaf
+        tree.copier = arena.copy
     coordinator = Coordinator(config, servers, tree, metrics)
     if config.cache_disk is not None:
         if len({json.dumps(s.mover.compat, sort_keys=True) for s in servers}) > 1:
@@ -70,6 +92,7 @@ async def create_runtime(
             )
         coordinator.disk = await _disk_tier(config, servers[0], tree, metrics)
     runtime = Runtime(config, session, coordinator, metrics, recorder)
+    runtime.arena = arena
     runtime.pending = pending
     runtime.layout_checks = checks
     runtime.models = models
@@ -83,6 +106,28 @@ async def create_runtime(
     runtime.template, runtime.template_note = first.template, first.template_note
     runtime.n_vocab = first.n_vocab
     return runtime
+
+
+def make_arena(config: Config) -> Arena | None:
+    """The KV arena in --shm-dir, sized by --cache-ram (None: --kv-arena off, no --shm-dir, or
+    a directory not in shared memory, said in a warning)."""
+    if not config.kv_arena or config.shm_dir is None:
+        return None
+    check_private_dir(config.shm_dir)
+    if not is_shared_memory(config.shm_dir):
+        log.warning(
+            "--shm-dir %s is not shared memory (tmpfs): no KV arena, payload files per move", config.shm_dir
+        )
+        return None
+    arena = Arena.create(config.shm_dir, config.cache_bytes)
+    log.info(
+        "KV arena: %d MiB in %s (%s), blocks of %d tokens",
+        arena.capacity >> 20,
+        config.shm_dir,
+        arena.note,
+        config.kv_arena_chunk,
+    )
+    return arena
 
 
 async def _models(servers: list[ServerState]) -> dict[str, ModelEntry]:
@@ -141,6 +186,7 @@ async def _connect_answering(
     metrics: Metrics,
     names: tuple[str, ...],
     checks: LayoutChecks,
+    arena: Arena | None,
 ) -> tuple[list[ServerState], list[tuple[str, str]]]:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + config.startup_timeout_s
@@ -149,7 +195,7 @@ async def _connect_answering(
         servers, pending = [], []
         for name, url in zip(names, config.backends, strict=True):
             try:
-                servers.append(await _connect(config, name, url, session, metrics, checks))
+                servers.append(await _connect(config, name, url, session, metrics, checks, arena))
             except _Unreachable as exc:
                 pending.append((name, url))  # url: the --backend-url value, spec and all
                 reason = exc.message
@@ -173,7 +219,13 @@ async def connect_pending(runtime: Runtime) -> None:
     for name, url in list(runtime.pending):
         try:
             server = await _connect(
-                runtime.config, name, url, runtime.session, runtime.metrics, runtime.layout_checks
+                runtime.config,
+                name,
+                url,
+                runtime.session,
+                runtime.metrics,
+                runtime.layout_checks,
+                runtime.arena,
             )
         except _Unreachable:
             continue
@@ -233,6 +285,7 @@ async def _connect(
     session: aiohttp.ClientSession,
     metrics: Metrics,
     checks: LayoutChecks,
+    arena: Arena | None,
 ) -> ServerState:
     spec = parse_backend(spec_text)
     url = spec.url
@@ -266,14 +319,25 @@ async def _connect(
     compat = dict(caps.compat)
     layout, moves_off = _layout_or_why_not(caps)
     shm = await _payload_dir(config.shm_dir, caps.dir, spec, caps.dir_id)
-    mover = KvMover(backend, layout, compat, shm, metrics)
+    if arena is not None and shm is not None and not caps.export_chunks:
+        log.warning("%s: no chunked exports (a patch before 0020): KV moves through payload files", name)
+        arena = None
+    mover = KvMover(backend, layout, compat, shm, metrics, arena=arena, chunk_tokens=config.kv_arena_chunk)
     instance = caps.instance or ""
     if caps.sharing:
         # Owners left by an earlier proxy hold cells nobody accounts for (and the check's cells).
         await _release_owners(backend, caps)
     if not moves_off:
         # Before the slots are read (it fills and erases one); its moves are not counted.
-        check_mover = KvMover(backend, layout, compat, shm, Metrics(CollectorRegistry(), (name,)))
+        check_mover = KvMover(
+            backend,
+            layout,
+            compat,
+            shm,
+            Metrics(CollectorRegistry(), (name,)),
+            arena=arena,
+            chunk_tokens=config.kv_arena_chunk,
+        )
         try:
             moves_off = await checks.verdict(instance, backend, check_mover)
         except LayoutCheckDeferred as exc:

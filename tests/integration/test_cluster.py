@@ -151,7 +151,7 @@ def kv_matches_tree(proxy: ProxyThread, reply: Reply) -> bool:
         saved = np.concatenate([s.rows() for s in rt.coordinator.tree.segments(match, 0, restored)])
         async with server.move_lock:
             live = await server.mover.export({"slot": slot}, 0, tokens)
-        return bool(np.array_equal(saved, live.rows()))
+        return bool(np.array_equal(saved, np.concatenate([seg.rows() for seg in live])))
 
     assert proxy.runtime is not None
     return bool(proxy.run(compare(proxy.runtime)))

@@ -293,8 +293,9 @@ def test_a_tiny_disk_budget_keeps_the_most_recently_evicted(
 ) -> None:
     # RAM and disk each hold two prompts and a half: of A..E, RAM keeps D and E, the disk B
     # and C (A, the least recently used, is dropped from both). C comes back from disk; A
-    # is computed again.
-    proxy = start(backend, disk_dir)
+    # is computed again. Arena blocks longer than any prompt: each prompt's own part is one
+    # tree edge (with the default 256 it would be a chain of them, demoted one by one).
+    proxy = start(backend, disk_dir, kv_arena_chunk=4096)
     try:
         # Each document starts the same way, so every prompt's own part hangs off one shared
         # node and eviction takes whole prompts, least recently used first.

@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.errors import ConfigError
 from proxy.native.launch import ServerProcess, free_port, llama_server_pids
 from tests.helpers import ProxyThread, Reply, ServerFactory, chat_body, get, post, proxy_config
 
@@ -411,7 +412,12 @@ def test_a_full_payload_dir_falls_back_and_keeps_serving(
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(tiny)], check=True)
     try:
         server = start_server(patched_bin, n_parallel=2, kvctl_dir=tiny)
-        proxy = start_proxy(server)
+        # No room for a KV arena of --cache-ram there: a startup error naming the size and the fix.
+        with pytest.raises(ConfigError) as err:
+            start_proxy(server)
+        assert "128 MiB KV arena" in err.value.message and "--kv-arena off" in (err.value.fix or "")
+        assert not [p for p in tiny.iterdir() if p.name.startswith("radix-arena-")]
+        proxy = start_proxy(server, kv_arena=False)  # payload files, which do not fit either
         try:
             for seed in range(3):
                 q = f"Question {seed}: which unit, which valve, which sensor?"

@@ -130,7 +130,7 @@ async def _mover_moves(server: ServerProcess, tokens: list[int]) -> None:
         )
         before = set(_files(directory))
         n = len(tokens)
-        segment = await mover.export({"slot": 0}, 0, tokens)
+        (segment,) = await mover.export({"slot": 0}, 0, tokens)
 
         def new_files() -> list[str]:
             return sorted(set(_files(directory)) - before)
@@ -140,7 +140,7 @@ async def _mover_moves(server: ServerProcess, tokens: list[int]) -> None:
         assert len(out) == 1 and out[0].startswith("radix-")
         # A shorter export goes through the same file: what it returns is what the server wrote
         # this time (a stale or misread file would hold the previous [0, n) payload).
-        head = await mover.export({"slot": 0}, 0, tokens[: n // 3])
+        (head,) = await mover.export({"slot": 0}, 0, tokens[: n // 3])
         assert head == segment.slice(0, n // 3)
         assert new_files() == out
 
@@ -153,7 +153,7 @@ async def _mover_moves(server: ServerProcess, tokens: list[int]) -> None:
         assert new_files() == sorted([*out, *kept])
         # Byte-exact: what the slots hold now re-exports to the very rows that went in.
         for slot in (1, 2):
-            again = await mover.export({"slot": slot}, 0, tokens)
+            (again,) = await mover.export({"slot": slot}, 0, tokens)
             assert isinstance(again, KvSegment) and again == segment
         assert new_files() == sorted([*out, *kept])
         # An export the server refuses (the tokens named are not the ones slot 1 holds): its
@@ -169,7 +169,7 @@ async def _mover_moves(server: ServerProcess, tokens: list[int]) -> None:
         assert err.value.cause == FallbackCause.CONFLICT
         assert new_files() == []
         await mover.import_(3, 0, tokens, [segment])
-        assert await mover.export({"slot": 3}, 0, tokens) == segment
+        assert await mover.export({"slot": 3}, 0, tokens) == [segment]
         files = new_files()
         assert len(files) == 2 and not set(files) & {*out, *kept}
         mover.close()

@@ -77,8 +77,8 @@ def snapshot(proxy: ProxyThread, backend: ServerProcess) -> dict[str, Any]:
             kv = b""
             if len(slot.tokens):
                 async with server.move_lock:
-                    seg = await server.mover.export({"slot": slot.slot_id}, 0, slot.tokens)
-                kv = seg.rows().tobytes()
+                    run = await server.mover.export({"slot": slot.slot_id}, 0, slot.tokens)
+                kv = b"".join(seg.rows().tobytes() for seg in run)
             slots[slot.slot_id] = (slot.tokens.tolist(), hashlib.sha256(kv).hexdigest())
         stats = rt.coordinator.tree.stats()
         return {"slots": slots, "tree": (stats.nodes, stats.unique_tokens, stats.bytes)}

@@ -112,14 +112,14 @@ class FakeServer:
         p0: int,
         tokens: Sequence[int] | np.ndarray,
         hold: contextlib.AbstractAsyncContextManager[Any] | None = None,
-    ) -> KvSegment:
+    ) -> list[KvSegment]:
         async with hold or contextlib.nullcontext():  # the mover holds the lock for the server's part
             if self.fail_export:
                 raise KvMoveError(FallbackCause.EXPORT, "refused")
             held = self.held[seq["slot"]]
             if list(held[: len(tokens)]) != [int(t) for t in tokens]:  # the server's expect_sha256 check
                 raise KvMoveError(FallbackCause.CONFLICT, "the slot holds other tokens")
-        return KvSegment.from_rows(p0, LAYOUT, rows(held[p0 : len(tokens)]))
+        return [KvSegment.from_rows(p0, LAYOUT, rows(held[p0 : len(tokens)]))]
 
     async def import_(
         self,

@@ -144,7 +144,9 @@ async def test_startup_serves_it_with_moves_off_and_says_why(
     config = Config(backends=("http://127.0.0.1:1",), kv_share=False)
     metrics = Metrics(CollectorRegistry(), ("s0",))
     with caplog.at_level(logging.WARNING, logger="radix"):
-        state = await startup._connect(config, "s0", "http://127.0.0.1:1", None, metrics, LayoutChecks())  # type: ignore[arg-type]
+        state = await startup._connect(
+            config, "s0", "http://127.0.0.1:1", None, metrics, LayoutChecks(), None
+        )  # type: ignore[arg-type]
     assert not state.moves and "do not say where its KV lives" in state.moves_off[0]
     assert state.mover.layout is None and state.kv.unknown == state.moves_off[0]
     assert "KV moves are off" in caplog.text and "do not say where its KV lives" in caplog.text
@@ -193,7 +195,7 @@ class _Backend:
 async def test_the_mover_learns_the_servers_move_rates() -> None:
     mover = KvMover(_Backend(t_ms=5000.0), BIG, {}, None, Metrics(CollectorRegistry(), ("s0",)))  # type: ignore[arg-type]
     n = 256  # 2 MiB
-    segment = await mover.export({"slot": 0}, 0, list(range(n)))
+    (segment,) = await mover.export({"slot": 0}, 0, list(range(n)))
     assert segment.n == n and mover.rates.moves_seen == 1
     # 5 s on the server for 2 MiB: the export rate falls from the prior toward 0.4 MB/s.
     assert mover.rates.export_bytes_per_s < 0.8 * 400e6 and mover.rates.import_bytes_per_s == 400e6

@@ -55,7 +55,7 @@ class GatedServer(FakeServer):
         p0: int,
         tokens: Sequence[int] | np.ndarray,
         hold: contextlib.AbstractAsyncContextManager[Any] | None = None,
-    ) -> KvSegment:
+    ) -> list[KvSegment]:
         async with hold or contextlib.nullcontext():
             if self.export_gate is not None:
                 await self.export_gate.wait()
@@ -65,7 +65,7 @@ class GatedServer(FakeServer):
             self.exported.append((seq["slot"], p0, len(tokens)))
         if self.parse_gate is not None:
             await self.parse_gate.wait()
-        return KvSegment.from_rows(p0, LAYOUT, rows(held[p0 : len(tokens)]))
+        return [KvSegment.from_rows(p0, LAYOUT, rows(held[p0 : len(tokens)]))]
 
 
 def gated(name: str, n_slots: int) -> tuple[ServerState, GatedServer]:

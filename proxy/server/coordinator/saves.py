@@ -176,12 +176,12 @@ class KvSaves:
         self.tree.pin(match)
         held = self.tree.reserve(lease.server.mover.bytes_per_token * (len(tokens) - match.length))
         try:
-            segment = await lease.server.mover.export(
+            run = await lease.server.mover.export(
                 {"slot": lease.slot.slot_id}, match.length, tokens, hold=_server_part(lease, hooks)
             )
             self.tree.release(held)  # the same step as the insert that counts them: no await between
             held = 0
-            stored = self.tree.insert(tokens, segment, ns=lease.ns)
+            stored = self.tree.insert_run(tokens, run, ns=lease.ns)
         finally:
             self.tree.release(held)
             self.tree.unpin(match)

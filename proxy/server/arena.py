@@ -1,0 +1,278 @@
+"""The arena: one shared-memory file that is the host tree's KV memory (docs/design.md).
+
+Made once at startup in the payload directory (``--shm-dir``), sized by ``--cache-ram``, its
+pages allocated (``posix_fallocate``: on tmpfs, every page now exists) and mapped in one call
+(``MAP_POPULATE``), so no move pays page creation or faults. Same-host servers map it whole
+once (the server keeps its mappings, patch 0008): an export writes each chunk's payload blob
+into a block reserved here, and the proxy's segments are views of those blocks (no copy); an
+import names whole blocks by offset, and the server reads them in place. So a move is one copy,
+the server's.
+
+A block is a ctypes array over its range of the mapping, one Python object per block: the
+numpy views of a segment keep it alive, so a block is free exactly when no tree edge, import
+in flight or disk write still views it (its finalizer queues its range, freed on the event
+loop at the next reservation). A block that a server might still write or read after a failed,
+timed-out or cancelled move is quarantined: kept forever, never reused, counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import fcntl
+import logging
+import mmap
+import os
+import secrets
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+
+from proxy.core.arena import RangeAllocator, aligned
+from proxy.core.payload import KvLayout, blob_size, parse_blob, write_blob
+from proxy.core.segment import KvSegment
+from proxy.errors import ConfigError, FallbackCause, KvMoveError
+from proxy.server.paydir import PAYLOAD_SUFFIX, private_dir_fd
+
+log = logging.getLogger("radix")
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+ARENA_PREFIX = "radix-arena-"
+MAX_EVICTIONS = 256  # per reservation
+_SHM_FS = ("tmpfs", "hugetlbfs")
+
+
+class ArenaBlock(ctypes.Array):  # type: ignore[type-arg]
+    """One reserved range of the arena (subclassed per size: ``_block_type``)."""
+
+    _type_ = ctypes.c_ubyte
+    _length_ = 0
+    arena_id: int
+    offset: int
+    blob_size: int  # the payload blob written here (the range may be longer: page alignment)
+    kv_nbytes: int  # the KV of its segment once parsed (segment.keeps_extra reads it); -1 before
+
+
+_TYPES: dict[int, type[ArenaBlock]] = {}
+
+
+def _block_type(size: int) -> type[ArenaBlock]:
+    cls = _TYPES.get(size)
+    if cls is None:
+        cls = type(f"ArenaBlock{size}", (ArenaBlock,), {"_type_": ctypes.c_ubyte, "_length_": size})
+        _TYPES[size] = cls
+    return cls
+
+
+class Arena:
+    def __init__(self, dir_fd: int, name: str, mm: mmap.mmap, note: str) -> None:
+        self.dir_fd, self.name, self.mm = dir_fd, name, mm
+        self.alloc = RangeAllocator(len(mm))
+        self.note = note  # which page size and why, for the startup line
+        # Evicts the tree's least recently used leaf; False once there is none (set by the runtime).
+        self.make_room: Callable[[], bool] | None = None
+        self._freed: collections.deque[int] = collections.deque()  # appended by finalizers, any thread
+        self._quarantine: list[Any] = []
+        self.quarantined_bytes = 0
+        self._lock_fd = -1  # held open (and flock-ed) while the arena lives
+
+    @property
+    def capacity(self) -> int:
+        return self.alloc.capacity
+
+    @classmethod
+    def create(cls, shm_dir: Path, capacity: int) -> Arena:
+        """The arena file, allocated and mapped; ConfigError naming the size and the fix. The
+        file stays locked (``flock``) while this process lives: arenas left by a proxy that
+        died are removed first (their lock is gone with their process), others are left alone."""
+        dir_fd = private_dir_fd(shm_dir)
+        remove_stale_arenas(dir_fd)
+        name = f"{ARENA_PREFIX}{os.getpid()}-{secrets.token_hex(4)}{PAYLOAD_SUFFIX}"
+        started = time.perf_counter()
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.posix_fallocate(fd, 0, capacity)
+            mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | _POPULATE)
+        except OSError as exc:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dir_fd)
+            raise ConfigError(
+                f"cannot make the {capacity >> 20} MiB KV arena in {shm_dir}: {exc.strerror}",
+                fix="give the payload directory's file system room for --cache-ram "
+                "(docker: the kv-payloads tmpfs size), lower --cache-ram, or pass --kv-arena off",
+            ) from exc
+        note = f"{page_note(shm_dir)}; allocated and mapped in {time.perf_counter() - started:.2f} s"
+        arena = cls(dir_fd, name, mm, note)
+        arena._lock_fd = fd
+        return arena
+
+    def take(
+        self, sizes: Sequence[int], make_room: Callable[[], bool] | None = None
+    ) -> list[ArenaBlock] | None:
+        """One block per size, all or none. When they do not fit, ``make_room`` (the tree's
+        least recently used leaf evicted; False once there is none) is called until they do, at
+        most MAX_EVICTIONS times (an evicted edge a disk write still holds frees nothing yet)."""
+        for _ in range(MAX_EVICTIONS + 1):
+            self._drain()
+            offsets: list[int] = []
+            for size in sizes:
+                offset = self.alloc.alloc(size)
+                if offset is None:
+                    break
+                offsets.append(offset)
+            if len(offsets) == len(sizes):
+                return [self._block(offset, size) for offset, size in zip(offsets, sizes, strict=True)]
+            for offset in offsets:
+                self.alloc.free(offset)
+            if make_room is None or not make_room():
+                return None
+        return None
+
+    def _block(self, offset: int, size: int) -> ArenaBlock:
+        block = _block_type(aligned(size)).from_buffer(self.mm, offset)
+        block.arena_id, block.offset, block.blob_size, block.kv_nbytes = id(self), offset, size, -1
+        weakref.finalize(block, self._freed.append, offset)
+        return block
+
+    def _drain(self) -> None:
+        while self._freed:
+            self.alloc.free(self._freed.popleft())
+
+    def copy(self, segment: KvSegment) -> KvSegment:
+        """``segment`` in a block of its own (the tree's copier): a whole block, imported in
+        place later. Without room (never evicting: the tree calls this while it evicts), a copy
+        in ordinary memory."""
+        size = blob_size(segment.layout, segment.n)
+        blocks = self.take([size])
+        if blocks is None:
+            return segment.copy()
+        (block,) = blocks
+        raw = np.frombuffer(cast(Any, block), np.uint8, count=size)
+        write_blob([segment], raw)
+        out = parse_blob(raw, segment.layout, view=True)
+        block.kv_nbytes = out.nbytes
+        return out
+
+    def whole_block(self, segment: KvSegment) -> ArenaBlock | None:
+        """The block ``segment`` is the whole KV of (an import may name it by offset), else None."""
+        owner = segment.owner
+        if isinstance(owner, ArenaBlock) and owner.arena_id == id(self) and owner.kv_nbytes == segment.nbytes:
+            return owner
+        return None
+
+    def quarantine(self, refs: Iterable[Any]) -> None:
+        """Keep ``refs`` (blocks, or segments viewing them) alive for good: a server may still
+        write or read them after a move that got no answer."""
+        kept = list(refs)  # a copy: the caller clears its own lists
+        self._quarantine.append(kept)
+        self.quarantined_bytes += sum(len(b) for b in kept if isinstance(b, ArenaBlock))
+
+    def quarantine_unanswered(self, exc: BaseException, refs: Iterable[Any]) -> None:
+        """After a move failed with ``exc``: one the server did not answer (timed out,
+        connection lost, cancelled) may still be run by it, so its blocks are kept for good
+        instead of being given to another move; an answered failure frees them."""
+        answered = isinstance(exc, KvMoveError) and exc.cause not in (
+            FallbackCause.TRANSPORT,
+            FallbackCause.TIMEOUT,
+        )
+        if not answered:
+            self.quarantine(refs)
+
+    def stats(self) -> dict[str, int]:
+        self._drain()
+        return {"capacity": self.capacity, "used": self.alloc.used, "quarantined": self.quarantined_bytes}
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.name, dir_fd=self.dir_fd)
+        with contextlib.suppress(BufferError):  # blocks still alive: the mapping goes with them
+            self.mm.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+
+def remove_stale_arenas(dir_fd: int) -> None:
+    """Remove the arena files in the directory that no live process holds locked."""
+    for entry in os.scandir(dir_fd):
+        if not (entry.name.startswith(ARENA_PREFIX) and entry.is_file(follow_symlinks=False)):
+            continue
+        try:
+            fd = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # held by a live proxy
+        finally:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(entry.name, dir_fd=dir_fd)
+        log.warning("removed the KV arena %s left by a proxy that is gone", entry.name)
+
+
+def block_segments(blocks: Sequence[ArenaBlock], layout: KvLayout) -> list[KvSegment]:
+    """The segments the server wrote into ``blocks``, each a view of its block (checked as any
+    payload; a blob whose cells are not in position order is copied out instead)."""
+    run = []
+    for block in blocks:
+        seg = parse_blob(np.frombuffer(cast(Any, block), np.uint8, count=block.blob_size), layout, view=True)
+        if seg.owner is block:
+            block.kv_nbytes = seg.nbytes  # from now on the tree counts only its KV (keeps_extra)
+        run.append(seg)
+    return run
+
+
+def stage_runs(runs: Sequence[Sequence[KvSegment]], blocks: Sequence[ArenaBlock]) -> None:
+    for run, block in zip(runs, blocks, strict=True):
+        write_blob(run, np.frombuffer(cast(Any, block), np.uint8, count=block.blob_size))
+
+
+def page_note(path: Path) -> str:
+    """Which page size the arena gets and why (tmpfs huge pages follow the mount's ``huge=``
+    and the kernel's shmem setting)."""
+    fs, opts = _mount_of(path)
+    if fs == "hugetlbfs":
+        return "huge pages (hugetlbfs)"
+    if fs not in _SHM_FS:
+        return f"4 KiB pages ({fs or 'unknown'} file system, not shared memory)"
+    huge = next((o.split("=", 1)[1] for o in opts if o.startswith("huge=")), None)
+    shmem = _read("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+    setting = shmem[shmem.find("[") + 1 : shmem.find("]")] if "[" in shmem else shmem or "unknown"
+    if huge in ("always", "within_size") or setting in ("force", "always", "within_size"):
+        return f"transparent huge pages where aligned (tmpfs huge={huge or 'never'}, shmem_enabled {setting})"
+    return f"4 KiB pages (tmpfs huge={huge or 'never'}, shmem_enabled {setting}: no huge pages for shared memory)"
+
+
+def is_shared_memory(path: Path) -> bool:
+    return _mount_of(path)[0] in _SHM_FS
+
+
+def _mount_of(path: Path) -> tuple[str, list[str]]:
+    """(file system type, mount options) of the mount holding ``path``."""
+    real = os.path.realpath(path)
+    best, found = -1, ("", list[str]())
+    for line in _read("/proc/self/mounts").splitlines():
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        mount = fields[1].replace("\\040", " ")
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) > best:
+            best, found = len(mount), (fields[2], fields[3].split(","))
+    return found
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return ""

@@ -1,0 +1,174 @@
+"""The arena file (proxy/server/arena.py): made and mapped at startup, blocks freed when the
+last view of them goes, quarantine, stale arenas of dead proxies, a clear error when there is
+no room."""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from proxy.core.payload import KvLayout, KvSegment, build_blob, parse_blob
+from proxy.core.radix import RadixTree
+from proxy.server.arena import ARENA_PREFIX, Arena, is_shared_memory, page_note
+from proxy.server.paydir import make_private_dir
+
+LAYOUT = KvLayout(2, (1, 1), (8, 8), (1, 1), False, (8, 8), (0, 0), (0, 0))
+MIB = 1 << 20
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm")
+    path = make_private_dir(Path("/dev/shm"), "radix-arena-test-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _arena_files(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir() if p.name.startswith(ARENA_PREFIX))
+
+
+def test_the_arena_is_made_whole_and_removed_on_close(shm: Path) -> None:
+    arena = Arena.create(shm, 4 * MIB)
+    (name,) = _arena_files(shm)
+    assert name == arena.name and os.stat(shm / name).st_size == 4 * MIB
+    assert os.stat(shm / name).st_blocks * 512 >= 4 * MIB  # every page allocated up front
+    assert is_shared_memory(shm) and "pages" in arena.note
+    arena.close()
+    assert _arena_files(shm) == []
+
+
+def test_a_block_is_free_once_nothing_views_it(shm: Path) -> None:
+    arena = Arena.create(shm, 1 * MIB)
+    seg = KvSegment.from_rows(0, LAYOUT, np.full((30, LAYOUT.bytes_per_token), 7, np.uint8))
+    blob = build_blob([seg])
+    blocks = arena.take([len(blob)])
+    assert blocks is not None
+    block: Any = blocks.pop()
+    np.frombuffer(block, np.uint8, count=len(blob))[...] = np.frombuffer(blob, np.uint8)
+    view = parse_blob(np.frombuffer(block, np.uint8, count=block.blob_size), LAYOUT, view=True)
+    block.kv_nbytes = view.nbytes
+    # The mapping holds what the view reads.
+    assert bytes(arena.mm[block.offset : block.offset + len(blob)]) == blob
+    assert arena.whole_block(view) is block and arena.whole_block(view.slice(0, 10)) is None
+    assert arena.whole_block(seg) is None  # heap memory: not ours
+    del block
+    gc.collect()
+    assert arena.stats()["used"] > 0  # the view keeps it
+    del view
+    assert arena.stats()["used"] == 0
+    arena.close()
+
+
+def test_take_is_all_or_none_and_asks_for_room(shm: Path) -> None:
+    arena = Arena.create(shm, 1 * MIB)
+    held = arena.take([400_000, 400_000])
+    assert held is not None and arena.take([400_000]) is None
+    calls = []
+
+    def make_room() -> bool:
+        calls.append(1)
+        if held:
+            held.pop()
+            return True
+        return False
+
+    got = arena.take([400_000, 400_000], make_room)
+    assert got is not None and len(calls) == 2
+    assert arena.take([2 * MIB], make_room) is None  # never fits: gives up once nothing is left
+    del got
+    assert arena.stats()["used"] == 0
+    arena.close()
+
+
+def test_quarantined_blocks_are_never_reused(shm: Path) -> None:
+    arena = Arena.create(shm, 1 * MIB)
+    blocks = arena.take([600_000])
+    assert blocks is not None
+    arena.quarantine(blocks)
+    del blocks
+    assert arena.take([600_000]) is None
+    assert arena.stats()["quarantined"] == 602_112  # whole pages
+    arena.close()
+
+
+def test_arenas_of_dead_proxies_are_removed_live_ones_kept(shm: Path) -> None:
+    live = Arena.create(shm, 1 * MIB)
+    # A proxy that died: its file is there, its lock gone with its process.
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"from proxy.server.arena import Arena; from pathlib import Path; Arena.create(Path({str(shm)!r}), 1 << 20)",
+        ],
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )
+    assert len(_arena_files(shm)) == 2
+    again = Arena.create(shm, 1 * MIB)
+    assert _arena_files(shm) == sorted([live.name, again.name])
+    live.close()
+    again.close()
+
+
+def test_no_room_is_a_startup_error_naming_the_size_and_the_fix(shm: Path) -> None:
+    # A file size limit below the arena (as a full or small tmpfs would): posix_fallocate fails.
+    code = (
+        "import resource, signal; from pathlib import Path; from proxy.server.arena import Arena\n"
+        "from proxy.errors import ConfigError\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
+        f"try:\n    Arena.create(Path({str(shm)!r}), 64 << 20)\n"
+        "except ConfigError as e:\n    print(e.message, '|', e.fix)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    ).stdout
+    assert "64 MiB KV arena" in out and "--kv-arena off" in out and "--cache-ram" in out
+    assert _arena_files(shm) == []  # nothing left behind
+
+
+def test_the_page_note_names_the_file_system() -> None:
+    assert "not shared memory" in page_note(Path("/proc")) or "pages" in page_note(Path("/proc"))
+    assert "pages" in page_note(Path("/dev/shm"))
+
+
+def test_the_trees_own_copies_go_into_blocks_of_their_own(shm: Path) -> None:
+    arena = Arena.create(shm, 1 * MIB)
+    tree = RadixTree(1 * MIB, LAYOUT)
+    tree.copier = arena.copy
+    seg = KvSegment.from_rows(
+        0, LAYOUT, np.arange(40 * LAYOUT.bytes_per_token, dtype=np.uint8).reshape(40, -1)
+    )
+    a, b = (
+        np.arange(40, dtype=np.int32),
+        np.concatenate([np.arange(20), np.arange(500, 520)]).astype(np.int32),
+    )
+    tree.insert(a, seg)
+    # A second prompt that shares 20 tokens splits the edge (two views of one buffer) ...
+    tree.insert(b, KvSegment.from_rows(0, LAYOUT, np.zeros((40, LAYOUT.bytes_per_token), np.uint8)))
+    # ... and evicting the lower half copies the upper one out: into the arena.
+    tree.evict_lru_leaf()
+    tree.evict_lru_leaf()
+    (upper,) = tree.segments(tree.match(a[:20]), 0, 20)
+    assert arena.whole_block(upper) is not None and upper == seg.slice(0, 20)
+    tree.check_invariants()
+    assert arena.stats()["used"] > 0
+    del upper
+    tree.clear()
+    assert arena.stats()["used"] == 0
+    arena.close()
