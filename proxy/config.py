@@ -62,8 +62,9 @@ class Config:
     # The host tree's KV in one shared-memory arena of --cache-ram bytes in --shm-dir, made and
     # faulted in at startup; moves are one copy (docs/design.md, "The arena"). Off: payload files.
     kv_arena: bool = True
-    # Exports are cut into blobs at positions that are multiples of this (arena blocks).
-    kv_arena_chunk: int = 256
+    # Exports are cut into blobs at positions that are multiples of this (arena blocks);
+    # 0: about 16 MiB of KV per block (proxy/core/arena.py auto_chunk).
+    kv_arena_chunk: int = 0
     # A host restore shorter than this is not worth a KV move (prefill it instead).
     min_restore_tokens: int = 64
     kvctl_key: str | None = None

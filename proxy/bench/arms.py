@@ -108,6 +108,14 @@ ARMS: dict[str, ArmDef] = {
         proxy=True,
         proxy_args=("--cache-idle-release", "off"),
     ),
+    "proxy-files": ArmDef(
+        "proxy-files",
+        "patched",
+        (),
+        "patched llama-server + proxy without the KV arena: moves through payload files (A/H)",
+        proxy=True,
+        proxy_args=("--kv-arena", "off"),
+    ),
     "proxy-asyncio": ArmDef(
         "proxy-asyncio",
         "patched",

@@ -16,6 +16,7 @@ from proxy.bench.capacity import DEFAULT_PROBE_TIMEOUT_S, DEFAULT_STEP, DEFAULT_
 from proxy.bench.workloads import DEFAULT_ARMS, GENERATORS, make_workload
 from proxy.cli.common import fail_cleanly
 from proxy.cli.options import model_option
+from proxy.config import Config
 from proxy.errors import ConfigError
 from proxy.traffic.spec import Workload
 
@@ -452,6 +453,13 @@ del _name
     "files (--kv-arena off), inline over HTTP (msgpack binary, as across hosts); both: files "
     "and inline side by side; all: the three.",
 )
+@click.option(
+    "--arena-chunk",
+    type=click.IntRange(0, 65536),
+    default=Config.kv_arena_chunk,
+    show_default=True,
+    help="Tokens per arena block (--kv-arena-chunk; 0: about 16 MiB of KV) for the arena transport.",
+)
 @fail_cleanly
 def kvctl(
     out_dir: Path | None,
@@ -467,6 +475,7 @@ def kvctl(
     reps: int,
     no_probe: bool,
     transport: str,
+    arena_chunk: int,
 ) -> None:
     """KV export/import throughput through the proxy's mover against a numpy memcpy, and main-loop stalls."""
     from proxy.bench.arms import patched_server
@@ -503,6 +512,7 @@ def kvctl(
                     _say,
                     kvctl_key=server.spec.kvctl_key,
                     arena=kind == "arena",
+                    chunk_tokens=arena_chunk,
                 )
             )
     for kind, report in reports.items():

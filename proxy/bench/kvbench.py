@@ -146,6 +146,7 @@ async def run_kvctl_bench(
     progress: Any = None,
     kvctl_key: str | None = None,
     arena: bool = False,
+    chunk_tokens: int = Config.kv_arena_chunk,
 ) -> dict[str, Any]:
     """With ``arena`` (and ``shm_dir``): moves through a KV arena made in ``shm_dir`` for
     the run, as the proxy's with --kv-arena (else through payload files, or inline)."""
@@ -166,10 +167,8 @@ async def run_kvctl_bench(
             say(f"KV arena: {home.capacity >> 20} MiB ({home.note})")
         try:
             metrics = Metrics(CollectorRegistry(), ("s0",))
-            chunk = Config.kv_arena_chunk
-            mover = KvMover(
-                backend, layout, compat, shm, metrics, arena=home, chunk_tokens=chunk if home else 0
-            )
+            chunk = chunk_tokens
+            mover = KvMover(backend, layout, compat, shm, metrics, arena=home, chunk_tokens=chunk)
             tokens = await _tokens(plain, max(sizes))
             say(f"prefilling {len(tokens)} tokens into slot 0")
             started = time.perf_counter()
@@ -243,7 +242,7 @@ async def run_kvctl_bench(
     return {
         "workload": {"name": "kvctl", "params": {"sizes": list(sizes), "reps": reps, "probe": probe}},
         "transport": ("shm arena" if home else "shm files") if shm else "inline msgpack",
-        "arena": {"chunk_tokens": chunk, **paths} if home else None,
+        "arena": {"chunk_tokens": mover.chunk_tokens, **paths} if home else None,
         "prefill_s": prefill_s,
         "probe_idle_ms": probe_idle,
         "layout_bytes_per_token": layout.bytes_per_token,

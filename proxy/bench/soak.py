@@ -40,9 +40,12 @@ def summarize(
     rss: list[tuple[float, int]],
     duration_s: float,
     tree: list[tuple[float, int]] | None = None,
+    parts: list[tuple[float, int, int]] | None = None,
 ) -> dict[str, Any]:
     """Pure: figures from the results (``sent_s`` from the run's start), kill times, RSS samples
-    (KiB) and host-tree sizes (bytes: RSS minus the tree is what must stay flat)."""
+    (KiB) and host-tree sizes (bytes: RSS minus the tree is what must stay flat). ``parts``:
+    (time, RssAnon KiB, RssShmem KiB): with the KV arena the tree lives in shared memory mapped
+    whole at startup, counted once in RssShmem, so RssAnon is what must stay flat."""
     ok = [r for r in results if r.ok]
     bounds = [0.0, *kills, duration_s]
     windows = []
@@ -79,18 +82,32 @@ def summarize(
             "max": max(rss_mib) if rss_mib else None,
         },
         "rss_samples": [(round(t, 1), v) for t, v in rss],
+        "rss_anon_mib": _first_last_max([a / 1024 for _, a, _ in parts or []]),
+        "rss_shmem_mib": _first_last_max([s / 1024 for _, _, s in parts or []]),
         "tree_mib_samples": [(round(t, 1), round(v / 2**20, 1)) for t, v in tree or []],
     }
 
 
-def _rss_kib(pid: int) -> int | None:
+def _first_last_max(values: list[float]) -> dict[str, float | None]:
+    return {
+        "first": values[0] if values else None,
+        "last": values[-1] if values else None,
+        "max": max(values) if values else None,
+    }
+
+
+def _status_kib(pid: int) -> dict[str, int]:
+    """The ``kB`` fields of /proc/PID/status (VmRSS, RssAnon, RssShmem, ...); empty when gone."""
+    out: dict[str, int] = {}
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
+            key, _, rest = line.partition(":")
+            fields = rest.split()
+            if len(fields) == 2 and fields[1] == "kB":
+                out[key] = int(fields[0])
     except OSError:
-        return None
-    return None
+        return {}
+    return out
 
 
 def _tree_bytes(url: str) -> int | None:
@@ -152,7 +169,7 @@ def run_soak(
     try:
         _wait_serving(url, proc, 600)
         say(f"soak: {minutes:g} min against {url}, llama-server killed every {kill_every_min:g} min")
-        results, kills, rss, tree, duration = asyncio.run(
+        results, kills, rss, tree, parts, duration = asyncio.run(
             _soak(
                 url,
                 proc.pid,
@@ -171,7 +188,7 @@ def run_soak(
             proc.wait(90)
         except subprocess.TimeoutExpired:
             proc.kill()
-    report = summarize(results, kills, rss, duration, tree)
+    report = summarize(results, kills, rss, duration, tree, parts)
     (out_dir / "report.json").write_text(json.dumps(report, indent=1))
     (out_dir / "results.jsonl").write_text("".join(json.dumps(r.to_json()) + "\n" for r in results))
     return report
@@ -187,12 +204,20 @@ async def _soak(
     system_tokens: int,
     max_tokens: int,
     say: Any,
-) -> tuple[list[RequestResult], list[float], list[tuple[float, int]], list[tuple[float, int]], float]:
+) -> tuple[
+    list[RequestResult],
+    list[float],
+    list[tuple[float, int]],
+    list[tuple[float, int]],
+    list[tuple[float, int, int]],
+    float,
+]:
     t0 = time.monotonic()
     results: list[RequestResult] = []
     kills: list[float] = []
     rss: list[tuple[float, int]] = []
     tree: list[tuple[float, int]] = []
+    parts: list[tuple[float, int, int]] = []
 
     async def killer() -> None:
         while True:
@@ -205,9 +230,10 @@ async def _soak(
 
     async def sampler() -> None:
         while True:
-            value = _rss_kib(proxy_pid)
-            if value is not None:
-                rss.append((time.monotonic() - t0, value))
+            status = _status_kib(proxy_pid)
+            if "VmRSS" in status:
+                rss.append((time.monotonic() - t0, status["VmRSS"]))
+                parts.append((time.monotonic() - t0, status.get("RssAnon", 0), status.get("RssShmem", 0)))
             nbytes = await asyncio.to_thread(_tree_bytes, url)
             if nbytes is not None:
                 tree.append((time.monotonic() - t0, nbytes))
@@ -228,4 +254,4 @@ async def _soak(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return results, kills, rss, tree, time.monotonic() - t0
+    return results, kills, rss, tree, parts, time.monotonic() - t0

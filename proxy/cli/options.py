@@ -111,11 +111,12 @@ kv_arena_option = _on_off_option(
 kv_arena_chunk_option = click.option(
     "--kv-arena-chunk",
     "kv_arena_chunk",
-    type=click.IntRange(16, 65536),
+    type=click.IntRange(0, 65536),
     default=Config.kv_arena_chunk,
     show_default=True,
     envvar="RADIX_KV_ARENA_CHUNK",
-    help="Tokens per arena block: exports are cut at multiples of it, imports read whole blocks.",
+    help="Tokens per arena block: exports are cut at multiples of it, imports read whole blocks "
+    "(0: about 16 MiB of KV per block).",
 )
 min_restore_tokens_option = click.option(
     "--min-restore-tokens",

@@ -33,6 +33,18 @@ def chunk_bounds(p0: int, p1: int, chunk: int) -> list[tuple[int, int]]:
     return out
 
 
+BLOCK_TARGET_BYTES = 16 << 20  # the KV of one block with --kv-arena-chunk 0 (auto)
+
+
+def auto_chunk(bytes_per_token: int) -> int:
+    """Tokens per block for about BLOCK_TARGET_BYTES of KV: a power of two in [16, 4096]. Each
+    block costs the server a fixed ~0.1 ms per move on top of its copy (measured in
+    docs/results/2026-12-04-arena/), so blocks of a fixed size keep that a small share of the
+    copy, for any model; a split inside a block stages at most one block."""
+    tokens = max(1, BLOCK_TARGET_BYTES // max(1, bytes_per_token))
+    return min(4096, max(16, 1 << (tokens.bit_length() - 1)))
+
+
 def aligned(nbytes: int) -> int:
     return -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
 

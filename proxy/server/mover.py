@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from proxy.core.arena import chunk_bounds
+from proxy.core.arena import auto_chunk, chunk_bounds
 from proxy.core.payload import KvLayout, KvSegment, blob_size, parse_blob, write_blob
 from proxy.core.routing import MeasuredRates
 from proxy.errors import FallbackCause, KvMoveError, PayloadError
@@ -66,8 +66,8 @@ class KvMover:
     ) -> None:
         self.backend = backend
         # The arena and its chunk size, for a same-host server with chunked exports (else None).
-        self.arena = arena if shm_dir is not None and chunk_tokens > 0 else None
-        self.chunk_tokens = chunk_tokens
+        self.arena = arena if shm_dir is not None else None
+        self._chunk_tokens = chunk_tokens  # 0: auto_chunk of the layout
         # The server's rates: each move teaches its export or import rate (the cost model's).
         self.rates = rates if rates is not None else MeasuredRates()
         self.layout = layout  # None: KV moves are off for this server (ServerState.moves_off)
@@ -78,6 +78,11 @@ class KvMover:
         self.metrics = metrics
         self._idle: _PayloadFile | None = None  # the import file waiting for the next import
         self._idle_out: _PayloadFile | None = None  # the export file waiting for the next export
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens per arena block for this server's KV layout."""
+        return self._chunk_tokens or auto_chunk(self.bytes_per_token)
 
     @property
     def bytes_per_token(self) -> int:

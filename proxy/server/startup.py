@@ -108,6 +108,14 @@ async def _build_runtime(
     return runtime
 
 
+def _payload_path(mover: KvMover, shm: Path | None) -> str:
+    if shm is None:
+        return "inline"
+    if mover.arena is not None and mover.layout is not None:
+        return f"through the arena in {shm} (blocks of {mover.chunk_tokens} tokens)"
+    return f"via files in {shm}"
+
+
 def make_arena(config: Config) -> Arena | None:
     """The KV arena in --shm-dir, sized by --cache-ram (None: --kv-arena off, no --shm-dir, or
     a directory not in shared memory, said in a warning)."""
@@ -120,13 +128,7 @@ def make_arena(config: Config) -> Arena | None:
         )
         return None
     arena = Arena.create(config.shm_dir, config.cache_bytes)
-    log.info(
-        "KV arena: %d MiB in %s (%s), blocks of %d tokens",
-        arena.capacity >> 20,
-        config.shm_dir,
-        arena.note,
-        config.kv_arena_chunk,
-    )
+    log.info("KV arena: %d MiB in %s (%s)", arena.capacity >> 20, config.shm_dir, arena.note)
     return arena
 
 
@@ -368,7 +370,7 @@ async def _connect(
         caps.n_cells,
         ",".join(caps.kv_devices) or "an unknown device",
         ",".join(caps.kv_backends) or "unknown backend",
-        f"via {shm}" if shm else "inline",
+        _payload_path(mover, shm),
         ", resident sharing on" if sharing else "",
     )
     if moves_off and checkpoints:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.core.arena import ARENA_ALIGN, RangeAllocator, aligned, chunk_bounds
+from proxy.core.arena import ARENA_ALIGN, RangeAllocator, aligned, auto_chunk, chunk_bounds
 from proxy.core.payload import KvLayout, KvSegment, build_blob, parse_blob
 from proxy.core.radix import RadixTree
 
@@ -158,3 +158,17 @@ def test_evict_lru_leaf_takes_the_oldest_unpinned_leaf() -> None:
     assert tree.match(b).length == 0 and tree.match(a).length == 10
     assert not tree.evict_lru_leaf()
     tree.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("bytes_per_token", "tokens"),
+    [
+        (23_040, 512),  # SmolLM2-135M f16: 11.25 MiB blocks
+        (524_288, 32),  # a 7B llama f16: 16 MiB
+        (64, 4096),  # tiny: capped
+        (8 << 20, 16),  # huge: floored
+    ],
+)
+def test_auto_chunk_aims_at_16_mib_blocks(bytes_per_token: int, tokens: int) -> None:
+    assert auto_chunk(bytes_per_token) == tokens
+    assert tokens & (tokens - 1) == 0

@@ -867,3 +867,9 @@ def test_soak_summary_windows_warm_up_and_rss() -> None:
     assert report["seconds_to_first_cache_hit_after_kill"] == [4.0, 5.0]
     assert report["rss_mib"] == {"first": 100.0, "last": 102.0, "max": 102.0}
     assert report["failures"] == ["502"]
+    assert report["rss_anon_mib"]["first"] is None
+    # With the arena: the tree in shared memory mapped whole (RssShmem), the heap (RssAnon) apart.
+    parts = [(0.0, 40960, 61440), (30.0, 43008, 61440)]
+    report = summarize(results, [10.0, 20.0], [(0, 102400), (30, 104448)], 30, None, parts)
+    assert report["rss_anon_mib"] == {"first": 40.0, "last": 42.0, "max": 42.0}
+    assert report["rss_shmem_mib"] == {"first": 60.0, "last": 60.0, "max": 60.0}
