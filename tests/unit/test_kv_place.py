@@ -144,9 +144,10 @@ async def test_startup_serves_it_with_moves_off_and_says_why(
     config = Config(backends=("http://127.0.0.1:1",), kv_share=False)
     metrics = Metrics(CollectorRegistry(), ("s0",))
     with caplog.at_level(logging.WARNING, logger="radix"):
+        session: Any = None  # never used: the client is replaced above
         state = await startup._connect(
-            config, "s0", "http://127.0.0.1:1", None, metrics, LayoutChecks(), None
-        )  # type: ignore[arg-type]
+            config, "s0", "http://127.0.0.1:1", session, metrics, LayoutChecks(), None
+        )
     assert not state.moves and "do not say where its KV lives" in state.moves_off[0]
     assert state.mover.layout is None and state.kv.unknown == state.moves_off[0]
     assert "KV moves are off" in caplog.text and "do not say where its KV lives" in caplog.text
