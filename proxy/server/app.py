@@ -131,8 +131,9 @@ async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
         disk = runtime.coordinator.disk
         if disk is not None:  # what RAM holds goes to disk too, so a restart is warm
             await disk.close(runtime.coordinator.tree, app[CONFIG].cache_disk_timeout_s)
-        if runtime.arena is not None:
-            runtime.arena.close()  # after the disk tier wrote what the tree held from it
+        if runtime.arena is not None:  # after the disk tier wrote what the tree held from it
+            runtime.coordinator.tree.clear()  # its segments view the arena: let them go first
+            runtime.arena.close()
 
 
 async def _health_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -12,7 +12,8 @@ A block is a ctypes array over its range of the mapping, one Python object per b
 numpy views of a segment keep it alive, so a block is free exactly when no tree edge, import
 in flight or disk write still views it (its finalizer queues its range, freed on the event
 loop at the next reservation). A block that a server might still write or read after a failed,
-timed-out or cancelled move is quarantined: kept forever, never reused, counted.
+timed-out or cancelled move is quarantined: never reused while that server process lives
+(freed when the server comes back as a new instance), counted.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from proxy.server.paydir import PAYLOAD_SUFFIX, private_dir_fd
 log = logging.getLogger("radix")
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_REMOVE = getattr(mmap, "MADV_REMOVE", getattr(mmap, "MADV_DONTNEED", 4))
 ARENA_PREFIX = "radix-arena-"
 MAX_EVICTIONS = 256  # per reservation
 _SHM_FS = ("tmpfs", "hugetlbfs")
@@ -77,7 +79,7 @@ class Arena:
         # Evicts the tree's least recently used leaf; False once there is none (set by the runtime).
         self.make_room: Callable[[], bool] | None = None
         self._freed: collections.deque[int] = collections.deque()  # appended by finalizers, any thread
-        self._quarantine: list[Any] = []
+        self._quarantine: list[tuple[object, list[Any], int]] = []  # (whose server, refs, bytes)
         self.quarantined_bytes = 0
         self._lock_fd = -1  # held open (and flock-ed) while the arena lives
 
@@ -167,14 +169,22 @@ class Arena:
             return owner
         return None
 
-    def quarantine(self, refs: Iterable[Any]) -> None:
+    def quarantine(self, refs: Iterable[Any], whose: object = None) -> None:
         """Keep ``refs`` (blocks, or segments viewing them) alive for good: a server may still
         write or read them after a move that got no answer."""
         kept = list(refs)  # a copy: the caller clears its own lists
-        self._quarantine.append(kept)
-        self.quarantined_bytes += sum(len(b) for b in kept if isinstance(b, ArenaBlock))
+        nbytes = sum(len(b) for b in kept if isinstance(b, ArenaBlock))
+        self._quarantine.append((whose, kept, nbytes))
+        self.quarantined_bytes += nbytes
 
-    def quarantine_unanswered(self, exc: BaseException, refs: Iterable[Any]) -> None:
+    def release_quarantine(self, whose: object) -> None:
+        """Free what was kept for ``whose`` server (its process is gone: nothing can write or
+        read those blocks any more)."""
+        kept = [q for q in self._quarantine if q[0] is not whose]
+        self.quarantined_bytes = sum(q[2] for q in kept)
+        self._quarantine = kept
+
+    def quarantine_unanswered(self, exc: BaseException, refs: Iterable[Any], whose: object = None) -> None:
         """After a move failed with ``exc``: one the server did not answer (timed out,
         connection lost, cancelled) may still be run by it, so its blocks are kept for good
         instead of being given to another move; an answered failure frees them."""
@@ -183,17 +193,26 @@ class Arena:
             FallbackCause.TIMEOUT,
         )
         if not answered:
-            self.quarantine(refs)
+            self.quarantine(refs, whose)
 
     def stats(self) -> dict[str, int]:
         self._drain()
         return {"capacity": self.capacity, "used": self.alloc.used, "quarantined": self.quarantined_bytes}
 
     def close(self) -> None:
+        """Remove the file and give its memory back now. Segments still viewing blocks (a tree
+        not yet collected) keep the mapping, so its pages are released by punching the whole
+        file out (``MADV_REMOVE``: they read as zeros after, never fault); servers that still
+        map it see the same."""
         with contextlib.suppress(OSError):
             os.unlink(self.name, dir_fd=self.dir_fd)
+        self._quarantine.clear()
+        self.quarantined_bytes = 0
         with contextlib.suppress(BufferError):  # blocks still alive: the mapping goes with them
             self.mm.close()
+        if not self.mm.closed:
+            with contextlib.suppress(OSError, ValueError):
+                self.mm.madvise(_REMOVE)
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1

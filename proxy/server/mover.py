@@ -222,7 +222,7 @@ class KvMover:
         except BaseException as exc:
             run.clear()  # freed now, not when the traceback goes
             if not answered:
-                arena.quarantine_unanswered(exc, blocks)
+                arena.quarantine_unanswered(exc, blocks, self)
             raise
         finally:
             blocks.clear()  # from here on only the segments keep their blocks
@@ -334,7 +334,7 @@ class KvMover:
             answered = True
         except BaseException as exc:
             if not answered:
-                arena.quarantine_unanswered(exc, [*named, *segments])
+                arena.quarantine_unanswered(exc, [*named, *segments], self)
             raise
         finally:
             named.clear()  # the staged blocks are free now, not when a traceback goes
@@ -400,6 +400,12 @@ class KvMover:
             self._idle = file
         else:
             file.close()
+
+    def new_instance(self) -> None:
+        """The server is a new process: arena blocks kept from moves the old one never
+        answered can no longer be written or read by it, and are free again."""
+        if self.arena is not None:
+            self.arena.release_quarantine(self)
 
     def close(self) -> None:
         """Remove the idle payload files (the server's shutdown or the proxy's)."""

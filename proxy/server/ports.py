@@ -82,4 +82,6 @@ class Mover(Protocol):
         hold: contextlib.AbstractAsyncContextManager[Any] | None = None,
     ) -> None: ...
 
+    def new_instance(self) -> None: ...  # the server is a new process: what it never answered is gone
+
     def close(self) -> None: ...

@@ -11,13 +11,14 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
 
 from proxy.core.payload import KvLayout, KvSegment, build_blob, parse_blob
 from proxy.core.radix import RadixTree
+from proxy.errors import FallbackCause, KvMoveError
 from proxy.server.arena import ARENA_PREFIX, Arena, is_shared_memory, page_note
 from proxy.server.paydir import make_private_dir
 
@@ -172,3 +173,42 @@ def test_the_trees_own_copies_go_into_blocks_of_their_own(shm: Path) -> None:
     tree.clear()
     assert arena.stats()["used"] == 0
     arena.close()
+
+
+def test_a_new_server_process_frees_what_its_old_one_never_answered(shm: Path) -> None:
+    arena = Arena.create(shm, 1 * MIB)
+    mine, other = object(), object()
+    for whose in (mine, other):
+        blocks = arena.take([100_000])
+        assert blocks is not None
+        arena.quarantine_unanswered(TimeoutError(), blocks, whose)  # not a KvMoveError: unanswered
+        del blocks
+    answered = arena.take([100_000])
+    assert answered is not None
+    arena.quarantine_unanswered(KvMoveError(FallbackCause.CONFLICT, "409"), answered, mine)
+    del answered
+    assert arena.stats()["quarantined"] == 2 * 102_400 == arena.stats()["used"]
+    arena.release_quarantine(mine)
+    assert arena.stats()["quarantined"] == 102_400 == arena.stats()["used"]
+    arena.close()
+
+
+def _shmem_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_closing_gives_the_memory_back_even_while_views_live(shm: Path) -> None:
+    before = _shmem_kib()
+    arena = Arena.create(shm, 64 * MIB)
+    assert _shmem_kib() - before >= 60 * 1024  # faulted in at startup, counted once
+    blocks = arena.take([MIB])
+    assert blocks is not None
+    view = np.frombuffer(cast(Any, blocks[0]), np.uint8)
+    view[:] = 7
+    arena.close()  # the view keeps the mapping, but not its memory
+    assert _shmem_kib() - before < 4 * 1024
+    assert _arena_files(shm) == []
+    assert int(view[0]) == 0  # reads as a hole, never faults

@@ -68,6 +68,7 @@ class FakeServer:
         self.imports: list[tuple[int, int, int]] = []
         self.erased: list[int] = []
         self.erased_cells: list[int] = []  # what each erased slot held (sharing_server)
+        self.new_instances = 0  # as a mover: told the server is a new process
 
     async def erase(self, slot: int) -> EraseReply:
         if self.fail_erase:
@@ -102,6 +103,9 @@ class FakeServer:
 
     async def restore(self, slot: int, tokens: np.ndarray, data: bytes) -> RestoreReply:
         raise AssertionError("KV models here: no whole-state checkpoints")
+
+    def new_instance(self) -> None:
+        self.new_instances += 1
 
     def close(self) -> None:
         pass
@@ -815,6 +819,7 @@ async def test_a_restarted_server_forgets_its_slots_but_the_tree_stays() -> None
     coord.server_down(s0, "killed")
     coord.server_up(s0, "second")
     assert len(s0.slots[0].tokens) == 0 and s0.epoch == 1
+    assert isinstance(s0.mover, FakeServer) and s0.mover.new_instances == 1  # arena quarantine freed
     busy.slot.tokens = toks(5000, 50)  # what the proxy believed when the old process ran it
     await coord.finish(busy)  # nothing saved from a dead instance; the slot is reset on release
     assert len(s0.slots[1].tokens) == 0 and coord.tree.match(toks(5000, 50)).length == 0

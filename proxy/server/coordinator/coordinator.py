@@ -164,6 +164,8 @@ class Coordinator:
         # Down and back without an instance id to tell: it may have restarted, so forget its state.
         if new_instance or (not server.healthy and instance is None):
             self.server_restarted(server)
+        if new_instance:  # the process that may still have run our unanswered moves is gone
+            server.mover.new_instance()
         server.instance = instance if instance is not None else server.instance
         if not server.healthy:
             log.warning("%s (%s) is serving again", server.name, server.backend.url)
