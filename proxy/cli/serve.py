@@ -33,6 +33,7 @@ from proxy.native.launch import ServerProcess, ServerSpec, check_port_free, free
 from proxy.native.model import resolve_model
 from proxy.server import eventloop
 from proxy.server.app import RUNTIME, build_app, start_site
+from proxy.server.arena import sweep_stale_arenas
 from proxy.server.paydir import check_private_dir, make_private_dir, remove_payloads
 from proxy.server.runtime import Runtime
 
@@ -286,6 +287,7 @@ def _payload_dir(given: Path | None, port: int) -> Path:
     (proxy/server/paydir.py)."""
     if given is None:
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        sweep_stale_arenas(base, f"radix-{os.getuid()}-")  # killed runs' arenas, each --cache-ram
         return make_private_dir(base, f"radix-{os.getuid()}-{port}-")
     with contextlib.suppress(FileExistsError):
         given.mkdir(mode=0o700, parents=True)

@@ -218,6 +218,32 @@ class Arena:
             self._lock_fd = -1
 
 
+def sweep_stale_arenas(base: Path, prefix: str) -> None:
+    """Remove the arenas left by our proxies that died in the directories ``base/prefix*`` of
+    earlier runs (``radixctl up`` makes a new one per run, so a killed run's arena, --cache-ram
+    bytes of shared memory, would otherwise stay), and such a directory once it is empty. Only
+    real directories owned by us; a live proxy's arena (locked) and other files are left."""
+    try:
+        entries = list(os.scandir(base))
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.name.startswith(prefix) or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if os.fstat(fd).st_uid != os.geteuid():
+                continue
+            remove_stale_arenas(fd)
+        finally:
+            os.close(fd)
+        with contextlib.suppress(OSError):  # not empty: a live proxy's, or files we leave alone
+            os.rmdir(entry.path)
+
+
 def remove_stale_arenas(dir_fd: int) -> None:
     """Remove the arena files in the directory that no live process holds locked."""
     for entry in os.scandir(dir_fd):

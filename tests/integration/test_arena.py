@@ -139,9 +139,10 @@ def test_failed_moves_free_their_blocks_and_unanswered_ones_are_quarantined(serv
             with pytest.raises(KvMoveError):  # slot 3 does not hold [0, 50): refused
                 await mover.import_(3, 50, tokens, [s for s in _from(run, 50)])
             assert arena.stats()["used"] == used and arena.stats()["quarantined"] == 0
-            # Cancelled while the server works on it: it may still write the blocks.
+            # Cancelled before its answer (at its first wait, on the way to the server): the server
+            # may still get it and write the blocks.
             task = asyncio.ensure_future(mover.export({"slot": 0}, 0, tokens))
-            await asyncio.sleep(0.002)
+            await asyncio.sleep(0)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task

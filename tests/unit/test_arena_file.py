@@ -19,7 +19,7 @@ import pytest
 from proxy.core.payload import KvLayout, KvSegment, build_blob, parse_blob
 from proxy.core.radix import RadixTree
 from proxy.errors import FallbackCause, KvMoveError
-from proxy.server.arena import ARENA_PREFIX, Arena, is_shared_memory, page_note
+from proxy.server.arena import ARENA_PREFIX, Arena, is_shared_memory, page_note, sweep_stale_arenas
 from proxy.server.paydir import make_private_dir
 
 LAYOUT = KvLayout(2, (1, 1), (8, 8), (1, 1), False, (8, 8), (0, 0), (0, 0))
@@ -212,3 +212,17 @@ def test_closing_gives_the_memory_back_even_while_views_live(shm: Path) -> None:
     assert _shmem_kib() - before < 4 * 1024
     assert _arena_files(shm) == []
     assert int(view[0]) == 0  # reads as a hole, never faults
+
+
+def test_up_sweeps_the_arenas_of_killed_runs_in_their_own_directories(shm: Path) -> None:
+    dead, live, other = (make_private_dir(shm, p) for p in ("radix-0-1-", "radix-0-2-", "keep-"))
+    code = "from proxy.server.arena import Arena; from pathlib import Path; import sys; Arena.create(Path(sys.argv[1]), 1 << 20)"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    for path in (dead, other):  # a proxy that died there
+        subprocess.run([sys.executable, "-c", code, str(path)], check=True, env=env)
+    running = Arena.create(live, MIB)
+    sweep_stale_arenas(shm, "radix-0-")
+    assert not dead.exists()  # its arena gone, and the emptied directory with it
+    assert _arena_files(live) == [running.name]
+    assert len(_arena_files(other)) == 1  # not ours by name: untouched
+    running.close()
