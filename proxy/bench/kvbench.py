@@ -168,7 +168,16 @@ async def run_kvctl_bench(
         try:
             metrics = Metrics(CollectorRegistry(), ("s0",))
             chunk = chunk_tokens
-            mover = KvMover(backend, layout, compat, shm, metrics, arena=home, chunk_tokens=chunk)
+            mover = KvMover(
+                backend,
+                layout,
+                compat,
+                shm,
+                metrics,
+                arena=home,
+                chunk_tokens=chunk,
+                n_ctx_slot=caps.n_ctx_slot,
+            )
             tokens = await _tokens(plain, max(sizes))
             say(f"prefilling {len(tokens)} tokens into slot 0")
             started = time.perf_counter()

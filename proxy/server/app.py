@@ -129,11 +129,12 @@ async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
         for server in runtime.coordinator.servers:
             server.mover.close()  # the idle import payload file
         disk = runtime.coordinator.disk
+        written = True
         if disk is not None:  # what RAM holds goes to disk too, so a restart is warm
-            await disk.close(runtime.coordinator.tree, app[CONFIG].cache_disk_timeout_s)
+            written = await disk.close(runtime.coordinator.tree, app[CONFIG].cache_disk_timeout_s)
         if runtime.arena is not None:  # after the disk tier wrote what the tree held from it
             runtime.coordinator.tree.clear()  # its segments view the arena: let them go first
-            runtime.arena.close()
+            runtime.arena.close(give_back=written)  # a write still running must not read zeros
 
 
 async def _health_ctx(app: web.Application) -> AsyncIterator[None]:

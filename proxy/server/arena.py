@@ -22,6 +22,7 @@ import collections
 import contextlib
 import ctypes
 import fcntl
+import itertools
 import logging
 import mmap
 import os
@@ -61,11 +62,15 @@ class ArenaBlock(ctypes.Array):  # type: ignore[type-arg]
 
 
 _TYPES: dict[int, type[ArenaBlock]] = {}
+_MAX_TYPES = 1024  # one class per block size; dropped in bulk beyond (live blocks keep theirs)
+_TOKENS = itertools.count(1)
 
 
 def _block_type(size: int) -> type[ArenaBlock]:
     cls = _TYPES.get(size)
     if cls is None:
+        if len(_TYPES) >= _MAX_TYPES:
+            _TYPES.clear()
         cls = type(f"ArenaBlock{size}", (ArenaBlock,), {"_type_": ctypes.c_ubyte, "_length_": size})
         _TYPES[size] = cls
     return cls
@@ -75,6 +80,7 @@ class Arena:
     def __init__(self, dir_fd: int, name: str, mm: mmap.mmap, note: str) -> None:
         self.dir_fd, self.name, self.mm = dir_fd, name, mm
         self.alloc = RangeAllocator(len(mm))
+        self.token = next(_TOKENS)  # which arena a block is of (never reused, unlike id())
         self.note = note  # which page size and why, for the startup line
         # Evicts the tree's least recently used leaf; False once there is none (set by the runtime).
         self.make_room: Callable[[], bool] | None = None
@@ -95,16 +101,20 @@ class Arena:
         dir_fd = private_dir_fd(shm_dir)
         remove_stale_arenas(dir_fd)
         name = f"{ARENA_PREFIX}{os.getpid()}-{secrets.token_hex(4)}{PAYLOAD_SUFFIX}"
+        # Made and locked under a name no sweep looks at, then renamed: a sweep never sees a live
+        # proxy's arena unlocked.
+        making = f"making-{name}.part"
         started = time.perf_counter()
-        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
+        fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.posix_fallocate(fd, 0, capacity)
             mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | _POPULATE)
+            os.rename(making, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except OSError as exc:
             os.close(fd)
             with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=dir_fd)
+                os.unlink(making, dir_fd=dir_fd)
             raise ConfigError(
                 f"cannot make the {capacity >> 20} MiB KV arena in {shm_dir}: {exc.strerror}",
                 fix="give the payload directory's file system room for --cache-ram "
@@ -139,7 +149,7 @@ class Arena:
 
     def _block(self, offset: int, size: int) -> ArenaBlock:
         block = _block_type(aligned(size)).from_buffer(self.mm, offset)
-        block.arena_id, block.offset, block.blob_size, block.kv_nbytes = id(self), offset, size, -1
+        block.arena_id, block.offset, block.blob_size, block.kv_nbytes = self.token, offset, size, -1
         weakref.finalize(block, self._freed.append, offset)
         return block
 
@@ -165,7 +175,11 @@ class Arena:
     def whole_block(self, segment: KvSegment) -> ArenaBlock | None:
         """The block ``segment`` is the whole KV of (an import may name it by offset), else None."""
         owner = segment.owner
-        if isinstance(owner, ArenaBlock) and owner.arena_id == id(self) and owner.kv_nbytes == segment.nbytes:
+        if (
+            isinstance(owner, ArenaBlock)
+            and owner.arena_id == self.token
+            and owner.kv_nbytes == segment.nbytes
+        ):
             return owner
         return None
 
@@ -199,18 +213,19 @@ class Arena:
         self._drain()
         return {"capacity": self.capacity, "used": self.alloc.used, "quarantined": self.quarantined_bytes}
 
-    def close(self) -> None:
-        """Remove the file and give its memory back now. Segments still viewing blocks (a tree
-        not yet collected) keep the mapping, so its pages are released by punching the whole
-        file out (``MADV_REMOVE``: they read as zeros after, never fault); servers that still
-        map it see the same."""
+    def close(self, give_back: bool = True) -> None:
+        """Remove the file and, with ``give_back``, its memory now. Segments still viewing
+        blocks (a tree not yet collected) keep the mapping, so its pages are released by
+        punching the whole file out (``MADV_REMOVE``: they read as zeros after, never fault).
+        Never while a move may still run: a quarantined one (a server could import zeros into a
+        slot and claim its tokens), or a disk write the caller did not see finish (pass False:
+        it would write zeros as a valid entry)."""
         with contextlib.suppress(OSError):
             os.unlink(self.name, dir_fd=self.dir_fd)
-        self._quarantine.clear()
-        self.quarantined_bytes = 0
+        give_back = give_back and not self._quarantine
         with contextlib.suppress(BufferError):  # blocks still alive: the mapping goes with them
             self.mm.close()
-        if not self.mm.closed:
+        if give_back and not self.mm.closed:
             with contextlib.suppress(OSError, ValueError):
                 self.mm.madvise(_REMOVE)
         if self._lock_fd >= 0:
@@ -237,17 +252,23 @@ def sweep_stale_arenas(base: Path, prefix: str) -> None:
         try:
             if os.fstat(fd).st_uid != os.geteuid():
                 continue
-            remove_stale_arenas(fd)
+            removed = remove_stale_arenas(fd)
         finally:
             os.close(fd)
-        with contextlib.suppress(OSError):  # not empty: a live proxy's, or files we leave alone
-            os.rmdir(entry.path)
+        if removed:  # a dead run's directory; a live one never had an unlocked arena in it
+            with contextlib.suppress(OSError):  # not empty: files we leave alone
+                os.rmdir(entry.path)
 
 
-def remove_stale_arenas(dir_fd: int) -> None:
-    """Remove the arena files in the directory that no live process holds locked."""
+def remove_stale_arenas(dir_fd: int) -> int:
+    """Remove the arena files in the directory that no live process holds locked; how many."""
+    removed = 0
     for entry in os.scandir(dir_fd):
-        if not (entry.name.startswith(ARENA_PREFIX) and entry.is_file(follow_symlinks=False)):
+        making = entry.name.startswith(f"making-{ARENA_PREFIX}")
+        if not (entry.name.startswith(ARENA_PREFIX) or making) or not entry.is_file(follow_symlinks=False):
+            continue
+        # One being made is locked right after it is created: unlocked and older, its maker died.
+        if making and time.time() - entry.stat(follow_symlinks=False).st_mtime < 10:
             continue
         try:
             fd = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
@@ -261,7 +282,9 @@ def remove_stale_arenas(dir_fd: int) -> None:
             os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(entry.name, dir_fd=dir_fd)
+            removed += 1
         log.warning("removed the KV arena %s left by a proxy that is gone", entry.name)
+    return removed
 
 
 def block_segments(blocks: Sequence[ArenaBlock], layout: KvLayout) -> list[KvSegment]:

@@ -142,9 +142,10 @@ class DiskTier:
         )
         self._writer = asyncio.get_running_loop().create_task(self._write_loop())
 
-    async def close(self, tree: RadixTree | None, timeout_s: float) -> None:
+    async def close(self, tree: RadixTree | None, timeout_s: float) -> bool:
         """Copy what RAM holds and the disk lacks (when `tree` is given), finish the queue
-        within `timeout_s`, stop. What is not written by then is lost, not half-written."""
+        within `timeout_s`, stop. What is not written by then is lost, not half-written; False
+        then (a write may still be running in the pool)."""
         if tree is not None and self.usable:
             for spill in tree.spill_all():
                 self.demote(spill, flush=True)
@@ -156,7 +157,10 @@ class DiskTier:
             except TimeoutError:
                 log.warning("disk tier: %d segments not written by the shutdown deadline", len(self._queue))
                 self._writer.cancel()
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                return False
         self._pool.shutdown(wait=False, cancel_futures=True)
+        return True
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait until every queued demotion is written or failed; False past `timeout_s`."""

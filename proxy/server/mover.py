@@ -63,11 +63,13 @@ class KvMover:
         rates: MeasuredRates | None = None,
         arena: Arena | None = None,
         chunk_tokens: int = 0,
+        n_ctx_slot: int = 1 << 30,
     ) -> None:
         self.backend = backend
         # The arena and its chunk size, for a same-host server with chunked exports (else None).
         self.arena = arena if shm_dir is not None else None
         self._chunk_tokens = chunk_tokens  # 0: auto_chunk of the layout
+        self._n_ctx_slot = n_ctx_slot  # the server refuses a chunk longer than a slot
         # The server's rates: each move teaches its export or import rate (the cost model's).
         self.rates = rates if rates is not None else MeasuredRates()
         self.layout = layout  # None: KV moves are off for this server (ServerState.moves_off)
@@ -82,7 +84,7 @@ class KvMover:
     @property
     def chunk_tokens(self) -> int:
         """Tokens per arena block for this server's KV layout."""
-        return self._chunk_tokens or auto_chunk(self.bytes_per_token)
+        return min(self._chunk_tokens or auto_chunk(self.bytes_per_token), self._n_ctx_slot)
 
     @property
     def bytes_per_token(self) -> int:
@@ -190,9 +192,10 @@ class KvMover:
             self.metrics.arena_full.labels("export").inc()
             return None
         run: list[KvSegment] = []
-        answered = False
+        sent = answered = False
         try:
             async with hold or contextlib.nullcontext():
+                sent = True  # from here the server may get it: without an answer, it may still run it
                 reply = await self.backend.export(
                     seq,
                     p0,
@@ -221,7 +224,7 @@ class KvMover:
             raise KvMoveError(FallbackCause.PAYLOAD, str(exc)) from exc
         except BaseException as exc:
             run.clear()  # freed now, not when the traceback goes
-            if not answered:
+            if sent and not answered:
                 arena.quarantine_unanswered(exc, blocks, self)
             raise
         finally:
@@ -322,7 +325,7 @@ class KvMover:
         fill = iter(staged)
         named = [p if isinstance(p, ArenaBlock) else next(fill) for p in pieces]
         size = sum(b.blob_size for b in named)
-        answered = False
+        sent = answered = False
         try:
             copied = time.perf_counter()
             if runs:
@@ -330,11 +333,12 @@ class KvMover:
             proxy_s = time.perf_counter() - copied
             body["segments"] = [{"file": arena.name, "offset": b.offset, "size": b.blob_size} for b in named]
             async with hold or contextlib.nullcontext():
+                sent = True  # from here the server may get it: without an answer, it may still read it
                 reply = await self.backend.import_(body, timeout_s=move_timeout_s(size))
             answered = True
         except BaseException as exc:
-            if not answered:
-                arena.quarantine_unanswered(exc, [*named, *segments], self)
+            if sent and not answered:  # the blocks it names: the server reads nothing else
+                arena.quarantine_unanswered(exc, named, self)
             raise
         finally:
             named.clear()  # the staged blocks are free now, not when a traceback goes

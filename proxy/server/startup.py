@@ -324,7 +324,16 @@ async def _connect(
     if arena is not None and shm is not None and not caps.export_chunks:
         log.warning("%s: no chunked exports (a patch before 0020): KV moves through payload files", name)
         arena = None
-    mover = KvMover(backend, layout, compat, shm, metrics, arena=arena, chunk_tokens=config.kv_arena_chunk)
+    mover = KvMover(
+        backend,
+        layout,
+        compat,
+        shm,
+        metrics,
+        arena=arena,
+        chunk_tokens=config.kv_arena_chunk,
+        n_ctx_slot=caps.n_ctx_slot,
+    )
     instance = caps.instance or ""
     if caps.sharing:
         # Owners left by an earlier proxy hold cells nobody accounts for (and the check's cells).
@@ -339,6 +348,7 @@ async def _connect(
             Metrics(CollectorRegistry(), (name,)),
             arena=arena,
             chunk_tokens=config.kv_arena_chunk,
+            n_ctx_slot=caps.n_ctx_slot,
         )
         try:
             moves_off = await checks.verdict(instance, backend, check_mover)

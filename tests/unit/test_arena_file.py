@@ -215,7 +215,9 @@ def test_closing_gives_the_memory_back_even_while_views_live(shm: Path) -> None:
 
 
 def test_up_sweeps_the_arenas_of_killed_runs_in_their_own_directories(shm: Path) -> None:
-    dead, live, other = (make_private_dir(shm, p) for p in ("radix-0-1-", "radix-0-2-", "keep-"))
+    dead, live, other, empty = (
+        make_private_dir(shm, p) for p in ("radix-0-1-", "radix-0-2-", "keep-", "radix-0-3-")
+    )
     code = "from proxy.server.arena import Arena; from pathlib import Path; import sys; Arena.create(Path(sys.argv[1]), 1 << 20)"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     for path in (dead, other):  # a proxy that died there
@@ -225,4 +227,17 @@ def test_up_sweeps_the_arenas_of_killed_runs_in_their_own_directories(shm: Path)
     assert not dead.exists()  # its arena gone, and the emptied directory with it
     assert _arena_files(live) == [running.name]
     assert len(_arena_files(other)) == 1  # not ours by name: untouched
+    assert empty.exists()  # a live proxy's without an arena (--kv-arena off) is left alone
     running.close()
+
+
+def test_a_quarantined_move_keeps_its_memory_at_close(shm: Path) -> None:
+    before = _shmem_kib()
+    arena = Arena.create(shm, 16 * MIB)
+    blocks = arena.take([MIB])
+    assert blocks is not None
+    np.frombuffer(cast(Any, blocks[0]), np.uint8)[:] = 7
+    arena.quarantine(blocks)  # a server may still read it: never punched out under it
+    keep = blocks[0]
+    arena.close()
+    assert _shmem_kib() - before >= 15 * 1024 and int(np.frombuffer(cast(Any, keep), np.uint8)[0]) == 7

@@ -223,3 +223,12 @@ def test_the_health_checks_follow_where_a_restarted_servers_kv_lives() -> None:
     assert coord.metrics.value("radix_server_kv_device", server="s0", device="CUDA0", backend="CUDA") == 1
     s0.moves_off = ("sliding-window attention",)  # moves off already: nothing to keep it out for
     assert HealthMonitor._incompatible(s0, caps()) == ""
+
+
+def test_arena_blocks_are_never_longer_than_a_slot() -> None:
+    # The server refuses a chunk over its n_ctx_slot (400), which would turn moves off.
+    metrics = Metrics(CollectorRegistry(), ("s0",))
+    mover = KvMover(_Backend(t_ms=None), BIG, {}, None, metrics, chunk_tokens=4096, n_ctx_slot=1024)  # type: ignore[arg-type]
+    assert mover.chunk_tokens == 1024
+    auto = KvMover(_Backend(t_ms=None), BIG, {}, None, metrics, n_ctx_slot=100)  # type: ignore[arg-type]
+    assert auto.chunk_tokens == 100
