@@ -175,6 +175,23 @@ def slots_keep_kv(proxy: ProxyThread) -> Iterator[None]:
         proxy.call(lambda rt: setattr(rt.coordinator.saves, "config", config))
 
 
+def prefill_slot(server: ServerProcess, slot: int, prompt: str) -> list[int]:
+    """Compute ``prompt`` into ``slot`` of a patched server (one token generated); the tokens
+    the slot then holds, from its /kvctl/slots."""
+    reply = request(
+        server.url + "/completion",
+        "POST",
+        {"prompt": prompt, "n_predict": 1, "id_slot": slot, "cache_prompt": True, "temperature": 0},
+        timeout=300,
+    )
+    assert reply.status == 200, reply.body
+    listing = request(
+        server.url + "/kvctl/slots?tokens=1", headers={"Authorization": f"Bearer {server.spec.kvctl_key}"}
+    )
+    assert listing.status == 200 and isinstance(listing.body, dict), listing.body
+    return [int(t) for t in listing.body["slots"][slot]["tokens"]]
+
+
 def proxy_config(*servers: ServerProcess, **over: Any) -> Config:
     """A proxy in front of test servers: their URLs, payload dir and key, a free port, a small
     tree, and restores from 32 tokens (the suite's prompts are a few hundred tokens)."""

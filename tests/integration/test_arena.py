@@ -23,7 +23,7 @@ from proxy.server.arena import Arena, ArenaBlock
 from proxy.server.backend import ServerClient
 from proxy.server.metrics import Metrics
 from proxy.server.mover import KvMover
-from tests.helpers import ProxyThread, ServerFactory, proxy_config, request
+from tests.helpers import ProxyThread, ServerFactory, prefill_slot, proxy_config, request
 
 PROMPT = (
     "The survey ship mapped the reef one sounding at a time: depth, bottom, current, and the "
@@ -38,17 +38,7 @@ def server(start_server: ServerFactory, patched_bin: Any) -> ServerProcess:
 
 
 def _held(server: ServerProcess, slot: int) -> list[int]:
-    reply = request(
-        server.url + "/completion",
-        "POST",
-        {"prompt": PROMPT, "n_predict": 1, "id_slot": slot, "cache_prompt": True, "temperature": 0},
-        timeout=300,
-    )
-    assert reply.status == 200, reply.body
-    listing = request(
-        server.url + "/kvctl/slots?tokens=1", headers={"Authorization": f"Bearer {server.spec.kvctl_key}"}
-    ).body
-    return [int(t) for t in listing["slots"][slot]["tokens"]]
+    return prefill_slot(server, slot, PROMPT)
 
 
 @asynccontextmanager

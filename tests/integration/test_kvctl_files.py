@@ -25,7 +25,7 @@ from proxy.native.launch import ServerProcess
 from proxy.server.backend import ServerClient
 from proxy.server.metrics import Metrics
 from proxy.server.mover import KvMover
-from tests.helpers import ServerFactory, request
+from tests.helpers import ServerFactory, prefill_slot, request
 
 PROMPT = (
     "A lighthouse keeper kept a notebook of every ship that passed his island: its name, its flag, "
@@ -52,16 +52,7 @@ def _kv(server: ServerProcess, method: str, path: str, body: object = None) -> t
 
 
 def _prefill(server: ServerProcess, slot: int) -> list[int]:
-    reply = request(
-        server.url + "/completion",
-        "POST",
-        {"prompt": PROMPT, "n_predict": 1, "id_slot": slot, "cache_prompt": True, "temperature": 0},
-        timeout=300,
-    )
-    assert reply.status == 200, reply.body
-    status, listing = _kv(server, "GET", "/kvctl/slots?tokens=1")
-    assert status == 200 and isinstance(listing, dict)
-    return [int(t) for t in listing["slots"][slot]["tokens"]]
+    return prefill_slot(server, slot, PROMPT)
 
 
 def _files(directory: Path) -> list[str]:
