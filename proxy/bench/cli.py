@@ -128,6 +128,11 @@ _SIZE_OPTIONS: dict[str, tuple[str, str]] = {
     "shared_pct": ("--shared-pct", "Common prefix of the prompts, in percent."),
     "trunk_tokens": ("--trunk-tokens", "Approximate size of the common trunk in tokens."),
     "branches": ("--branches", "Concurrent branches off the trunk."),
+    "in_flight": (
+        "--in-flight",
+        "Queue every round at once and keep this many requests in flight (0: a round after the "
+        "previous one finished).",
+    ),
     "fillers": ("--fillers", "Prompts sent at once to evict the first one from every slot."),
     "pairs": ("--pairs", "Front/server request pairs."),
     "sessions": ("--sessions", "Sessions per scenario."),

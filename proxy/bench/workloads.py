@@ -305,14 +305,24 @@ def capacity(
 
 
 def fanout(
-    trunk_tokens: int = 1000, branches: int = 4, rounds: int = 1, max_tokens: int = 16, seed: int = 0
+    trunk_tokens: int = 1000,
+    branches: int = 4,
+    rounds: int = 1,
+    in_flight: int = 0,
+    max_tokens: int = 16,
+    seed: int = 0,
 ) -> Workload:
     """``branches`` concurrent requests off one long trunk (a document), each with its own question.
 
-    Every round has a new trunk nothing has seen, so each round starts cold for its prefix;
-    a round starts when the previous one finished. What it shows: whether the trunk is
-    computed once (fan-out) or once per branch, in the TTFT of every branch and the total.
+    Every round has a new trunk nothing has seen, so each round starts cold for its prefix.
+    With ``in_flight`` 0 a round starts when the previous one finished; otherwise every round
+    is queued at once and the client keeps ``in_flight`` requests outstanding, so a round's
+    branches start as the previous round's answers end, one by one (groups sharing a system
+    prompt, sent together). What it shows: whether the trunk is computed once (fan-out) or
+    once per branch, in the TTFT of every branch and the total.
     """
+    if in_flight < 0:
+        raise ValueError("in_flight must be 0 (round after round) or more")
     n = words_for(trunk_tokens)
     reqs: list[BenchRequest] = []
     previous: tuple[str, ...] = ()
@@ -332,16 +342,17 @@ def fanout(
                 )
             )
             wave.append(rid)
-        previous = tuple(wave)
+        previous = () if in_flight else tuple(wave)
     return Workload(
         "fanout",
         f"{branches} concurrent branches off one long trunk on a cold server",
         tuple(reqs),
-        max(1, branches),
+        in_flight or max(1, branches),
         {
             "trunk_tokens": trunk_tokens,
             "branches": branches,
             "rounds": rounds,
+            "in_flight": in_flight,
             "max_tokens": max_tokens,
             "seed": seed,
         },

@@ -28,7 +28,7 @@ import pytest
 from proxy.core.diskindex import HEADER_BYTES, SUFFIX, decode_header, encode_header, sha
 from proxy.native.launch import ServerProcess
 from proxy.server.admin import tiers as tiers_of
-from proxy.server.disk import default_key_file
+from proxy.server.disk_files import default_key_file
 from tests.helpers import ProxyThread, Reply, ServerFactory, assert_same_answer, chat_body, post, proxy_config
 from tests.integration.test_proxy import convo, document
 

@@ -12,7 +12,8 @@ from prometheus_client import CollectorRegistry
 from proxy.core.diskindex import SUFFIX
 from proxy.core.payload import KvLayout, KvSegment
 from proxy.core.radix import RadixTree, Spill
-from proxy.server.disk import DiskTier, _write_entry, default_key_file, load_secret
+from proxy.server.disk import DiskTier
+from proxy.server.disk_files import default_key_file, load_secret, write_entry
 from proxy.server.disk_metrics import DiskMetrics
 
 LAYOUT = KvLayout(1, (1,), (8,), (1,), False, (8,), (0,), (0,))
@@ -130,7 +131,7 @@ def test_temporary_and_foreign_files_at_start(tmp_path: Path) -> None:
     async def main() -> None:
         d = tmp_path / "tier"
         d.mkdir(mode=0o700)
-        _write_entry(
+        write_entry(
             d, b"z" * 32, load_secret(default_key_file(d)), Spill("", toks(0, 20), seg(0, 20, 3))
         )  # another model's
         (d / ".abc.kv.1234.tmp").write_bytes(b"half a segment")  # a writer killed mid-write
@@ -200,9 +201,9 @@ def test_entries_that_are_links_or_others_are_neither_used_nor_deleted(tmp_path:
         d.mkdir(mode=0o700)
         elsewhere.mkdir(mode=0o700)
         secret = load_secret(default_key_file(d))
-        real = _write_entry(elsewhere, KEY, secret, Spill("", toks(0, 20), seg(0, 20, 3)))
+        real = write_entry(elsewhere, KEY, secret, Spill("", toks(0, 20), seg(0, 20, 3)))
         (d / real.name).symlink_to(elsewhere / real.name)  # a valid entry, but through a link
-        loose = _write_entry(d, KEY, secret, Spill("", toks(500, 20), seg(0, 20, 4)))
+        loose = write_entry(d, KEY, secret, Spill("", toks(500, 20), seg(0, 20, 4)))
         (d / loose.name).chmod(0o666)  # one anybody could have rewritten
         tier = await opened(d)
         assert tier.index.stats().entries == 0
@@ -221,7 +222,7 @@ def test_the_mac_key_is_made_once_outside_the_directory_and_kept(tmp_path: Path)
         key_file = tmp_path / "tier.key"
         assert tier.usable and key_file.is_file() and (key_file.stat().st_mode & 0o777) == 0o600
         assert len(key_file.read_bytes()) == 32 and not any(p.name.endswith(".key") for p in d.iterdir())
-        _write_entry(d, KEY, tier.secret, Spill("", toks(0, 20), seg(0, 20, 3)))
+        write_entry(d, KEY, tier.secret, Spill("", toks(0, 20), seg(0, 20, 3)))
         await tier.close(None, 10)
         again = await opened(d)  # the same key: the entry is used
         assert again.secret == tier.secret and again.index.stats().entries == 1
@@ -234,7 +235,7 @@ def test_entries_signed_with_another_key_are_dropped(tmp_path: Path) -> None:
     async def main() -> None:
         d = tmp_path / "tier"
         d.mkdir(mode=0o700)
-        _write_entry(d, KEY, b"not our secret, 32 bytes long...", Spill("", toks(0, 20), seg(0, 20, 3)))
+        write_entry(d, KEY, b"not our secret, 32 bytes long...", Spill("", toks(0, 20), seg(0, 20, 3)))
         tier = await opened(d)
         assert tier.usable and tier.index.stats().entries == 0
         assert tier.metrics.dropped.labels("header")._value.get() == 1
