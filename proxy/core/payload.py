@@ -40,6 +40,7 @@ __all__ = [
     "parse_blob",
     "tokens_sha256",
     "write_blob",
+    "write_rows_blob",
 ]
 
 if TYPE_CHECKING:
@@ -348,6 +349,32 @@ def _write(segments: Sequence[KvSegment], out: Buffer, seq_id: int) -> int:
     check_run(segments)
     layout = segments[0].layout
     p0, n = segments[0].p0, segments[-1].p1 - segments[0].p0
+    whole, size, tables = _frame(layout, p0, n, out, seq_id)
+    for seg in segments:
+        whole.slice(seg.p0, seg.p1).assign(seg)
+    _copy_cell_ext(tables, layout.cell_ext_bytes)
+    return size
+
+
+def write_rows_blob(p0: int, layout: KvLayout, rows: np.ndarray, out: Buffer, seq_id: int = 0) -> int:
+    """Write the blob of positions [p0, p0 + len(rows)) from per-token rows
+    (``KvSegment.from_rows``' format) into ``out``, with no segment in between: one copy.
+    Returns the bytes written."""
+    try:
+        whole, size, tables = _frame(layout, p0, len(rows), out, seq_id)
+        whole.fill_rows(rows)
+        _copy_cell_ext(tables, layout.cell_ext_bytes)
+        return size
+    except PayloadError as e:
+        err = PayloadError(e.message)
+    raise err  # outside the except block: see parse_blob
+
+
+def _frame(
+    layout: KvLayout, p0: int, n: int, out: Buffer, seq_id: int
+) -> tuple[KvSegment, int, list[np.ndarray]]:
+    """Write a blob's headers and cell tables for positions [p0, p0 + n) into ``out``; return
+    the segment viewing its (unwritten) KV data, the blob's size and the cell tables."""
     if n == 0:
         raise PayloadError("no cells to write")
     size = blob_size(layout, n)
@@ -388,12 +415,12 @@ def _write(segments: Sequence[KvSegment], out: Buffer, seq_id: int) -> int:
     ext = layout.cell_ext_bytes
     if ext:
         parts += (_cell_ext_view(tables[0], ext),)
-    whole = KvSegment(p0, layout, parts)
-    for seg in segments:
-        whole.slice(seg.p0, seg.p1).assign(seg)
+    return KvSegment(p0, layout, parts), size, tables
+
+
+def _copy_cell_ext(tables: list[np.ndarray], ext: int) -> None:
     for cells in tables[1:] if ext else []:  # every section's cells carry the metadata
         _cell_ext_view(cells, ext)[...] = _cell_ext_view(tables[0], ext)
-    return size
 
 
 def _carve_at(buf: np.ndarray, layout: KvLayout, n: int, offsets: list[int]) -> tuple[np.ndarray, ...]:

@@ -228,15 +228,25 @@ class KvSegment:
                 f"rows must be uint8 (n, {layout.bytes_per_token}), got {rows.dtype} {rows.shape}"
             )
         seg = cls.empty(p0, layout, rows.shape[0])
+        seg.fill_rows(rows)
+        return seg
+
+    def fill_rows(self, rows: np.ndarray) -> None:
+        """Copy per-token rows (``from_rows``' format, one row per position) into this
+        segment's own memory (e.g. a view of an arena block)."""
+        layout = self.layout
+        if rows.dtype != np.uint8 or rows.shape != (self.n, layout.bytes_per_token):
+            raise PayloadError(
+                f"rows must be uint8 ({self.n}, {layout.bytes_per_token}), got {rows.dtype} {rows.shape}"
+            )
         rows = np.ascontiguousarray(rows)  # a V element view needs contiguous rows
-        for i, part in enumerate(seg.parts):
+        for i, part in enumerate(self.parts):
             off, row = _row_span(layout, i)
             if _is_trans(layout, i):
                 dt = el_dtype(layout.v_el_bytes[i - layout.n_layer])
                 part.view(dt)[...] = rows[:, off : off + row].view(dt).T
             else:
                 part[...] = rows[:, off : off + row]
-        return seg
 
     # ---- what it holds
 

@@ -36,7 +36,7 @@ from typing import Any, cast
 import numpy as np
 
 from proxy.core.arena import RangeAllocator, aligned
-from proxy.core.payload import KvLayout, blob_size, parse_blob, write_blob
+from proxy.core.payload import KvLayout, blob_size, parse_blob, write_blob, write_rows_blob
 from proxy.core.segment import KvSegment
 from proxy.errors import ConfigError, FallbackCause, KvMoveError
 from proxy.server.paydir import PAYLOAD_SUFFIX, private_dir_fd
@@ -47,6 +47,9 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _REMOVE = getattr(mmap, "MADV_REMOVE", getattr(mmap, "MADV_DONTNEED", 4))
 ARENA_PREFIX = "radix-arena-"
 MAX_EVICTIONS = 256  # per reservation
+# A server may keep at most this share of the arena quarantined; past it, its moves go
+# through payload files until it is a new process (a hung server cannot eat the arena).
+QUARANTINE_SHARE = 8
 _SHM_FS = ("tmpfs", "hugetlbfs")
 
 
@@ -191,6 +194,14 @@ class Arena:
         self._quarantine.append((whose, kept, nbytes))
         self.quarantined_bytes += nbytes
 
+    def quarantined_by(self, whose: object) -> int:
+        return sum(q[2] for q in self._quarantine if q[0] is whose)
+
+    def may_move(self, whose: object) -> bool:
+        """Whether ``whose`` server may move through the arena: not while it keeps more than
+        1/QUARANTINE_SHARE of it quarantined (moves it never answered)."""
+        return self.quarantined_by(whose) < self.capacity // QUARANTINE_SHARE
+
     def release_quarantine(self, whose: object) -> None:
         """Free what was kept for ``whose`` server (its process is gone: nothing can write or
         read those blocks any more)."""
@@ -297,6 +308,21 @@ def block_segments(blocks: Sequence[ArenaBlock], layout: KvLayout) -> list[KvSeg
             block.kv_nbytes = seg.nbytes  # from now on the tree counts only its KV (keeps_extra)
         run.append(seg)
     return run
+
+
+def rows_into_blocks(
+    blocks: Sequence[ArenaBlock],
+    bounds: Sequence[tuple[int, int]],
+    layout: KvLayout,
+    rows: np.ndarray,
+    p0: int,
+) -> list[KvSegment]:
+    """Per-token rows of positions from ``p0`` written as one blob per block, the block of
+    ``bounds[i]`` holding those positions (one copy, on the caller's thread: the disk tier's
+    reads); the segments are views of the blocks, imported in place later."""
+    for block, (a, b) in zip(blocks, bounds, strict=True):
+        write_rows_blob(a, layout, rows[a - p0 : b - p0], np.frombuffer(cast(Any, block), np.uint8))
+    return block_segments(blocks, layout)
 
 
 def stage_runs(runs: Sequence[Sequence[KvSegment]], blocks: Sequence[ArenaBlock]) -> None:

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from proxy.core.arena import auto_chunk, chunk_bounds
 from proxy.core.diskindex import (
     HEADER_BYTES,
     DemoteFailure,
@@ -36,8 +37,9 @@ from proxy.core.diskindex import (
     DropCause,
     sha,
 )
-from proxy.core.payload import KvLayout, KvSegment
+from proxy.core.payload import KvLayout, KvSegment, blob_size
 from proxy.core.radix import HostMatch, RadixTree, Spill
+from proxy.server.arena import Arena, ArenaBlock
 from proxy.server.disk_files import (
     default_key_file,
     load_secret,
@@ -87,6 +89,9 @@ class DiskTier:
         queue_bytes: int,
         timeout_s: float,
         key_file: Path | None = None,
+        arena: Arena | None = None,
+        chunk_tokens: int = 0,
+        on_arena_full: Callable[[], None] = lambda: None,
     ) -> None:
         self.directory = directory
         self.key = key
@@ -96,6 +101,9 @@ class DiskTier:
         self.secret = b""
         self.layout = layout
         self.metrics = metrics
+        self.arena = arena  # promotions are read into its blocks (the tree's KV memory)
+        self.chunk_tokens = chunk_tokens or auto_chunk(layout.bytes_per_token)
+        self.on_arena_full = on_arena_full
         self.min_tokens = min_tokens
         self.queue_bytes = queue_bytes
         self.timeout_s = timeout_s
@@ -277,12 +285,12 @@ class DiskTier:
         self.index.pin(entries)
         held = tree.reserve(self.layout.bytes_per_token * found.gain)
         try:
-            segment = await self._read(found, tokens, ram.length)
-            if segment is None:
+            run = await self._read(found, tokens, ram.length, self._blocks(ram.length, found.reach))
+            if run is None:
                 return 0
             tree.release(held)  # the same step as the insert that counts them
             held = 0
-            stored = tree.insert(tokens[: found.reach], segment, ns=ns)
+            stored = tree.insert_run(tokens[: found.reach], run, ns=ns)
         finally:
             tree.release(held)
             self.index.unpin(entries)
@@ -293,10 +301,31 @@ class DiskTier:
         self._sync()
         return stored
 
-    async def _read(self, found: DiskMatch, tokens: np.ndarray, p0: int) -> KvSegment | None:
+    def _blocks(self, p0: int, p1: int) -> tuple[list[ArenaBlock], list[tuple[int, int]]] | None:
+        """Arena blocks for positions [p0, p1), one per chunk as an export's (each an edge of
+        the tree, imported in place later); None without an arena or room in it (then the
+        read goes into ordinary memory, counted)."""
+        if self.arena is None:
+            return None
+        bounds = chunk_bounds(p0, p1, self.chunk_tokens)
+        blocks = self.arena.take([blob_size(self.layout, b - a) for a, b in bounds], self.arena.make_room)
+        if blocks is None:
+            self.on_arena_full()
+            return None
+        return blocks, bounds
+
+    async def _read(
+        self,
+        found: DiskMatch,
+        tokens: np.ndarray,
+        p0: int,
+        into: tuple[list[ArenaBlock], list[tuple[int, int]]] | None,
+    ) -> list[KvSegment] | None:
+        # A read past its deadline still runs on its thread: its arguments keep the blocks it
+        # writes alive until it returns, so no other move is given them meanwhile.
         try:
             return await self._io(
-                read_segment, self.directory, self.key, self.secret, found, tokens, self.layout, p0
+                read_segment, self.directory, self.key, self.secret, found, tokens, self.layout, p0, into
             )
         except DiskEntryError as exc:
             self.metrics.dropped.labels(exc.cause).inc()

@@ -9,6 +9,7 @@ import logging
 import os
 import secrets
 import stat
+from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -29,6 +30,7 @@ from proxy.core.diskindex import (
 )
 from proxy.core.payload import KvLayout, KvSegment
 from proxy.core.radix import Spill
+from proxy.server.arena import ArenaBlock, rows_into_blocks
 
 log = logging.getLogger("radix")
 
@@ -208,9 +210,15 @@ def read_segment(
     tokens: np.ndarray,
     layout: KvLayout,
     p0: int,
-) -> KvSegment:
-    """The entries' KV in the tree's layout, in the I/O thread (the rows are copied into it)."""
-    return KvSegment.from_rows(p0, layout, read_pieces(directory, key, secret, found, tokens))
+    into: tuple[Sequence[ArenaBlock], Sequence[tuple[int, int]]] | None = None,
+) -> list[KvSegment]:
+    """The entries' KV from ``p0`` on, in the I/O thread: written into arena blocks, one per
+    chunk (``into``: the blocks and the positions each holds), else copied into one segment."""
+    rows = read_pieces(directory, key, secret, found, tokens)
+    if into is not None:
+        blocks, bounds = into
+        return rows_into_blocks(blocks, bounds, layout, rows, p0)
+    return [KvSegment.from_rows(p0, layout, rows)]
 
 
 def read_pieces(

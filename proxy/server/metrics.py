@@ -39,6 +39,7 @@ SHARE_PATHS = {
 FALLBACK_CAUSES = tuple(c.value for c in FallbackCause)
 DIRECTIONS = ("export", "import")
 ARENA_PATHS = ("in_place", "staged", "file")
+ARENA_FULL_DIRECTIONS = (*DIRECTIONS, "promote")  # promote: a disk tier read
 ARENA_STATES = ("capacity", "used", "quarantined")
 REJECT_REASONS = tuple(r.value for r in RejectReason)
 APIS = (
@@ -226,7 +227,8 @@ class Metrics:
         )
         self.arena_full = Counter(
             f"{ns}_arena_full",
-            "Moves that found no room in the arena even after evicting, and went through a payload file",
+            "Moves that found no room in the arena even after evicting, and went through a payload "
+            "file (export, import), or disk promotions read into ordinary memory (promote)",
             ["direction"],
             registry=registry,
         )
@@ -416,9 +418,10 @@ class Metrics:
         for direction in DIRECTIONS:
             self.kv_move_bytes.labels(direction)
             self.kv_move_seconds.labels(direction)
-            self.arena_full.labels(direction)
             for path in ARENA_PATHS:
                 self.arena_move_bytes.labels(direction, path)
+        for direction in ARENA_FULL_DIRECTIONS:
+            self.arena_full.labels(direction)
         for state in ARENA_STATES:
             self.arena_bytes.labels(state)
         for status in ("4xx", "5xx"):

@@ -9,8 +9,9 @@ event loop keeps serving while megabytes are copied.
 With the arena (proxy/server/arena.py, servers with chunked exports), neither file is used:
 an export writes each chunk's blob straight into arena blocks and its segments are views of
 them; an import names the whole blocks of its segments by offset and stages only the rest (a
-tree edge split inside a chunk, KV read from disk) into temporary blocks. One copy per move,
-the server's, for everything but the staged parts. A full arena falls back to the files.
+tree edge split inside a chunk) into temporary blocks. One copy per move, the server's, for
+everything but the staged parts. A full arena falls back to the files (proxy/server/payfile.py),
+and so does a server that keeps more than its share of the arena quarantined.
 
 Payload files are reused: a fresh tmpfs file costs a page allocation and a fault per page,
 about as much as the copy itself. One idle file per direction (pages allocated, kept mapped)
@@ -32,7 +33,7 @@ import logging
 import mmap
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from proxy.server.arena import Arena, ArenaBlock, block_segments, stage_runs
 from proxy.server.backend import ServerClient, move_timeout_s
 from proxy.server.metrics import Metrics
 from proxy.server.paydir import private_dir_fd
+from proxy.server.payfile import POPULATE, PayloadFile, file_in_thread
 
 _names = itertools.count()
 log = logging.getLogger("radix")
@@ -78,8 +80,9 @@ class KvMover:
         # Payload files are made, opened and removed relative to this (never by path).
         self._dir_fd = private_dir_fd(shm_dir) if shm_dir is not None else -1
         self.metrics = metrics
-        self._idle: _PayloadFile | None = None  # the import file waiting for the next import
-        self._idle_out: _PayloadFile | None = None  # the export file waiting for the next export
+        self._idle: PayloadFile | None = None  # the import file waiting for the next import
+        self._idle_out: PayloadFile | None = None  # the export file waiting for the next export
+        self._over_quarantine = False  # warned that the arena is off for it (too much quarantined)
 
     @property
     def chunk_tokens(self) -> int:
@@ -90,6 +93,22 @@ class KvMover:
     def bytes_per_token(self) -> int:
         """What one token's KV costs in the host tree (0 when moves are off)."""
         return self.layout.bytes_per_token if self.layout is not None else 0
+
+    def _usable_arena(self) -> Arena | None:
+        """The arena, unless this server holds too much of it quarantined (then payload files
+        until it is a new process; said once)."""
+        if self.arena is None or self.arena.may_move(self):
+            self._over_quarantine = False
+            return self.arena
+        if not self._over_quarantine:
+            self._over_quarantine = True
+            log.warning(
+                "%s: %d MiB of the KV arena are kept for moves it never answered; its moves go "
+                "through payload files until it restarts",
+                self.backend.url,
+                self.arena.quarantined_by(self) >> 20,
+            )
+        return None
 
     def _layout(self) -> KvLayout:
         if self.layout is None:  # never planned (routes.py plans no move for it): a guard
@@ -118,20 +137,20 @@ class KvMover:
         started = time.perf_counter()
         p1 = len(tokens)
         layout = self._layout()
-        if self.arena is not None:
-            run = await self._export_to_arena(self.arena, seq, p0, tokens, hold)
+        if (arena := self._usable_arena()) is not None:
+            run = await self._export_to_arena(arena, seq, p0, tokens, hold)
             if run is not None:
                 self.metrics.kv_move_bytes.labels("export").inc(sum(s.nbytes for s in run))
                 self.metrics.kv_move_seconds.labels("export").inc(time.perf_counter() - started)
                 return run
         size = blob_size(layout, p1 - p0)
-        file: _PayloadFile | None = None
+        file: PayloadFile | None = None
         try:
             if self.shm_dir is not None:
                 # Taken on the event loop, so concurrent exports never share a file.
                 file, self._idle_out = self._idle_out, None
                 try:
-                    file = await _file_in_thread(self._out_file, file, size)
+                    file = await file_in_thread(self._out_file, file, size)
                 except OSError as exc:
                     file = None  # _out_file closed the idle file it was given: never pooled again
                     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -260,18 +279,19 @@ class KvMover:
             "tokens": [int(t) for t in tokens],
             "compat": self.compat,
         }
-        if self.arena is not None and await self._import_from_arena(self.arena, body, segments, hold):
+        arena = self._usable_arena()
+        if arena is not None and await self._import_from_arena(arena, body, segments, hold):
             self.metrics.kv_move_seconds.labels("import").inc(time.perf_counter() - started)
             return
         size = blob_size(self._layout(), n)
-        file: _PayloadFile | None = None
+        file: PayloadFile | None = None
         copied = time.perf_counter()
         try:
             if self.shm_dir is not None:
                 # Taken on the event loop, so concurrent imports never share a file.
                 file, self._idle = self._idle, None
                 try:
-                    file = await _file_in_thread(self._write_file, file, segments, size)
+                    file = await file_in_thread(self._write_file, file, segments, size)
                     body["segments"] = [{"file": file.name, "offset": 0, "size": size}]
                 except OSError as exc:
                     file = None  # _write_file closed the idle file it was given: never pooled again
@@ -353,22 +373,22 @@ class KvMover:
         self.metrics.arena_move_bytes.labels("import", "staged").inc(n_staged * bpt)
         return True
 
-    def _new_file(self, size: int) -> _PayloadFile:
+    def _new_file(self, size: int) -> PayloadFile:
         assert self.shm_dir is not None
-        return _PayloadFile.create(self._dir_fd, self._new_name(), size)  # removes itself if it fails
+        return PayloadFile.create(self._dir_fd, self._new_name(), size)  # removes itself if it fails
 
-    def _out_file(self, file: _PayloadFile | None, size: int) -> _PayloadFile:
+    def _out_file(self, file: PayloadFile | None, size: int) -> PayloadFile:
         """The export file: ``file`` (the idle one, grown if it is too small), else a new one."""
         if file is not None:
             file.grow(size)  # closes the file if it fails
             return file
         return self._new_file(size)
 
-    def _read_mapped(self, file: _PayloadFile, size: int) -> KvSegment:
+    def _read_mapped(self, file: PayloadFile, size: int) -> KvSegment:
         with memoryview(file.mm) as view, view[:size] as blob:
             return parse_blob(blob, self._layout())
 
-    def _put_idle_out(self, file: _PayloadFile) -> None:
+    def _put_idle_out(self, file: PayloadFile) -> None:
         if self._idle_out is None:
             self._idle_out = file
         else:
@@ -378,15 +398,13 @@ class KvMover:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=self._dir_fd)
         with open(fd, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
-            # MAP_POPULATE: the pages are mapped in one call, not one fault at a time.
+            # MAPPOPULATE: the pages are mapped in one call, not one fault at a time.
             with mmap.mmap(
-                handle.fileno(), size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ
+                handle.fileno(), size, flags=mmap.MAP_SHARED | POPULATE, prot=mmap.PROT_READ
             ) as mm:
                 return parse_blob(memoryview(mm), self._layout())
 
-    def _write_file(
-        self, file: _PayloadFile | None, segments: Sequence[KvSegment], size: int
-    ) -> _PayloadFile:
+    def _write_file(self, file: PayloadFile | None, segments: Sequence[KvSegment], size: int) -> PayloadFile:
         """The import payload written into ``file`` (the idle one, grown if it is too small), else a new one."""
         if file is None:
             file = self._new_file(size)
@@ -399,7 +417,7 @@ class KvMover:
             raise
         return file
 
-    def _put_idle(self, file: _PayloadFile) -> None:
+    def _put_idle(self, file: PayloadFile) -> None:
         if self._idle is None:
             self._idle = file
         else:
@@ -419,9 +437,6 @@ class KvMover:
         self._idle = self._idle_out = None
 
 
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-
-
 def _pieces(arena: Arena, segments: Sequence[KvSegment]) -> list[ArenaBlock | list[KvSegment]]:
     """An import's segments as the arena blocks they wholly are, and runs of the others."""
     pieces: list[ArenaBlock | list[KvSegment]] = []
@@ -438,80 +453,3 @@ def _pieces(arena: Arena, segments: Sequence[KvSegment]) -> list[ArenaBlock | li
 
 def _seconds(t_ms: float | None) -> float | None:
     return None if t_ms is None else t_ms / 1000
-
-
-async def _file_in_thread(fn: Callable[..., _PayloadFile], *args: Any) -> _PayloadFile:
-    """``fn(*args)`` in a worker thread. If this task is cancelled meanwhile (a client gone, a
-    server taken out of routing), the thread still finishes, and the file it made is removed
-    then instead of being left in the directory."""
-    future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        future.add_done_callback(_close_made_file)
-        raise
-
-
-def _close_made_file(future: asyncio.Future[_PayloadFile]) -> None:
-    if not future.cancelled() and future.exception() is None:
-        future.result().close()
-
-
-class _PayloadFile:
-    """An import payload file in the shared-memory directory, pages allocated, kept mapped."""
-
-    def __init__(self, dir_fd: int, name: str, mm: mmap.mmap) -> None:
-        self.dir_fd, self.name = dir_fd, name  # the file is ``name`` in the directory ``dir_fd``
-        self.mm = mm
-
-    @property
-    def capacity(self) -> int:
-        return len(self.mm)
-
-    @classmethod
-    def create(cls, dir_fd: int, name: str, size: int) -> _PayloadFile:
-        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
-        try:
-            mm = _map_allocated(fd, size)
-        except BaseException:
-            _unlink(dir_fd, name)
-            raise
-        finally:
-            os.close(fd)
-        return cls(dir_fd, name, mm)
-
-    def grow(self, size: int) -> None:
-        """At least ``size`` bytes, the same file grown in place: the server keeps its mapping
-        of the file between moves (patch 0008), so a new file would hold the old one's pages on
-        the payload volume until the server's next /kvctl request. Closed if it fails."""
-        if self.capacity >= size:
-            return
-        try:
-            fd = os.open(self.name, os.O_RDWR | os.O_NOFOLLOW, dir_fd=self.dir_fd)
-            try:
-                mm = _map_allocated(fd, size)
-            finally:
-                os.close(fd)
-        except BaseException:
-            self.close()
-            raise
-        old, self.mm = self.mm, mm
-        with contextlib.suppress(BufferError):
-            old.close()
-
-    def close(self) -> None:
-        _unlink(self.dir_fd, self.name)
-        with contextlib.suppress(BufferError):  # a view still alive: the mapping goes with it
-            self.mm.close()
-
-
-def _map_allocated(fd: int, size: int) -> mmap.mmap:
-    """The first ``size`` bytes of the file, pages reserved first (a sparse file on a full
-    tmpfs would SIGBUS the writes through the mapping) and mapped in one call."""
-    os.posix_fallocate(fd, 0, size)
-    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
-
-
-def _unlink(dir_fd: int, name: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(name, dir_fd=dir_fd)

@@ -65,6 +65,9 @@ class Mover(Protocol):
     @property
     def bytes_per_token(self) -> int: ...
 
+    @property
+    def chunk_tokens(self) -> int: ...  # positions per arena block (an export's chunks)
+
     async def export(
         self,
         seq: dict[str, int],

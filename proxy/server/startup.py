@@ -90,7 +90,7 @@ async def _build_runtime(
                 "--cache-disk serves one model (one KV layout); the servers run several",
                 fix="run one proxy per model with a disk tier, or leave --cache-disk unset",
             )
-        coordinator.disk = await _disk_tier(config, servers[0], tree, metrics)
+        coordinator.disk = await _disk_tier(config, servers[0], tree, metrics, arena)
     runtime = Runtime(config, session, coordinator, metrics, recorder)
     runtime.arena = arena
     runtime.pending = pending
@@ -157,9 +157,11 @@ async def _listing(backend: ServerClient) -> dict[str, Any]:
     return dict(data[0]) if isinstance(data[0], dict) else {}
 
 
-async def _disk_tier(config: Config, server: ServerState, tree: RadixTree, metrics: Metrics) -> DiskTier:
+async def _disk_tier(
+    config: Config, server: ServerState, tree: RadixTree, metrics: Metrics, arena: Arena | None
+) -> DiskTier:
     """Open the disk tier (entries of other compatibility keys are skipped) and have the tree
-    demote what it evicts to it."""
+    demote what it evicts to it; what it reads back goes into the arena's blocks."""
     assert config.cache_disk is not None
     if server.mover.layout is None:
         raise ConfigError(
@@ -176,6 +178,9 @@ async def _disk_tier(config: Config, server: ServerState, tree: RadixTree, metri
         queue_bytes=config.cache_disk_queue_mib * 1024 * 1024,
         timeout_s=config.cache_disk_timeout_s,
         key_file=config.cache_disk_key_file,
+        arena=arena,
+        chunk_tokens=server.mover.chunk_tokens,
+        on_arena_full=metrics.arena_full.labels("promote").inc,
     )
     await tier.open()
     tree.on_evict = tier.demote

@@ -117,7 +117,7 @@ def test_failed_moves_free_their_blocks_and_unanswered_ones_are_quarantined(serv
     tokens = _held(server, 0)
 
     async def run() -> None:
-        async with _mover(server, 64 << 20) as (mover, arena, _):
+        async with _mover(server, 32 << 20) as (mover, arena, metrics):
             assert arena.stats()["used"] == 0
             # Refused (slot 1 does not hold these tokens): answered, so its blocks are free.
             with pytest.raises(KvMoveError) as err:
@@ -139,6 +139,19 @@ def test_failed_moves_free_their_blocks_and_unanswered_ones_are_quarantined(serv
             assert arena.stats()["quarantined"] > 0
             del run
             assert arena.stats()["used"] == arena.stats()["quarantined"]
+            # More than an eighth of the arena kept for one server: its moves use files now.
+            assert arena.stats()["quarantined"] > arena.capacity // 8
+            again = await mover.export({"slot": 0}, 0, tokens)
+            assert _moved(metrics, "export", "file") == sum(s.nbytes for s in again)
+            assert arena.stats()["used"] == arena.stats()["quarantined"]
+            await mover.import_(1, 0, tokens, again)
+            assert _moved(metrics, "import", "file") > 0
+            # The server as a new process (what it never answered is gone): the arena again.
+            mover.new_instance()
+            assert arena.stats()["quarantined"] == 0
+            last = await mover.export({"slot": 0}, 0, tokens)
+            assert all(arena.whole_block(s) is not None for s in last)
+            assert build_blob(last) == build_blob(again)
 
     asyncio.run(run())
 

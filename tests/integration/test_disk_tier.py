@@ -112,6 +112,11 @@ def test_a_restarted_proxy_restores_a_returning_prompt_from_disk(
         assert got.body["timings"]["cache_n"] > 300, got.body["timings"]
         assert metric(again, "radix_disk_promotions_total") == 1
         assert metric(again, "radix_disk_promoted_tokens_total") > 300
+        # Read back into arena blocks, one per chunk: the import read them in place.
+        assert again.call(lambda rt: rt.arena is not None)
+        assert metric(again, "radix_arena_move_bytes_total", direction="import", path="in_place") > 0
+        assert metric(again, "radix_arena_move_bytes_total", direction="import", path="staged") == 0
+        assert metric(again, "radix_arena_full_total", direction="promote") == 0
         assert_same_answer(got, reference(stock_server, messages))
         checked(again)
     finally:

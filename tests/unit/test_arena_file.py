@@ -4,6 +4,7 @@ no room."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import shutil
@@ -241,3 +242,82 @@ def test_a_quarantined_move_keeps_its_memory_at_close(shm: Path) -> None:
     keep = blocks[0]
     arena.close()
     assert _shmem_kib() - before >= 15 * 1024 and int(np.frombuffer(cast(Any, keep), np.uint8)[0]) == 7
+
+
+def test_disk_promotions_are_read_into_blocks_one_per_chunk(shm: Path, tmp_path: Path) -> None:
+    """KV read back from the disk tier lands in arena blocks cut as an export's chunks (whole
+    blocks: imported in place later, and counted in the arena); with no room, in ordinary
+    memory, counted under promote."""
+    from prometheus_client import CollectorRegistry
+
+    from proxy.server.disk import DiskTier
+    from proxy.server.disk_metrics import DiskMetrics
+
+    full: list[int] = []
+
+    async def tier(arena: Arena) -> DiskTier:
+        t = DiskTier(
+            tmp_path / "tier",
+            1 << 30,
+            b"k" * 32,
+            LAYOUT,
+            DiskMetrics(CollectorRegistry()),
+            min_tokens=4,
+            queue_bytes=1 << 20,
+            timeout_s=10,
+            arena=arena,
+            chunk_tokens=16,
+            on_arena_full=lambda: full.append(1),
+        )
+        await t.open()
+        return t
+
+    async def main() -> None:
+        arena = Arena.create(shm, MIB)
+        tokens = np.arange(100, 140, dtype=np.int32)
+        rows = np.random.default_rng(9).integers(0, 256, (40, LAYOUT.bytes_per_token), dtype=np.uint8)
+        kv = KvSegment.from_rows(0, LAYOUT, rows)
+        first = await tier(arena)
+        old = RadixTree(budget_bytes=1 << 20, layout=LAYOUT)
+        old.insert(tokens, kv)
+        await first.close(old, 10)  # written to disk at shutdown
+
+        again = await tier(arena)
+        tree = RadixTree(budget_bytes=1 << 20, layout=LAYOUT)
+        arena.make_room = tree.evict_lru_leaf
+        assert await again.promote(tree, tokens, "") == 40
+        segs = tree.segments(tree.match(tokens))
+        assert [(s.p0, s.p1) for s in segs] == [(0, 16), (16, 32), (32, 40)]
+        assert all(arena.whole_block(s) is not None for s in segs)
+        assert KvSegment.concat(segs) == kv and not full
+        used = arena.stats()["used"]
+        assert used >= 3 * 4096
+
+        other = RadixTree(budget_bytes=1 << 20, layout=LAYOUT)
+        arena.make_room = None
+        hog = arena.take([arena.capacity - used])  # nothing left, nothing evictable
+        assert hog is not None
+        assert await again.promote(other, tokens, "") == 40
+        (seg,) = other.segments(other.match(tokens))
+        assert arena.whole_block(seg) is None and seg == kv and full == [1]
+        await again.close(None, 10)
+        del segs, seg, hog
+        tree.check_invariants()
+        arena.close()
+
+    asyncio.run(main())
+
+
+def test_a_server_may_keep_at_most_an_eighth_of_the_arena_quarantined(shm: Path) -> None:
+    arena = Arena.create(shm, MIB)
+    hung, other = object(), object()
+    blocks = arena.take([MIB // 16] * 2)
+    assert blocks is not None
+    arena.quarantine(blocks[:1], hung)
+    assert arena.may_move(hung) and arena.quarantined_by(hung) == MIB // 16
+    arena.quarantine(blocks[1:], hung)  # now an eighth: no more moves through the arena
+    assert not arena.may_move(hung) and arena.may_move(other)
+    arena.release_quarantine(hung)
+    assert arena.may_move(hung) and arena.stats()["quarantined"] == 0
+    del blocks
+    arena.close()

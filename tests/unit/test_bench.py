@@ -272,6 +272,17 @@ def test_fanout_branches_share_one_trunk_per_round() -> None:
     assert word_prefix(text_of(rounds[1][0]), text_of(rounds[2][0])) == 0
 
 
+def test_fanout_in_flight_queues_every_round_at_once() -> None:
+    """The held-out shape of issue 28 item 6: groups sharing a prompt, all queued, N in flight."""
+    plain = make_workload("fanout", trunk_tokens=300, branches=4, rounds=3)
+    queued = make_workload("fanout", trunk_tokens=300, branches=4, rounds=3, in_flight=2)
+    assert [r.body for r in queued.requests] == [r.body for r in plain.requests]
+    assert all(r.after == () for r in queued.requests) and queued.concurrency == 2
+    assert queued.params["in_flight"] == 2 and plain.params["in_flight"] == 0
+    with pytest.raises(ValueError, match="in_flight"):
+        make_workload("fanout", in_flight=-1)
+
+
 def test_workload_validates_dependencies() -> None:
     body = {"messages": [{"role": "user", "content": "x"}]}
     with pytest.raises(ValueError):

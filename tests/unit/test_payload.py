@@ -18,6 +18,7 @@ from proxy.core.payload import (
     build_blob,
     parse_blob,
     write_blob,
+    write_rows_blob,
 )
 from proxy.errors import PayloadError
 
@@ -576,3 +577,25 @@ def test_more_sections_than_allowed_are_refused() -> None:
     one = len(sec) // 4
     with pytest.raises(PayloadError, match="more than 4 sections"):
         parse_blob(blob + sec[-one:])
+
+
+@pytest.mark.parametrize("ext", [0, 12])
+@pytest.mark.parametrize("v_trans", [False, True])
+@pytest.mark.parametrize("shape", ["plain", "k_only", "sections"])
+def test_write_rows_blob_is_the_blob_of_the_rows(shape: str, v_trans: bool, ext: int) -> None:
+    """The disk tier's path into an arena block: per-token rows written straight into a blob
+    equal the blob of the segment made from those rows, and parse back to the same rows."""
+    lay = make_layout(
+        v_trans, ext=ext, k_only=shape == "k_only", sections=(2, 1) if shape == "sections" else ()
+    )
+    rows = np.random.default_rng(5).integers(0, 256, (7, lay.bytes_per_token), dtype=np.uint8)
+    out = np.full(blob_size(lay, 7) + 9, 0xEE, np.uint8)
+    assert write_rows_blob(30, lay, rows, out) == blob_size(lay, 7)
+    assert out[: blob_size(lay, 7)].tobytes() == build_blob([KvSegment.from_rows(30, lay, rows)])
+    assert (out[blob_size(lay, 7) :] == 0xEE).all()  # nothing past the blob
+    seg = parse_blob(out[: blob_size(lay, 7)], expect=lay, view=True)
+    assert seg.p0 == 30 and np.array_equal(seg.rows(), rows)
+    with pytest.raises(PayloadError, match="rows must be"):
+        write_rows_blob(30, lay, rows[:, 1:], out)
+    with pytest.raises(PayloadError, match="output buffer has"):
+        write_rows_blob(30, lay, rows, out[:10])

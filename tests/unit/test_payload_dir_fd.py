@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from proxy.errors import ConfigError
-from proxy.server.mover import _PayloadFile
 from proxy.server.paydir import private_dir_fd
+from proxy.server.payfile import PayloadFile
 
 
 def test_a_directory_replaced_by_a_link_after_it_was_opened_is_not_written_through(tmp_path: Path) -> None:
@@ -21,12 +21,12 @@ def test_a_directory_replaced_by_a_link_after_it_was_opened_is_not_written_throu
     victim.mkdir(mode=0o700)
     (victim / "keep.kv").write_bytes(b"the victim's file")
     fd = private_dir_fd(ours)
-    first = _PayloadFile.create(fd, "radix-1.kv", 4096)
+    first = PayloadFile.create(fd, "radix-1.kv", 4096)
     # Another user swaps the directory for a link to the victim's.
     moved = tmp_path / "moved"
     ours.rename(moved)
     ours.symlink_to(victim)
-    second = _PayloadFile.create(fd, "radix-2.kv", 4096)
+    second = PayloadFile.create(fd, "radix-2.kv", 4096)
     second.mm[:5] = b"KV!!!"
     first.grow(8192)
     assert sorted(p.name for p in moved.iterdir()) == ["radix-1.kv", "radix-2.kv"]
