@@ -61,6 +61,7 @@ class FakeServer:
         self.layout: KvLayout | None = LAYOUT
         self.compat: dict[str, Any] = {}
         self.bytes_per_token = LAYOUT.bytes_per_token
+        self.chunk_tokens = 512
         self.shm_dir: Path | None = None  # as a mover: inline payloads
         self.held: dict[int, list[int]] = {i: [] for i in range(n_slots)}
         self.fail_export = False
