@@ -287,15 +287,16 @@ class RadixTree:
                 break
         return stored
 
-    def evict_lru_leaf(self) -> bool:
-        """Evict the least recently used unpinned leaf (the arena needs a free range);
-        False when there is none."""
+    def evict_lru_leaf(self) -> int:
+        """Evict the least recently used unpinned leaf (the arena needs a free range); the
+        bytes it counted, 0 when there is none."""
         while self._heap:
             last_used, _, node = heapq.heappop(self._heap)
             if self._evictable(node) and node.last_used == last_used:
+                cost = node.cost()
                 self._evict_leaf(node)
-                return True
-        return False
+                return max(1, cost)
+        return 0
 
     def _store(self, deepest: _Node, length: int, q: np.ndarray, segment: KvSegment) -> int:
         split = deepest.parent is not None and length < deepest.end

@@ -85,10 +85,10 @@ class Arena:
         self.alloc = RangeAllocator(len(mm))
         self.token = next(_TOKENS)  # which arena a block is of (never reused, unlike id())
         self.note = note  # which page size and why, for the startup line
-        # Evicts the tree's least recently used leaf; False once there is none (set by the runtime).
-        self.make_room: Callable[[], bool] | None = None
+        # Evicts the tree's least recently used leaf: its bytes, 0 once there is none (the runtime's).
+        self.make_room: Callable[[], int] | None = None
         self._freed: collections.deque[int] = collections.deque()  # appended by finalizers, any thread
-        self._quarantine: list[tuple[object, list[Any], int]] = []  # (whose server, refs, bytes)
+        self._quarantine: list[tuple[object, dict[int, ArenaBlock]]] = []  # whose server, blocks by offset
         self.quarantined_bytes = 0
         self._lock_fd = -1  # held open (and flock-ed) while the arena lives
 
@@ -129,11 +129,15 @@ class Arena:
         return arena
 
     def take(
-        self, sizes: Sequence[int], make_room: Callable[[], bool] | None = None
+        self, sizes: Sequence[int], make_room: Callable[[], int] | None = None
     ) -> list[ArenaBlock] | None:
         """One block per size, all or none. When they do not fit, ``make_room`` (the tree's
-        least recently used leaf evicted; False once there is none) is called until they do, at
-        most MAX_EVICTIONS times (an evicted edge a disk write still holds frees nothing yet)."""
+        least recently used leaf evicted: the bytes it held, 0 once there is none) is called
+        until they do, at most MAX_EVICTIONS times and only until it evicted as many bytes as
+        asked for: an evicted edge that frees nothing now (a disk write still holds it, or it
+        lived in ordinary memory) must not make a reservation empty the tree."""
+        need = sum(aligned(size) for size in sizes)
+        evicted = 0
         for _ in range(MAX_EVICTIONS + 1):
             self._drain()
             offsets: list[int] = []
@@ -146,8 +150,12 @@ class Arena:
                 return [self._block(offset, size) for offset, size in zip(offsets, sizes, strict=True)]
             for offset in offsets:
                 self.alloc.free(offset)
-            if make_room is None or not make_room():
+            if make_room is None or evicted >= need:
                 return None
+            got = make_room()
+            if got <= 0:
+                return None
+            evicted += got
         return None
 
     def _block(self, offset: int, size: int) -> ArenaBlock:
@@ -186,30 +194,39 @@ class Arena:
             return owner
         return None
 
-    def quarantine(self, refs: Iterable[Any], whose: object = None) -> None:
-        """Keep ``refs`` (blocks, or segments viewing them) alive for good: a server may still
-        write or read them after a move that got no answer."""
-        kept = list(refs)  # a copy: the caller clears its own lists
-        nbytes = sum(len(b) for b in kept if isinstance(b, ArenaBlock))
-        self._quarantine.append((whose, kept, nbytes))
-        self.quarantined_bytes += nbytes
+    def quarantine(self, refs: Iterable[ArenaBlock], whose: object = None) -> None:
+        """Keep the blocks ``refs`` alive for good: ``whose`` server may still write or read
+        them after a move that got no answer. A block kept twice (a hot prefix imported again
+        and again) is kept and counted once."""
+        kept = next((d for w, d in self._quarantine if w is whose), None)
+        if kept is None:
+            kept = {}
+            self._quarantine.append((whose, kept))
+        for block in refs:  # a copy: the caller clears its own lists
+            kept[block.offset] = block
+        self._count_quarantine()
+
+    def _count_quarantine(self) -> None:
+        distinct = {off: len(b) for _, kept in self._quarantine for off, b in kept.items()}
+        self.quarantined_bytes = sum(distinct.values())
 
     def quarantined_by(self, whose: object) -> int:
-        return sum(q[2] for q in self._quarantine if q[0] is whose)
+        return sum(len(b) for w, kept in self._quarantine if w is whose for b in kept.values())
 
     def may_move(self, whose: object) -> bool:
-        """Whether ``whose`` server may move through the arena: not while it keeps more than
-        1/QUARANTINE_SHARE of it quarantined (moves it never answered)."""
+        """Whether ``whose`` server may move through the arena: not once it keeps 1/QUARANTINE_SHARE
+        of it quarantined (moves it never answered; those in flight then may still add theirs)."""
         return self.quarantined_by(whose) < self.capacity // QUARANTINE_SHARE
 
     def release_quarantine(self, whose: object) -> None:
         """Free what was kept for ``whose`` server (its process is gone: nothing can write or
         read those blocks any more)."""
-        kept = [q for q in self._quarantine if q[0] is not whose]
-        self.quarantined_bytes = sum(q[2] for q in kept)
-        self._quarantine = kept
+        self._quarantine = [q for q in self._quarantine if q[0] is not whose]
+        self._count_quarantine()
 
-    def quarantine_unanswered(self, exc: BaseException, refs: Iterable[Any], whose: object = None) -> None:
+    def quarantine_unanswered(
+        self, exc: BaseException, refs: Iterable[ArenaBlock], whose: object = None
+    ) -> None:
         """After a move failed with ``exc``: one the server did not answer (timed out,
         connection lost, cancelled) may still be run by it, so its blocks are kept for good
         instead of being given to another move; an answered failure frees them."""
@@ -233,7 +250,7 @@ class Arena:
         it would write zeros as a valid entry)."""
         with contextlib.suppress(OSError):
             os.unlink(self.name, dir_fd=self.dir_fd)
-        give_back = give_back and not self._quarantine
+        give_back = give_back and not any(kept for _, kept in self._quarantine)
         with contextlib.suppress(BufferError):  # blocks still alive: the mapping goes with them
             self.mm.close()
         if give_back and not self.mm.closed:

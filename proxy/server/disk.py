@@ -267,7 +267,7 @@ class DiskTier:
             return None
         ram = tree.match(tokens, touch=False, ns=ns)
         found = self.index.walk(tokens, ns, ram.length)
-        if found.reach - max(floor, ram.length) < self.min_tokens:
+        if found.gain <= 0 or found.reach - max(floor, ram.length) < self.min_tokens:
             return None
         return ram, found
 
@@ -283,9 +283,12 @@ class DiskTier:
         entries = [p.entry for p in found.pieces]
         tree.pin(ram)
         self.index.pin(entries)
+        # The blocks first: the edges they evict count for the tree's budget too (a reserve
+        # first would evict as much again for the same room).
+        into = self._blocks(ram.length, found.reach)
         held = tree.reserve(self.layout.bytes_per_token * found.gain)
         try:
-            run = await self._read(found, tokens, ram.length, self._blocks(ram.length, found.reach))
+            run = await self._read(found, tokens, ram.length, into)
             if run is None:
                 return 0
             tree.release(held)  # the same step as the insert that counts them

@@ -9,7 +9,6 @@ import logging
 import os
 import secrets
 import stat
-from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -210,15 +209,19 @@ def read_segment(
     tokens: np.ndarray,
     layout: KvLayout,
     p0: int,
-    into: tuple[Sequence[ArenaBlock], Sequence[tuple[int, int]]] | None = None,
+    into: tuple[list[ArenaBlock], list[tuple[int, int]]] | None = None,
 ) -> list[KvSegment]:
     """The entries' KV from ``p0`` on, in the I/O thread: written into arena blocks, one per
     chunk (``into``: the blocks and the positions each holds), else copied into one segment."""
-    rows = read_pieces(directory, key, secret, found, tokens)
-    if into is not None:
-        blocks, bounds = into
-        return rows_into_blocks(blocks, bounds, layout, rows, p0)
-    return [KvSegment.from_rows(p0, layout, rows)]
+    try:
+        rows = read_pieces(directory, key, secret, found, tokens)
+        if into is not None:
+            return rows_into_blocks(into[0], into[1], layout, rows, p0)
+        return [KvSegment.from_rows(p0, layout, rows)]
+    except BaseException:
+        if into is not None:
+            into[0].clear()  # the blocks are free now, not when the traceback goes
+        raise
 
 
 def read_pieces(

@@ -398,7 +398,7 @@ class KvMover:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=self._dir_fd)
         with open(fd, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
-            # MAPPOPULATE: the pages are mapped in one call, not one fault at a time.
+            # MAP_POPULATE: the pages are mapped in one call, not one fault at a time.
             with mmap.mmap(
                 handle.fileno(), size, flags=mmap.MAP_SHARED | POPULATE, prot=mmap.PROT_READ
             ) as mm:

@@ -293,6 +293,23 @@ def test_disk_promotions_are_read_into_blocks_one_per_chunk(shm: Path, tmp_path:
         used = arena.stats()["used"]
         assert used >= 3 * 4096
 
+        # A damaged entry: nothing inserted, and the read's blocks are free at once (not when
+        # the collector finds the traceback that views them).
+        (entry,) = (tmp_path / "tier").iterdir()
+        raw = bytearray(entry.read_bytes())
+        raw[-2] ^= 0xFF
+        entry.write_bytes(bytes(raw))
+        damaged = RadixTree(budget_bytes=1 << 20, layout=LAYOUT)
+        gc.disable()
+        try:
+            assert await again.promote(damaged, tokens, "") == 0
+            assert arena.stats()["used"] == used and damaged.match(tokens).length == 0
+        finally:
+            gc.enable()
+        entry.write_bytes(bytes(raw[:-2]) + bytes([raw[-2] ^ 0xFF, raw[-1]]))  # as it was
+        again.index.check_invariants()
+
+        again = await tier(arena)  # the damaged entry was deleted: index it again
         other = RadixTree(budget_bytes=1 << 20, layout=LAYOUT)
         arena.make_room = None
         hog = arena.take([arena.capacity - used])  # nothing left, nothing evictable
@@ -319,5 +336,39 @@ def test_a_server_may_keep_at_most_an_eighth_of_the_arena_quarantined(shm: Path)
     assert not arena.may_move(hung) and arena.may_move(other)
     arena.release_quarantine(hung)
     assert arena.may_move(hung) and arena.stats()["quarantined"] == 0
+    del blocks
+    arena.close()
+
+
+def test_evictions_that_free_nothing_stop_at_the_bytes_asked_for(shm: Path) -> None:
+    """An evicted edge a disk write still holds (or one in ordinary memory) frees no range:
+    a reservation evicts at most as many bytes as it asked for, then gives up."""
+    arena = Arena.create(shm, MIB)
+    hog = arena.take([MIB])
+    assert hog is not None
+    calls: list[int] = []
+
+    def make_room() -> int:
+        calls.append(1)
+        return 25 * 4096  # an edge of that size evicted, its block still viewed elsewhere
+
+    assert arena.take([75 * 4096], make_room) is None
+    assert len(calls) == 3
+    del hog
+    arena.close()
+
+
+def test_a_block_quarantined_twice_counts_once(shm: Path) -> None:
+    arena = Arena.create(shm, MIB)
+    server = object()
+    blocks = arena.take([4096, 8192])
+    assert blocks is not None
+    arena.quarantine(blocks[:1], server)
+    arena.quarantine(blocks, server)  # a hot prefix's block named again by another unanswered import
+    assert arena.quarantined_by(server) == 3 * 4096 == arena.stats()["quarantined"]
+    arena.quarantine(blocks[1:], None)  # another server's move named it too: still its bytes once
+    assert arena.stats()["quarantined"] == 3 * 4096
+    arena.release_quarantine(server)
+    assert arena.stats()["quarantined"] == 8192
     del blocks
     arena.close()
