@@ -233,7 +233,7 @@ _SLOW_WRITER = textwrap.dedent(
     import numpy as np
     from proxy.core.payload import KvLayout, KvSegment
     from proxy.core.radix import Spill
-    from proxy.server import disk
+    from proxy.server import disk_files
 
     def stalled_fsync(fd):  # a disk that takes forever: the bytes are written, not yet synced
         print("writing", flush=True)
@@ -244,7 +244,7 @@ _SLOW_WRITER = textwrap.dedent(
     path = np.arange(1000, dtype=np.int32)
     segment = KvSegment.from_rows(0, layout, np.full((1000, 128), 7, dtype=np.uint8))
     secret = bytes.fromhex(sys.argv[3])
-    disk._write_entry(Path(sys.argv[1]), bytes.fromhex(sys.argv[2]), secret, Spill("", path, segment))
+    disk_files.write_entry(Path(sys.argv[1]), bytes.fromhex(sys.argv[2]), secret, Spill("", path, segment))
     """
 )
 
