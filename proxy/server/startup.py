@@ -117,7 +117,7 @@ def _payload_path(mover: KvMover, shm: Path | None) -> str:
 
 
 def make_arena(config: Config) -> Arena | None:
-    """The KV arena in --shm-dir, sized by --cache-ram (None: --kv-arena off, no --shm-dir, or
+    """The KV arena in --shm-dir, sized by ``arena_bytes`` (None: --kv-arena off, no --shm-dir, or
     a directory not in shared memory, said in a warning)."""
     if not config.kv_arena or config.shm_dir is None:
         return None
@@ -127,9 +127,17 @@ def make_arena(config: Config) -> Arena | None:
             "--shm-dir %s is not shared memory (tmpfs): no KV arena, payload files per move", config.shm_dir
         )
         return None
-    arena = Arena.create(config.shm_dir, config.cache_bytes)
+    arena = Arena.create(config.shm_dir, arena_bytes(config))
     log.info("KV arena: %d MiB in %s (%s)", arena.capacity >> 20, config.shm_dir, arena.note)
     return arena
+
+
+def arena_bytes(config: Config) -> int:
+    """--cache-ram, plus with --cache-disk its demotion queue (cache_disk_queue_mib): an edge
+    the tree evicted waits there in its block until the tier wrote it, so evictions make room
+    for new KV at once instead of when the disk is done."""
+    queue = config.cache_disk_queue_mib << 20 if config.cache_disk is not None else 0
+    return config.cache_bytes + queue
 
 
 async def _models(servers: list[ServerState]) -> dict[str, ModelEntry]:

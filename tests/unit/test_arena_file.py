@@ -372,3 +372,15 @@ def test_a_block_quarantined_twice_counts_once(shm: Path) -> None:
     assert arena.stats()["quarantined"] == 8192
     del blocks
     arena.close()
+
+
+def test_with_a_disk_tier_the_arena_holds_the_demotion_queue_too(tmp_path: Path) -> None:
+    """Edges the tree evicted wait for their disk write in their blocks: outside the tree's
+    budget, so the arena is --cache-ram plus the queue."""
+    from proxy.config import Config
+    from proxy.server.startup import arena_bytes
+
+    plain = Config(backends=("http://x",), cache_ram_mib=512)
+    assert arena_bytes(plain) == plain.cache_bytes == 512 << 20
+    disk = Config(backends=("http://x",), cache_ram_mib=512, cache_disk=tmp_path, cache_disk_queue_mib=64)
+    assert arena_bytes(disk) == (512 + 64) << 20
