@@ -248,29 +248,19 @@ def test_disk_promotions_are_read_into_blocks_one_per_chunk(shm: Path, tmp_path:
     """KV read back from the disk tier lands in arena blocks cut as an export's chunks (whole
     blocks: imported in place later, and counted in the arena); with no room, in ordinary
     memory, counted under promote."""
-    from prometheus_client import CollectorRegistry
-
     from proxy.server.disk import DiskTier
-    from proxy.server.disk_metrics import DiskMetrics
+    from tests.unit.test_disk_io import opened
 
     full: list[int] = []
 
     async def tier(arena: Arena) -> DiskTier:
-        t = DiskTier(
+        return await opened(
             tmp_path / "tier",
-            1 << 30,
-            b"k" * 32,
-            LAYOUT,
-            DiskMetrics(CollectorRegistry()),
-            min_tokens=4,
-            queue_bytes=1 << 20,
-            timeout_s=10,
+            layout=LAYOUT,
             arena=arena,
             chunk_tokens=16,
             on_arena_full=lambda: full.append(1),
         )
-        await t.open()
-        return t
 
     async def main() -> None:
         arena = Arena.create(shm, MIB)

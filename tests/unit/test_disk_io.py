@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry
@@ -30,18 +31,25 @@ def toks(first: int, n: int) -> np.ndarray:
 
 
 async def opened(
-    directory: Path, budget: int = 1 << 30, key: bytes = KEY, key_file: Path | None = None
+    directory: Path,
+    budget: int = 1 << 30,
+    key: bytes = KEY,
+    key_file: Path | None = None,
+    layout: KvLayout = LAYOUT,
+    **arena: Any,
 ) -> DiskTier:
+    """An opened tier; ``arena``: DiskTier's arena, chunk_tokens and on_arena_full."""
     tier = DiskTier(
         directory,
         budget,
         key,
-        LAYOUT,
+        layout,
         DiskMetrics(CollectorRegistry()),
         min_tokens=4,
         queue_bytes=1 << 20,
         timeout_s=10,
         key_file=key_file,
+        **arena,
     )
     await tier.open()
     return tier
