@@ -357,11 +357,12 @@ log "the kvctl key is in no argv and no container config"
 "$PYTHON" "$ROOT/deploy/test/check_stack.py" --proxy "http://127.0.0.1:$P_PROXY" \
     --prometheus "http://127.0.0.1:$P_PROM" --dashboard "$DEPLOY/grafana/llama-radix-proxy.json" \
     --servers 2 --slots 2 --summary "$work/summary.json"
-# Both servers move KV through the shared payload directory, the restoring one included.
+# Both servers move KV through the KV arena in the shared payload directory, the restoring one
+# included (the startup line says "payloads through the arena in DIR").
 restorer=$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["cross_server"]["restorer"])' "$work/summary.json")
 for name in s0 s1; do
-    compose logs --no-color proxy 2>&1 | grep -E "$name: http://[^ ]+, .*payloads via /run/radix-kv" >&2 \
-        || { log "FAIL: the proxy does not move KV for $name through the shared payload directory"; exit 1; }
+    compose logs --no-color proxy 2>&1 | grep -E "$name: http://[^ ]+, .*payloads through the arena in /run/radix-kv" >&2 \
+        || { log "FAIL: the proxy does not move KV for $name through the arena in the shared payload directory"; exit 1; }
 done
 log "the restore on $restorer came through the shared payload volume"
 # The workbench container, driven through its HTTP API as its page does, against the proxy.
