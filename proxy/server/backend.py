@@ -127,13 +127,18 @@ class ServerClient:
             return await self._json(resp, path)
 
     async def post_json(
-        self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        headers: Mapping[str, str] | None = None,
+        timeout: aiohttp.ClientTimeout = PLAIN_TIMEOUT,
     ) -> Any:
         async with self.request(
             "POST",
             path,
             data=orjson.dumps(body),
             headers={"Content-Type": "application/json", **(headers or {})},
+            timeout=timeout,
         ) as resp:
             return await self._json(resp, path)
 
@@ -337,6 +342,23 @@ class ServerClient:
         body = {"slot": slot, "n": len(tokens), "expect_sha256": tokens_sha256(tokens)}
         reply = await self.kv_post(KvRoute.CHECKPOINT, body, cause=FallbackCause.EXPORT)
         return CheckpointReply.parse(reply)
+
+    async def prefill(self, slot: int, tokens: np.ndarray) -> tuple[int, float]:
+        """Compute ``tokens`` into ``slot`` (one token generated, not computed: the slot then
+        holds exactly them); the server's prompt_n and prompt_ms. No deadline of its own: the
+        caller bounds it (a long prompt on a busy CPU server takes minutes)."""
+        body = {
+            "prompt": [int(t) for t in tokens],
+            "n_predict": 1,
+            "id_slot": slot,
+            "cache_prompt": True,
+            "temperature": 0.0,
+        }
+        reply = await self.post_json("/completion", body, timeout=aiohttp.ClientTimeout(total=None))
+        timings = reply.get("timings") if isinstance(reply, dict) else None
+        if not isinstance(timings, dict):
+            return 0, 0.0
+        return int(timings.get("prompt_n", 0) or 0), float(timings.get("prompt_ms", 0.0) or 0.0)
 
     async def restore(self, slot: int, tokens: np.ndarray, data: bytes) -> RestoreReply:
         """Write a checkpoint of exactly ``tokens`` into an idle slot (the server checks it is

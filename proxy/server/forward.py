@@ -120,6 +120,13 @@ def radix_headers(lease: Lease, show: bool) -> dict[str, str]:
         # Where the time before the forward went (docs/observability.md): all known by now.
         "X-Radix-Waits-Ms": wait_header(lease),
         "X-Request-Id": lease.request_id,
+        # The prompt tokens (and ms) the server computed for this request before it, in a
+        # prefix step for its wave: prompt_n of the answer does not count them.
+        **(
+            {"X-Radix-Prefix-Step": f"tokens={lease.prefix_step_tokens},ms={round(lease.prefix_step_ms)}"}
+            if lease.split_to > 0
+            else {}
+        ),
     }
 
 

@@ -168,6 +168,18 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
+        self.prefix_steps = Counter(
+            f"{ns}_prefix_steps",
+            "Prefix steps: a wave's first request computed the prefix it shares with the others "
+            "alone first, and the proxy put it in the tree for them (docs/design.md, Waves), by outcome",
+            ["outcome"],
+            registry=registry,
+        )
+        self.prefix_step_tokens = Counter(
+            f"{ns}_prefix_step_tokens",
+            "Prompt tokens the servers computed in prefix steps (their own prompt_n)",
+            registry=registry,
+        )
         self.saving_slot_takes = Counter(
             f"{ns}_saving_slot_takes",
             "Slots a request took while their previous answer's save was pending (not worth "
@@ -420,6 +432,8 @@ class Metrics:
             self.kv_move_seconds.labels(direction)
             for path in ARENA_PATHS:
                 self.arena_move_bytes.labels(direction, path)
+        for outcome in ("done", "failed"):
+            self.prefix_steps.labels(outcome)
         for direction in ARENA_FULL_DIRECTIONS:
             self.arena_full.labels(direction)
         for state in ARENA_STATES:

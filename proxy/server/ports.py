@@ -49,6 +49,10 @@ class KvServer(Protocol):
 
     async def restore(self, slot: int, tokens: np.ndarray, data: bytes) -> RestoreReply: ...
 
+    # Compute ``tokens`` into the slot (a completion of one token, cache on): the server's own
+    # prompt_n and prompt_ms. A wave's prefix step (coordinator/waves.py).
+    async def prefill(self, slot: int, tokens: np.ndarray) -> tuple[int, float]: ...
+
 
 class Mover(Protocol):
     """KV between one server's slots and the host: export a range, import segments."""

@@ -54,6 +54,8 @@ class RequestResult:
     finish_reason: str | None = None  # of the last choice that gave one ("stop", "length", ...)
     # X-Radix-Waits-Ms: the proxy's waits before the forward, in ms (queued, prefix, lock, restore)
     waits_ms: dict[str, float] | None = None
+    # X-Radix-Prefix-Step's tokens: computed before the answer for its wave, counted in prompt_n
+    prefix_step_n: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -181,6 +183,7 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any], r
     """POST one streamed request and fill ``result`` in (never raises for a failed request)."""
     started = time.perf_counter()
     timings: dict[str, Any] | None = None
+    step: dict[str, float] | None = None
     try:
         async with session.post(
             url, data=orjson.dumps(body), headers={"Content-Type": "application/json"}
@@ -188,6 +191,7 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any], r
             result.status = resp.status
             result.route = resp.headers.get("X-Radix-Route")
             result.waits_ms = parse_waits(resp.headers.get("X-Radix-Waits-Ms"))
+            step = parse_waits(resp.headers.get("X-Radix-Prefix-Step"))  # tokens=..,ms=..
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                 return
@@ -234,6 +238,20 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any], r
         result.predicted_n = _int(timings.get("predicted_n"))
         prompt_ms = timings.get("prompt_ms")
         result.prompt_ms = float(prompt_ms) if isinstance(prompt_ms, int | float) else None
+    add_prefix_step(result, step)
+
+
+def add_prefix_step(result: RequestResult, step: dict[str, float] | None) -> None:
+    """Count what the server computed for this request in a prefix step before its answer
+    (``X-Radix-Prefix-Step``) in its ``prompt_n`` and ``prompt_ms``: the answer's own timings
+    leave it out, and a prefill count without it would flatter the proxy."""
+    if not step:
+        return
+    result.prefix_step_n = int(step.get("tokens", 0))
+    if result.prompt_n is not None:
+        result.prompt_n += result.prefix_step_n
+    if result.prompt_ms is not None:
+        result.prompt_ms += step.get("ms", 0.0)
 
 
 def read_anthropic_event(event: dict[str, Any], result: RequestResult, started: float) -> bool:

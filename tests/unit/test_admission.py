@@ -155,7 +155,8 @@ async def test_a_wave_without_sharing_is_admitted_only_as_far_as_the_pool_holds_
     s0 = pool_server(4, 1024)
     fake: Any = s0.backend
     coord = coordinator(s0)
-    prompts = [np.concatenate([toks(0, 203), toks(1000 * (i + 1), 216)]) for i in range(4)]
+    # No prefix in common: not a wave (waves.py), only the pool decides.
+    prompts = [np.concatenate([toks(5000 * (i + 1), 203), toks(1000 * (i + 1), 216)]) for i in range(4)]
     leases = [await coord.acquire(f"p{i}", p) for i, p in enumerate(prompts)]
     await coord.restore(leases[0], 16)
     await coord.restore(leases[1], 16)

@@ -9,7 +9,7 @@ import pytest
 from proxy.bench.report import build_report, render_markdown
 from proxy.bench.waits import route_waits
 from proxy.server.forward import radix_headers, wait_header
-from proxy.traffic.runner import RequestResult, parse_waits
+from proxy.traffic.runner import RequestResult, add_prefix_step, parse_waits
 from tests.unit.test_coordinator import coordinator, server, toks
 
 pytestmark = pytest.mark.unit
@@ -64,3 +64,22 @@ def test_the_report_gives_waits_per_route_and_keeps_its_fields() -> None:
     md = render_markdown(report)
     assert "| proxy | H | 2 | 0 / 0 / 0 | 200 / 280 / 300 | 20 / 28 / 30 | 60 / 68 / 70 |" in md
     assert "| proxy | prefill | 1 | 4000 / 4000 / 4000 |" in md
+
+
+async def test_a_prefix_step_is_counted_in_the_heads_prompt_tokens() -> None:
+    """What the server computed for a wave's head before its answer (X-Radix-Prefix-Step) is
+    part of its prefill: the runner adds it to prompt_n and prompt_ms, so the limit's
+    prefilled count cannot flatter the proxy."""
+    coord = coordinator(server("s0", n_slots=1))
+    lease = await coord.acquire("h", toks(0, 700), n_predict=8)
+    assert "X-Radix-Prefix-Step" not in radix_headers(lease, show=True)
+    lease.split_to, lease.prefix_step_tokens, lease.prefix_step_ms = 600, 600, 2000.4
+    header = radix_headers(lease, show=True)["X-Radix-Prefix-Step"]
+    assert header == "tokens=600,ms=2000"
+    r = _result("h", "A", None)
+    add_prefix_step(r, parse_waits(header))
+    assert (r.prompt_n, r.prompt_ms, r.prefix_step_n) == (700, 2500.0, 600)
+    plain = _result("p", "H", None)
+    add_prefix_step(plain, None)
+    assert (plain.prompt_n, plain.prefix_step_n) == (100, None)
+    coord.release(lease)

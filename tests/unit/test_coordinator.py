@@ -62,6 +62,7 @@ class FakeServer:
         self.compat: dict[str, Any] = {}
         self.bytes_per_token = LAYOUT.bytes_per_token
         self.chunk_tokens = 512
+        self.prefills: list[tuple[int, int]] = []  # (slot, tokens) of each prefix step
         self.shm_dir: Path | None = None  # as a mover: inline payloads
         self.held: dict[int, list[int]] = {i: [] for i in range(n_slots)}
         self.fail_export = False
@@ -70,6 +71,15 @@ class FakeServer:
         self.erased: list[int] = []
         self.erased_cells: list[int] = []  # what each erased slot held (sharing_server)
         self.new_instances = 0  # as a mover: told the server is a new process
+
+    async def prefill(self, slot: int, tokens: np.ndarray) -> tuple[int, float]:
+        """The slot computes the tokens on top of the prefix it shares with them."""
+        self.prefills.append((slot, len(tokens)))
+        held = self.held[slot]
+        keep = next((i for i, (a, b) in enumerate(zip(held, tokens, strict=False)) if a != int(b)), None)
+        keep = min(len(held), len(tokens)) if keep is None else keep
+        self.held[slot] = [int(t) for t in tokens]
+        return len(tokens) - keep, 1.0
 
     async def erase(self, slot: int) -> EraseReply:
         if self.fail_erase:
@@ -721,6 +731,7 @@ async def test_no_wait_for_a_prefix_that_is_quicker_to_compute(
     s0.rates.prefill_s_per_token = prefill_s_per_token
     coord = coordinator(s0)
     first = await coord.acquire("g0", toks(0, 2000), n_predict=n_predict)
+    first.splittable = False  # sent already: only its answer can be waited for (no prefix step)
     second = await asyncio.wait_for(coord.acquire("g1", toks(0, 2050), n_predict=16), 1)
     assert second.slot is not first.slot and second.prefix_wait_s < 0.5, why
     coord.release(second)
@@ -736,6 +747,7 @@ async def test_the_wait_for_a_computing_prefix_follows_its_speed_within_the_queu
     s0.rates.prefill_s_per_token, s0.rates.decode_s_per_token = 1e-5, 1e-7
     coord = coordinator(s0, queue_timeout_s=0.3)
     first = await coord.acquire("g0", toks(0, 2000), n_predict=16)  # ...and it never ends
+    first.splittable = False  # sent already: no prefix step
     second = await asyncio.wait_for(coord.acquire("g1", toks(0, 2050), n_predict=16), 3)
     assert second.slot is not first.slot
     assert 0.2 <= second.prefix_wait_s < 1.0, second.prefix_wait_s

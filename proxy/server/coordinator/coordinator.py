@@ -51,7 +51,7 @@ class Coordinator:
             checkpoints=self.checkpoints,
             on_take=self._taken,
         )
-        self.moves = KvMoves(config, tree, metrics, self.checkpoints)
+        self.moves = KvMoves(config, tree, metrics, self.checkpoints, self.leases.cost_model)
         self.saves = KvSaves(config, tree, metrics, self.checkpoints)
         self.log = DecisionLog(metrics)
         self.disk: DiskTier | None = None  # set by startup with --cache-disk
@@ -126,7 +126,7 @@ class Coordinator:
             )
         finally:
             hand_on()
-            lease.done.set()
+            lease.set_done()
 
     def _held_for_save(self, lease: Lease) -> None:
         """How long the slot stayed leased after its answer, for its save."""

@@ -46,6 +46,7 @@ from proxy.errors import BadRequest, RejectReason, TooManyRequests, Unavailable
 from proxy.server.coordinator.decisions import divergence
 from proxy.server.coordinator.scan import PrefixScan, ServerScan, scan
 from proxy.server.coordinator.state import EMPTY, Lease, ServerState, SlotState
+from proxy.server.coordinator.waves import patience_s
 
 
 @dataclass
@@ -209,7 +210,7 @@ class Leases:
                 return found
             self.waiting_for_prefix += 1
             try:
-                await asyncio.wait_for(blocker.done.wait(), left)
+                await asyncio.wait_for(blocker.wake.wait(), left)
             except TimeoutError:
                 pass
             finally:
@@ -226,7 +227,7 @@ class Leases:
             return None
         gain = self.config.min_restore_tokens
         available = found.best_available()
-        best, hit = 0, None
+        best, hit, split = 0, None, False
         for lease in self.inflight.values():
             if lease.ns != found.ns:
                 continue
@@ -234,12 +235,33 @@ class Leases:
             if shared <= best:
                 continue
             if lease.finishing or self.config.kv_share:
-                best, hit = shared, (lease, self.config.fanout_wait_s)
+                best, hit, split = shared, (lease, self.config.fanout_wait_s), False
+            elif lease.splittable and self._worth_splitting(lease, shared, available):
+                # A wave's head not sent yet: it computes the shared part alone first, sooner
+                # than its whole answer (waves.py).
+                patience = patience_s(lease, shared, self.cost_model, self.config.queue_timeout_s)
+                best, hit, split = shared, (lease, patience), True
             elif (compute_s := self._worth_waiting(lease, shared - available)) is not None:
-                best, hit = shared, (lease, min(2 * compute_s, self.config.queue_timeout_s))
-        if hit is None or best < gain:
+                best, hit, split = shared, (lease, min(2 * compute_s, self.config.queue_timeout_s)), False
+        if hit is None or best < gain or best < available + gain:
             return None
-        return hit if best >= available + gain else None
+        if split:
+            hit[0].split_to = max(hit[0].split_to, best)
+        return hit
+
+    def _worth_splitting(self, head: Lease, shared: int, available: int) -> bool:
+        """Whether waiting for ``head`` to compute the ``shared`` prefix alone (its prefix step)
+        and then restoring it beats computing it side by side now (on the least busy server
+        of the model, as ``_worth_waiting`` weighs it)."""
+        server = head.server
+        gain = shared - available
+        if not server.moves or gain <= 0:
+            return False
+        step_s = compute_s(max(0, shared - head.plan.predicted_cached), 0, server.rates, self.cost_model)
+        peers = [s for s in self.servers if s.healthy and s.model == server.model]
+        running = min((self._running(s) for s in peers), default=self._running(server))
+        restore_bytes = gain * server.mover.bytes_per_token
+        return worth_waiting(gain, step_s, restore_bytes, running, server.rates, self.cost_model)
 
     def _worth_waiting(self, lease: Lease, gain: int) -> float | None:
         """The seconds computing this request's ``gain`` more prefix tokens now, side by side
@@ -394,7 +416,7 @@ class Leases:
         the most KV cells the slot can hold now) leaves the slot to a request that finds no idle
         one: until the save reads it back, the slot is recorded as holding no known tokens and
         at most that many cells."""
-        lease.finishing = True
+        lease.finishing, lease.splittable = True, False
         slot = lease.slot
         if takeable_cells is None or not slot.busy or slot.gen != lease.gen:
             return
@@ -445,7 +467,7 @@ class Leases:
             lease.slot.tokens, lease.slot.ns = EMPTY, None
         self.inflight.pop(lease.request_id, None)
         if done:
-            lease.done.set()
+            lease.set_done()
 
     def queued_for(self, model: str) -> bool:
         """Someone waits for a slot this request could take (FIFO within a model)."""

@@ -19,9 +19,11 @@ from proxy.core.admission import cells_needed, free_estimate, own_tail
 from proxy.core.checkpoints import CheckpointStore
 from proxy.core.planner import Route
 from proxy.core.radix import RadixTree
+from proxy.core.routing import CostModel
 from proxy.errors import FallbackCause, KvMoveError, RadixError, RejectReason, Unavailable
 from proxy.server.backend import TRANSPORT_ERRORS
 from proxy.server.coordinator.state import EMPTY, Lease
+from proxy.server.coordinator.waves import hold_for_wave, prefix_step
 from proxy.server.metrics import Metrics
 
 # What a save may meet that is not a bug: a move the server refused, a server gone.
@@ -43,9 +45,15 @@ class RestoreAbandoned(Exception):
 
 class KvMoves:
     def __init__(
-        self, config: Config, tree: RadixTree, metrics: Metrics, checkpoints: CheckpointStore | None = None
+        self,
+        config: Config,
+        tree: RadixTree,
+        metrics: Metrics,
+        checkpoints: CheckpointStore | None = None,
+        cost_model: CostModel | None = None,
     ) -> None:
         self.config = config
+        self.cost_model = cost_model if cost_model is not None else CostModel()
         self.tree = tree
         self.metrics = metrics
         self.checkpoints = checkpoints if checkpoints is not None else CheckpointStore(tree.budget_bytes)
@@ -64,6 +72,12 @@ class KvMoves:
                 await self._unless_down(lease, self._restore(lease, n_predict))
             else:  # a plain request: only the books (room checks have deadlines of their own)
                 await self._restore(lease, n_predict)
+            # A wave's head waits a moment for the rest of its wave, which may ask it to compute
+            # their shared prefix alone first (waves.py).
+            await hold_for_wave(lease, self.config.min_restore_tokens, self.cost_model)
+            await prefix_step(
+                lease, self.tree, self.metrics, self.config.min_restore_tokens, self.config.queue_timeout_s
+            )
             # Requests that arrived together (a wave) get a few turns of the loop to reach their
             # own restore before this one is sent (an I/O poll, then their handlers' first step).
             for _ in range(WAVE_YIELDS):

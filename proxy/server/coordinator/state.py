@@ -292,6 +292,25 @@ class Lease:
     takeable: bool = False  # its save is not worth waiting for (``KvSaves.takeable_cells``)
     started: float = field(default_factory=time.monotonic)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    # Waves (waves.py): while ``splittable`` (planned, not sent yet) a request of its wave may
+    # ask it to compute its first ``split_to`` tokens alone first (a prefix step); ``wake``
+    # is set when that step ended, or when the lease is done.
+    splittable: bool = True
+    split_to: int = 0
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    prefix_step_s: float = 0.0
+    prefix_step_tokens: int = 0  # the server's prompt_n and prompt_ms of the prefix step
+    prefix_step_ms: float = 0.0
+
+    def wake_waiters(self) -> None:
+        """Requests waiting for this one's prefix look again; those that wait on it again get
+        a fresh event (the old one stays set)."""
+        woken, self.wake = self.wake, asyncio.Event()
+        woken.set()
+
+    def set_done(self) -> None:
+        self.done.set()
+        self.wake.set()
 
     def prompt_computed(self) -> None:
         """The server sent the first token: the prompt's cells are filled (the pool's free count

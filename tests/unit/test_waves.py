@@ -1,0 +1,95 @@
+"""Waves (proxy/server/coordinator/waves.py): requests that arrive together sharing a prefix
+nobody has computed have the first one compute it alone, then restore it from the tree."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+from proxy.core.planner import Route
+from proxy.errors import FallbackCause, KvMoveError
+from tests.unit.test_coordinator import check, coordinator, server, settle, toks
+
+pytestmark = pytest.mark.unit
+
+
+def wave(n: int, shared: int = 600, own: int = 40) -> list[np.ndarray]:
+    return [np.concatenate([toks(0, shared), toks(10_000 * (i + 1), own)]) for i in range(n)]
+
+
+async def test_a_wave_computes_its_shared_prefix_once() -> None:
+    """The head holds its forward a moment; the others ask it for a prefix step and wait; it
+    computes the shared 600 tokens alone, exports them into the tree, and the others restore
+    them (route H) instead of computing them side by side."""
+    s0 = server("s0", n_slots=4)
+    fake: Any = s0.backend
+    coord = coordinator(s0)
+    prompts = wave(3)
+    head = await coord.acquire("h", prompts[0], n_predict=16)
+    assert head.route is Route.PREFILL and head.splittable
+    others = [asyncio.create_task(coord.acquire(f"w{i}", p, n_predict=16)) for i, p in enumerate(prompts[1:])]
+    await settle()
+    assert not any(t.done() for t in others) and head.split_to == 600
+    assert coord.leases.waiting() == 2
+    await coord.restore(head, 16)  # the window, then the prefix step
+    assert fake.prefills == [(head.slot.slot_id, 600)] and not head.splittable
+    assert head.prefix_step_tokens == 600 and list(head.slot.tokens) == list(prompts[0][:600])
+    assert coord.tree.match(prompts[0][:600]).length == 600
+    leases = [await asyncio.wait_for(t, 5) for t in others]
+    assert [x.route for x in leases] == [Route.H, Route.H]
+    assert all(x.plan.predicted_cached == 600 and x.prefix_wait_s > 0 for x in leases)
+    assert len({x.slot.slot_id for x in [head, *leases]}) == 3
+    assert coord.metrics.value("radix_prefix_steps_total", outcome="done") == 1
+    for x in [head, *leases]:
+        coord.release(x)
+    check(coord)
+
+
+async def test_a_failed_prefix_step_wakes_the_wave_to_compute_it_themselves() -> None:
+    s0 = server("s0", n_slots=3)
+    fake: Any = s0.backend
+
+    async def refused(slot: int, tokens: np.ndarray) -> tuple[int, float]:
+        raise KvMoveError(FallbackCause.TRANSPORT, "the server went away")
+
+    fake.prefill = refused
+    coord = coordinator(s0)
+    prompts = wave(2)
+    # An answer of unknown length: after the step the head is never waited for again.
+    head = await coord.acquire("h", prompts[0], n_predict=0)
+    other = asyncio.create_task(coord.acquire("w", prompts[1], n_predict=16))
+    await settle()
+    assert not other.done() and head.split_to == 600
+    await coord.restore(head, 16)
+    lease = await asyncio.wait_for(other, 5)
+    assert lease.route is Route.PREFILL and coord.tree.match(prompts[1]).length == 0
+    assert len(head.slot.tokens) == 0  # what the slot holds is unknown: nothing reused from it
+    assert coord.metrics.value("radix_prefix_steps_total", outcome="failed") == 1
+    coord.release(head)
+    coord.release(lease)
+    check(coord)
+
+
+@pytest.mark.parametrize(
+    ("case", "why"),
+    [
+        ("sent", "the head is on its way to the server: only its answer could be waited for"),
+        ("short", "the shared part is shorter than --min-restore-tokens"),
+        ("idle", "another server is idle: computing the prefix there is quicker than the step"),
+    ],
+)
+async def test_no_prefix_step(case: str, why: str) -> None:
+    servers = [server("s0", n_slots=2)] + ([server("s1", n_slots=2)] if case == "idle" else [])
+    coord = coordinator(*servers, min_restore_tokens=64)
+    prompts = wave(2, shared=40 if case == "short" else 600)
+    head = await coord.acquire("h", prompts[0], n_predict=0)
+    if case == "sent":
+        head.splittable = False
+    other = await asyncio.wait_for(coord.acquire("w", prompts[1], n_predict=0), 1)
+    assert head.split_to == 0 and other.prefix_wait_s < 0.5, why
+    coord.release(other)
+    coord.release(head)
+    check(coord)
