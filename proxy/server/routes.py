@@ -185,6 +185,8 @@ async def _steered(
         outcome = Outcome()
         instance = lease.server.client.instance  # the process this attempt is sent to
         done = _once(functools.partial(_finish, runtime, lease, outcome, api))
+        if body.get("cache_prompt") is False:
+            lease.splittable = False  # its forward reuses nothing: a prefix step would be computed twice
         try:
             await coord.restore(lease, _n_predict(body))
             if lease.no_cache:

@@ -243,13 +243,16 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any], r
 
 def add_prefix_step(result: RequestResult, step: dict[str, float] | None) -> None:
     """Count what the server computed for this request in a prefix step before its answer
-    (``X-Radix-Prefix-Step``) in its ``prompt_n`` and ``prompt_ms``: the answer's own timings
-    leave it out, and a prefill count without it would flatter the proxy."""
+    (``X-Radix-Prefix-Step``) in its ``prompt_n`` and ``prompt_ms``, not in ``cache_n``: the
+    answer's own timings count it as reused, and a prefill count without it would flatter the
+    proxy."""
     if not step:
         return
     result.prefix_step_n = int(step.get("tokens", 0))
     if result.prompt_n is not None:
         result.prompt_n += result.prefix_step_n
+    if result.cache_n is not None:  # the server counts them as reused by the answer
+        result.cache_n = max(0, result.cache_n - result.prefix_step_n)
     if result.prompt_ms is not None:
         result.prompt_ms += step.get("ms", 0.0)
 

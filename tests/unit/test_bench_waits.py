@@ -77,8 +77,9 @@ async def test_a_prefix_step_is_counted_in_the_heads_prompt_tokens() -> None:
     header = radix_headers(lease, show=True)["X-Radix-Prefix-Step"]
     assert header == "tokens=600,ms=2000"
     r = _result("h", "A", None)
+    r.cache_n = 650  # the server counts the step's 600 tokens as reused by the answer
     add_prefix_step(r, parse_waits(header))
-    assert (r.prompt_n, r.prompt_ms, r.prefix_step_n) == (700, 2500.0, 600)
+    assert (r.prompt_n, r.prompt_ms, r.prefix_step_n, r.cache_n) == (700, 2500.0, 600, 50)
     plain = _result("p", "H", None)
     add_prefix_step(plain, None)
     assert (plain.prompt_n, plain.prefix_step_n) == (100, None)

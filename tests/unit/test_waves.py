@@ -93,3 +93,87 @@ async def test_no_prefix_step(case: str, why: str) -> None:
     coord.release(other)
     coord.release(head)
     check(coord)
+
+
+async def test_the_head_is_sent_after_the_restores_of_the_waiters_it_woke() -> None:
+    """Their imports need the server's main loop: sent first, the head's suffix prefill would
+    hold them (a restore planned counts from its plan, not from its import)."""
+    s0 = server("s0", n_slots=3)
+    fake: Any = s0.backend
+    gate = asyncio.Event()
+    plain_import = fake.import_
+
+    async def slow_import(*args: Any, **kw: Any) -> None:
+        await gate.wait()
+        await plain_import(*args, **kw)
+
+    fake.import_ = slow_import
+    coord = coordinator(s0)
+    prompts = wave(2)
+    head = await coord.acquire("h", prompts[0], n_predict=16)
+    other = asyncio.create_task(coord.acquire("w", prompts[1], n_predict=16))
+    await settle()
+    sent = asyncio.create_task(coord.restore(head, 16))
+    waiter = await asyncio.wait_for(other, 5)
+    assert waiter.route is Route.H and waiter.planned_restore
+    restoring = asyncio.create_task(coord.restore(waiter, 16))
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert not sent.done() and not restoring.done()  # the head waits for the waiter's import
+    gate.set()
+    await asyncio.wait_for(asyncio.gather(sent, restoring), 5)
+    assert not waiter.planned_restore and fake.imports
+    coord.release(waiter)
+    coord.release(head)
+    check(coord)
+
+
+async def test_a_server_going_down_during_the_step_abandons_the_head() -> None:
+    from proxy.server.coordinator import RestoreAbandoned
+
+    s0 = server("s0", n_slots=2)
+    fake: Any = s0.backend
+
+    async def hangs(slot: int, tokens: np.ndarray) -> tuple[int, float]:
+        await asyncio.sleep(60)
+        return 0, 0.0
+
+    fake.prefill = hangs
+    coord = coordinator(s0)
+    prompts = wave(2)
+    head = await coord.acquire("h", prompts[0], n_predict=0)
+    other = asyncio.create_task(coord.acquire("w", prompts[1], n_predict=0))
+    await settle()
+    sent = asyncio.create_task(coord.restore(head, 16))
+    await asyncio.sleep(0.1)  # the window passed: the step hangs
+    coord.server_down(s0, "health check failed")
+    with pytest.raises(RestoreAbandoned):
+        await asyncio.wait_for(sent, 5)
+    assert len(head.slot.tokens) == 0 and head.slot.ns is None  # unknown: erased before reuse
+    other.cancel()
+    coord.release(head)
+
+
+async def test_no_window_where_no_step_can_happen() -> None:
+    """Resident sharing waits for answers (fan-out), and a step nobody waits for any more is
+    not run."""
+    coord = coordinator(server("s0", n_slots=2), kv_share=True)
+    head = await coord.acquire("h", wave(1)[0], n_predict=16)
+    await asyncio.wait_for(coord.restore(head, 16), 0.02)  # no 50 ms window
+    coord.release(head)
+
+    s0 = server("s0", n_slots=2)
+    fake: Any = s0.backend
+    coord = coordinator(s0)
+    prompts = wave(2)
+    head = await coord.acquire("h", prompts[0], n_predict=0)
+    other = asyncio.create_task(coord.acquire("w", prompts[1], n_predict=0))
+    await settle()
+    assert head.split_to == 600 and head.split_waiters == 1
+    other.cancel()
+    await settle()
+    assert head.split_waiters == 0
+    await coord.restore(head, 16)
+    assert fake.prefills == []  # nobody waits: no step
+    coord.release(head)
+    check(coord)

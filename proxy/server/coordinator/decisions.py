@@ -121,6 +121,11 @@ class DecisionLog:
     ) -> Decision:
         cached = int(timings.get("cache_n", 0)) if timings else None
         prefilled = int(timings.get("prompt_n", 0)) if timings else None
+        if lease.prefix_step_tokens and cached is not None and prefilled is not None:
+            # A wave's head computed part of its prompt in a prefix step: the server counts
+            # those tokens as reused by the answer; they were computed for it.
+            step = min(lease.prefix_step_tokens, cached)
+            cached, prefilled = cached - step, prefilled + step
         decision = Decision(
             time=time.time(),
             request_id=lease.request_id,

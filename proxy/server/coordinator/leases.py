@@ -204,19 +204,21 @@ class Leases:
             hit = self._blocker(found)
             if hit is None:
                 return found
-            blocker, patience = hit
+            blocker, patience, split = hit
             left = start + patience - time.monotonic()
             if left <= 0:
                 return found
             self.waiting_for_prefix += 1
+            blocker.split_waiters += split
             try:
                 await asyncio.wait_for(blocker.wake.wait(), left)
             except TimeoutError:
                 pass
             finally:
                 self.waiting_for_prefix -= 1
+                blocker.split_waiters -= split
 
-    def _blocker(self, found: PrefixScan) -> tuple[Lease, float] | None:
+    def _blocker(self, found: PrefixScan) -> tuple[Lease, float, bool] | None:
         """The request in flight to wait for, and for how long at most (from the start of the
         wait): ``fanout_wait_s`` for one finishing or with sharing on; for one still computing
         it, twice what computing the prefix would take at the speed the blocker shows (a blocker
@@ -247,7 +249,7 @@ class Leases:
             return None
         if split:
             hit[0].split_to = max(hit[0].split_to, best)
-        return hit
+        return (*hit, split)
 
     def _worth_splitting(self, head: Lease, shared: int, available: int) -> bool:
         """Whether waiting for ``head`` to compute the ``shared`` prefix alone (its prefix step)
@@ -332,6 +334,7 @@ class Leases:
         checkpoint = sv.checkpoint if plan.host_to > plan.host_from and not server.moves else None
         if uses_host:
             self.tree.pin(host)
+            server.move_lock.planned()  # requests sent from now on wait for its import
         if checkpoint is not None and self.checkpoints is not None:
             self.checkpoints.touch(checkpoint)
         lease = Lease(
@@ -358,6 +361,7 @@ class Leases:
         if plan.owner_id is not None and server.sharing is not None:
             server.sharing.index.pin(plan.owner_id)
             lease.owner_pinned = True
+        lease.planned_restore = uses_host
         self.inflight[request_id] = lease
         return lease
 
@@ -462,6 +466,7 @@ class Leases:
             self.grant_waiters()
 
     def _end(self, lease: Lease, done: bool = True) -> None:
+        lease.end_planned_restore()
         lease.server.admission_ended(lease)
         if lease.epoch != lease.server.epoch:  # the server restarted under this lease: contents unknown
             lease.slot.tokens, lease.slot.ns = EMPTY, None

@@ -68,16 +68,28 @@ class KvMoves:
                 or lease.erase_first
                 or lease.plan.route in (Route.S, Route.SH)
             )
-            if moves:
-                await self._unless_down(lease, self._restore(lease, n_predict))
-            else:  # a plain request: only the books (room checks have deadlines of their own)
-                await self._restore(lease, n_predict)
+            try:
+                if moves:
+                    await self._unless_down(lease, self._restore(lease, n_predict))
+                else:  # a plain request: only the books (room checks have deadlines of their own)
+                    await self._restore(lease, n_predict)
+            finally:
+                lease.end_planned_restore()  # done, or never: others wait for it no more
             # A wave's head waits a moment for the rest of its wave, which may ask it to compute
-            # their shared prefix alone first (waves.py).
-            await hold_for_wave(lease, self.config.min_restore_tokens, self.cost_model)
-            await prefix_step(
-                lease, self.tree, self.metrics, self.config.min_restore_tokens, self.config.queue_timeout_s
+            # their shared prefix alone first (waves.py); the waiters it wakes plan their
+            # restores at once, and it is sent after them (below).
+            await hold_for_wave(
+                lease, self.config.min_restore_tokens, self.cost_model, enabled=not self.config.kv_share
             )
+            if lease.split_to > 0:
+                step = prefix_step(
+                    lease,
+                    self.tree,
+                    self.metrics,
+                    self.config.min_restore_tokens,
+                    self.config.queue_timeout_s,
+                )
+                await self._unless_down(lease, step)
             # Requests that arrived together (a wave) get a few turns of the loop to reach their
             # own restore before this one is sent (an I/O poll, then their handlers' first step).
             for _ in range(WAVE_YIELDS):

@@ -95,6 +95,17 @@ class MoveLock:
             if not self._restores:
                 self._no_restores.set()
 
+    def planned(self) -> None:
+        """A restore was planned (its request not at its restore yet): requests sent now
+        wait for it as for one under way (``restores_done``). Ended by ``unplanned``."""
+        self._restores += 1
+        self._no_restores.clear()
+
+    def unplanned(self) -> None:
+        self._restores -= 1
+        if not self._restores:
+            self._no_restores.set()
+
     async def restores_done(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) until no restore holds or waits for the lock. A
         /kvctl move waits for the server's main loop, which a prompt being computed keeps
@@ -297,6 +308,8 @@ class Lease:
     # is set when that step ended, or when the lease is done.
     splittable: bool = True
     split_to: int = 0
+    split_waiters: int = 0  # requests waiting for its prefix step now
+    planned_restore: bool = False  # counted in its server's restores from plan to import
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     prefix_step_s: float = 0.0
     prefix_step_tokens: int = 0  # the server's prompt_n and prompt_ms of the prefix step
@@ -311,6 +324,12 @@ class Lease:
     def set_done(self) -> None:
         self.done.set()
         self.wake.set()
+
+    def end_planned_restore(self) -> None:
+        """Its planned restore is under way or will not happen (idempotent)."""
+        if self.planned_restore:
+            self.planned_restore = False
+            self.server.move_lock.unplanned()
 
     def prompt_computed(self) -> None:
         """The server sent the first token: the prompt's cells are filled (the pool's free count

@@ -51,10 +51,13 @@ def patience_s(head: Lease, shared: int, cost_model: CostModel, limit_s: float) 
     return min(2 * compute_s(gain, 0, head.server.rates, cost_model) + STEP_SLACK_S, limit_s)
 
 
-async def hold_for_wave(lease: Lease, min_tokens: int, cost_model: CostModel) -> None:
+async def hold_for_wave(lease: Lease, min_tokens: int, cost_model: CostModel, enabled: bool = True) -> None:
     """The head's window: requests of its wave that reach planning meanwhile may ask it for
-    a prefix step. From the end of it, nobody can (the request is about to be sent)."""
-    wait = window_s(lease, min_tokens, cost_model) if lease.splittable else 0.0
+    a prefix step. From the end of it, nobody can (the request is about to be sent). None
+    when nothing could use one: waves off (resident sharing waits for answers instead), or
+    a slot whose KV is not to be reused."""
+    usable = enabled and lease.splittable and not lease.no_cache and lease.fallback is None
+    wait = window_s(lease, min_tokens, cost_model) if usable else 0.0
     if wait > 0:
         await asyncio.sleep(wait)
     lease.splittable = False
@@ -68,8 +71,8 @@ async def prefix_step(
     p = lease.split_to
     if p <= 0:
         return
-    if lease.no_cache or lease.fallback is not None:  # the slot's KV is not to be reused
-        lease.wake_waiters()
+    if lease.no_cache or lease.fallback is not None or lease.split_waiters == 0:
+        lease.wake_waiters()  # the slot's KV is not to be reused, or nobody waits any more
         return
     started = time.monotonic()
     try:
@@ -78,12 +81,11 @@ async def prefix_step(
         metrics.prefix_steps.labels("done").inc()
         metrics.prefix_step_tokens.inc(lease.prefix_step_tokens)
     except asyncio.CancelledError:
-        lease.slot.tokens = EMPTY  # the server may go on computing it: what it holds is unknown
+        _unknown(lease, p)  # the server may go on computing it
         raise
     except STEP_ERRORS as exc:
-        # What the slot holds is unknown now (the server may have computed part of it): the
-        # head's forward reuses only what the server finds there, token for token.
-        lease.slot.tokens = EMPTY
+        # The head's forward reuses only what the server finds there, token for token.
+        _unknown(lease, p)
         metrics.prefix_steps.labels("failed").inc()
         log.warning(
             "prefix step of %s (%d tokens) on %s slot %d failed: %s",
@@ -98,13 +100,22 @@ async def prefix_step(
         lease.wake_waiters()
 
 
+def _unknown(lease: Lease, p: int) -> None:
+    """What the slot holds is unknown after a step that failed or was cancelled: no known
+    tokens, and up to everything it held or the step may have computed (the books keep
+    counting those cells)."""
+    slot = lease.slot
+    slot.unrecorded = max(slot.unrecorded, len(slot.tokens), p)
+    slot.tokens = EMPTY
+
+
 async def _step(lease: Lease, tree: RadixTree, p: int, min_tokens: int) -> None:
     server, slot = lease.server, lease.slot
     prefix = lease.tokens[:p]
     if lease.plan.predicted_cached < p:
         lease.prefix_step_tokens, lease.prefix_step_ms = await server.backend.prefill(slot.slot_id, prefix)
-    # The server generated one token and did not compute it: the slot holds the prefix.
-    slot.tokens = prefix.copy()
+        # The server generated one token and did not compute it: the slot holds the prefix.
+        slot.confirmed(prefix.copy())
     match = tree.match(prefix, touch=False, ns=lease.ns)
     if p - match.length < min_tokens:
         return
