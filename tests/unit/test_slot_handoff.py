@@ -333,3 +333,32 @@ async def test_a_slot_is_taken_once_its_export_is_on_its_way_and_the_export_stil
     assert s0.slots[0].busy and s0.slots[0].gen == nxt.gen and len(s0.slots[0].tokens) == 120
     coord.release(nxt)
     check(coord)
+
+
+async def test_a_next_turn_arriving_after_the_hand_on_waits_for_the_saves_insert() -> None:
+    """The slot went on to a queued request once the export was answered, and the KV is not
+    in the tree yet: a request with that prefix arriving now waits for the insert (it would
+    compute the prefix a second time), then restores it."""
+    s0, fake = gated("s0", 1)
+    coord = coordinator(s0, min_restore_tokens=64)
+    first = await coord.acquire("a", toks(0, 300), n_predict=8)
+    first.splittable = False  # sent
+    other = asyncio.create_task(coord.acquire("x", toks(5000, 100)))
+    await turns(lambda: coord.leases.queued() == 1)
+    fake.held[0] = toks(0, 308).tolist()
+    fake.parse_gate = asyncio.Event()  # answered by the server, the payload still being read
+    saving = asyncio.create_task(coord.finish(first, 8))
+    await turns(other.done)
+    taker = other.result()  # the slot went on
+    assert first.handed_on and not saving.done() and "a" in coord.leases.saving
+    following = asyncio.create_task(coord.acquire("b", toks(0, 340), n_predict=8))
+    await turns(lambda: False, 20)
+    assert not following.done() and coord.leases.waiting_for_prefix == 1
+    fake.parse_gate.set()
+    await saving
+    assert not coord.leases.saving and coord.tree.match(toks(0, 340)).length == 308
+    coord.release(taker)
+    lease = await asyncio.wait_for(following, 5)
+    assert lease.plan.predicted_cached == 308  # reused, not computed a second time
+    coord.release(lease)
+    check(coord)

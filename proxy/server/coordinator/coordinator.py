@@ -126,7 +126,7 @@ class Coordinator:
             )
         finally:
             hand_on()
-            lease.set_done()
+            self.leases.saved(lease)
 
     def _held_for_save(self, lease: Lease) -> None:
         """How long the slot stayed leased after its answer, for its save."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -93,6 +94,9 @@ class Leases:
         self.checkpoints = checkpoints  # whole-state checkpoints of servers with moves off
         self._waiters: collections.deque[_Waiter] = collections.deque()
         self.inflight: dict[str, Lease] = {}
+        # Answers handed on before their save's insert (the slot went on, the KV is on its way
+        # to the tree): a request arriving now waits for it as for one in flight (``_blocker``).
+        self.saving: dict[str, Lease] = {}
         self.waiting_for_prefix = 0
         self.closed = False
         self.on_reject = on_reject  # counts a refused request by reason (metrics)
@@ -230,7 +234,7 @@ class Leases:
         gain = self.config.min_restore_tokens
         available = found.best_available()
         best, hit, split = 0, None, False
-        for lease in self.inflight.values():
+        for lease in itertools.chain(self.inflight.values(), self.saving.values()):
             if lease.ns != found.ns:
                 continue
             shared = min(common_prefix(lease.tokens, tokens), len(tokens) - 1)
@@ -472,7 +476,15 @@ class Leases:
             lease.slot.tokens, lease.slot.ns = EMPTY, None
         self.inflight.pop(lease.request_id, None)
         if done:
+            self.saving.pop(lease.request_id, None)
             lease.set_done()
+        else:
+            self.saving[lease.request_id] = lease
+
+    def saved(self, lease: Lease) -> None:
+        """Its save ended (the tree has what it could insert): waiters look again."""
+        self.saving.pop(lease.request_id, None)
+        lease.set_done()
 
     def queued_for(self, model: str) -> bool:
         """Someone waits for a slot this request could take (FIFO within a model)."""
