@@ -11,6 +11,7 @@ import pytest
 
 from proxy.core.planner import Route
 from proxy.errors import FallbackCause, KvMoveError
+from proxy.server.coordinator import Coordinator, Lease
 from tests.unit.test_coordinator import check, coordinator, server, settle, toks
 
 pytestmark = pytest.mark.unit
@@ -18,6 +19,23 @@ pytestmark = pytest.mark.unit
 
 def wave(n: int, shared: int = 600, own: int = 40) -> list[np.ndarray]:
     return [np.concatenate([toks(0, shared), toks(10_000 * (i + 1), own)]) for i in range(n)]
+
+
+async def pair(
+    n_slots: int, head_predict: int = 0, other_predict: int = 0, **fakes: Any
+) -> tuple[Coordinator, Any, Lease, asyncio.Task[Lease]]:
+    """A wave of two, the second planned while the head waits for it: the coordinator, the
+    fake server (``fakes`` replace its methods), the head's lease and the second's acquire."""
+    s0 = server("s0", n_slots=n_slots)
+    fake: Any = s0.backend
+    for name, fn in fakes.items():
+        setattr(fake, name, fn)
+    coord = coordinator(s0)
+    prompts = wave(2)
+    head = await coord.acquire("h", prompts[0], n_predict=head_predict)
+    other = asyncio.create_task(coord.acquire("w", prompts[1], n_predict=other_predict))
+    await settle()
+    return coord, fake, head, other
 
 
 async def test_a_wave_computes_its_shared_prefix_once() -> None:
@@ -49,23 +67,15 @@ async def test_a_wave_computes_its_shared_prefix_once() -> None:
 
 
 async def test_a_failed_prefix_step_wakes_the_wave_to_compute_it_themselves() -> None:
-    s0 = server("s0", n_slots=3)
-    fake: Any = s0.backend
-
     async def refused(slot: int, tokens: np.ndarray) -> tuple[int, float]:
         raise KvMoveError(FallbackCause.TRANSPORT, "the server went away")
 
-    fake.prefill = refused
-    coord = coordinator(s0)
-    prompts = wave(2)
     # An answer of unknown length: after the step the head is never waited for again.
-    head = await coord.acquire("h", prompts[0], n_predict=0)
-    other = asyncio.create_task(coord.acquire("w", prompts[1], n_predict=16))
-    await settle()
+    coord, _, head, other = await pair(3, other_predict=16, prefill=refused)
     assert not other.done() and head.split_to == 600
     await coord.restore(head, 16)
     lease = await asyncio.wait_for(other, 5)
-    assert lease.route is Route.PREFILL and coord.tree.match(prompts[1]).length == 0
+    assert lease.route is Route.PREFILL and coord.tree.match(lease.tokens).length == 0
     assert len(head.slot.tokens) == 0  # what the slot holds is unknown: nothing reused from it
     assert coord.metrics.value("radix_prefix_steps_total", outcome="failed") == 1
     coord.release(head)
@@ -98,8 +108,7 @@ async def test_no_prefix_step(case: str, why: str) -> None:
 async def test_the_head_is_sent_after_the_restores_of_the_waiters_it_woke() -> None:
     """Their imports need the server's main loop: sent first, the head's suffix prefill would
     hold them (a restore planned counts from its plan, not from its import)."""
-    s0 = server("s0", n_slots=3)
-    fake: Any = s0.backend
+    coord, fake, head, other = await pair(3, 16, 16)
     gate = asyncio.Event()
     plain_import = fake.import_
 
@@ -108,11 +117,6 @@ async def test_the_head_is_sent_after_the_restores_of_the_waiters_it_woke() -> N
         await plain_import(*args, **kw)
 
     fake.import_ = slow_import
-    coord = coordinator(s0)
-    prompts = wave(2)
-    head = await coord.acquire("h", prompts[0], n_predict=16)
-    other = asyncio.create_task(coord.acquire("w", prompts[1], n_predict=16))
-    await settle()
     sent = asyncio.create_task(coord.restore(head, 16))
     waiter = await asyncio.wait_for(other, 5)
     assert waiter.route is Route.H and waiter.planned_restore
@@ -131,22 +135,14 @@ async def test_the_head_is_sent_after_the_restores_of_the_waiters_it_woke() -> N
 async def test_a_server_going_down_during_the_step_abandons_the_head() -> None:
     from proxy.server.coordinator import RestoreAbandoned
 
-    s0 = server("s0", n_slots=2)
-    fake: Any = s0.backend
-
     async def hangs(slot: int, tokens: np.ndarray) -> tuple[int, float]:
         await asyncio.sleep(60)
         return 0, 0.0
 
-    fake.prefill = hangs
-    coord = coordinator(s0)
-    prompts = wave(2)
-    head = await coord.acquire("h", prompts[0], n_predict=0)
-    other = asyncio.create_task(coord.acquire("w", prompts[1], n_predict=0))
-    await settle()
+    coord, _, head, other = await pair(2, prefill=hangs)
     sent = asyncio.create_task(coord.restore(head, 16))
     await asyncio.sleep(0.1)  # the window passed: the step hangs
-    coord.server_down(s0, "health check failed")
+    coord.server_down(head.server, "health check failed")
     with pytest.raises(RestoreAbandoned):
         await asyncio.wait_for(sent, 5)
     assert len(head.slot.tokens) == 0 and head.slot.ns is None  # unknown: erased before reuse
@@ -162,13 +158,7 @@ async def test_no_window_where_no_step_can_happen() -> None:
     await asyncio.wait_for(coord.restore(head, 16), 0.02)  # no 50 ms window
     coord.release(head)
 
-    s0 = server("s0", n_slots=2)
-    fake: Any = s0.backend
-    coord = coordinator(s0)
-    prompts = wave(2)
-    head = await coord.acquire("h", prompts[0], n_predict=0)
-    other = asyncio.create_task(coord.acquire("w", prompts[1], n_predict=0))
-    await settle()
+    coord, fake, head, other = await pair(2)
     assert head.split_to == 600 and head.split_waiters == 1
     other.cancel()
     await settle()
