@@ -4,6 +4,8 @@
 - Models whose KV the patch moves exactly (standard attention at other head dims, q/k norms, MoE, MLA,
   M-RoPE's 24-byte cells): every turn's answer equals stock's from scratch under the near-tie
   rule, the second turn is a host restore (idle release erased the slot), and no move fell back.
+- Waves (a prefix computed once for requests sent together) on M-RoPE, MLA, full-size SWA and
+  MoE, with f16 and q8_0 KV.
 - Models whose memory cannot be moved exactly (a sliding window, a recurrent state): the patched
   server starts with moves off instead of exiting, the proxy serves it with routes A and prefill
   only and says so (log, /health, metric), and answers equal stock's.
@@ -340,3 +342,32 @@ def test_moe_burst_of_host_restores_answers_as_stock_from_scratch(
         proxy.stop()
         patched.stop()
         stock.stop()
+
+
+@pytest.mark.parametrize(
+    ("family", "kv"),
+    [("qwen2vl", "f16"), ("deepseek2", "f16-fa"), ("gemma3-swafull", "q8_0-fa"), ("qwen3moe", "q8_0-fa")],
+    ids="-".join,
+)
+def test_a_wave_computes_its_shared_prefix_once(
+    family: str, kv: str, start_server: ServerFactory, patched_bin: Path, stock_bin: Path
+) -> None:
+    """Three requests sent together on a document nobody has computed (docs/design.md,
+    Waves): one prefix step, the others restore it, every answer as stock's from scratch. A
+    fresh proxy prices prefill at its CPU calibration until it has seen answers, so even these
+    fast tiny models get the head's window."""
+    patched, stock = _servers(start_server, patched_bin, stock_bin, family, kv)
+    proxy = ProxyThread(proxy_config(patched)).start()
+    try:
+        doc = document(31, 260)
+        wave = [convo(doc, q) for q in ("Name a word.", "Name a verb.", "Name a noun.")]
+        replies = _ask_together(proxy, wave)
+        heads = [r for r in replies if "X-Radix-Prefix-Step" in r.headers]
+        assert len(heads) == 1, [dict(r.headers) for r in replies]
+        assert sorted(r.headers["X-Radix-Route"] for r in replies if r is not heads[0]) == ["H", "H"]
+        for reply, messages in zip(replies, wave, strict=True):
+            assert_same_answer(reply, _from_scratch(stock, messages))
+        assert _fallbacks(proxy) == 0
+        assert proxy.call(lambda rt: rt.metrics.value("radix_prefix_steps_total", outcome="done")) == 1
+    finally:
+        proxy.stop()
