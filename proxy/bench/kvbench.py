@@ -167,7 +167,6 @@ async def run_kvctl_bench(
             say(f"KV arena: {home.capacity >> 20} MiB ({home.note})")
         try:
             metrics = Metrics(CollectorRegistry(), ("s0",))
-            chunk = chunk_tokens
             mover = KvMover(
                 backend,
                 layout,
@@ -175,7 +174,7 @@ async def run_kvctl_bench(
                 shm,
                 metrics,
                 arena=home,
-                chunk_tokens=chunk,
+                chunk_tokens=chunk_tokens,
                 n_ctx_slot=caps.n_ctx_slot,
             )
             tokens = await _tokens(plain, max(sizes))

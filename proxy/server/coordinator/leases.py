@@ -264,9 +264,8 @@ class Leases:
         if not server.moves or gain <= 0:
             return False
         step_s = compute_s(max(0, shared - head.plan.predicted_cached), 0, server.rates, self.cost_model)
-        peers = [s for s in self.servers if s.healthy and s.model == server.model]
-        running = min((self._running(s) for s in peers), default=self._running(server))
         restore_bytes = gain * server.mover.bytes_per_token
+        running = self._least_running(server)
         return worth_waiting(gain, step_s, restore_bytes, running, server.rates, self.cost_model)
 
     def _worth_waiting(self, lease: Lease, gain: int) -> float | None:
@@ -281,10 +280,7 @@ class Leases:
         elapsed = time.monotonic() - lease.started
         wait_s = time_to_answer_s(computed, lease.n_predict, elapsed, server.rates)
         restore_bytes = gain * server.mover.bytes_per_token
-        # Computing it now would run on the least busy server of the model (another server may
-        # be idle: then it is computed there, at full speed, rather than waited for).
-        peers = [s for s in self.servers if s.healthy and s.model == server.model]
-        running = min((self._running(s) for s in peers), default=self._running(server))
+        running = self._least_running(server)
         if not worth_waiting(gain, wait_s, restore_bytes, running, server.rates, self.cost_model):
             return None
         # A blocker slower than its estimate shows the server's real speed now: computing the
@@ -389,6 +385,13 @@ class Leases:
             healthy=server.healthy,
             affinity=bool(want.session) and self._affinity.get(want.session) == server.name,
         )
+
+    def _least_running(self, server: ServerState) -> int:
+        """The load a prefix computed now would run beside: that of the least busy server of
+        ``server``'s model (another may be idle: then it is computed there, at full speed,
+        rather than waited for)."""
+        peers = [s for s in self.servers if s.healthy and s.model == server.model]
+        return min((self._running(s) for s in peers), default=self._running(server))
 
     def _running(self, server: ServerState) -> int:
         """Requests computing on the server now. A slot still busy saving a finished answer (an

@@ -311,7 +311,6 @@ class Lease:
     split_waiters: int = 0  # requests waiting for its prefix step now
     planned_restore: bool = False  # counted in its server's restores from plan to import
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    prefix_step_s: float = 0.0
     prefix_step_tokens: int = 0  # the server's prompt_n and prompt_ms of the prefix step
     prefix_step_ms: float = 0.0
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from proxy.core.radix import RadixTree
 from proxy.core.routing import CostModel, compute_s
@@ -74,7 +73,6 @@ async def prefix_step(
     if lease.no_cache or lease.fallback is not None or lease.split_waiters == 0:
         lease.wake_waiters()  # the slot's KV is not to be reused, or nobody waits any more
         return
-    started = time.monotonic()
     try:
         async with asyncio.timeout(timeout_s):
             await _step(lease, tree, p, min_tokens)
@@ -96,7 +94,6 @@ async def prefix_step(
             exc or type(exc).__name__,
         )
     finally:
-        lease.prefix_step_s = time.monotonic() - started
         lease.wake_waiters()
 
 
