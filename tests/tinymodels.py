@@ -1,7 +1,8 @@
 """Tiny random-weight GGUF models of other architectures, made here (no weights are downloaded).
 
 Each model is written with the `gguf` writer of the pinned llama.cpp source and carries the
-default model's tokenizer metadata (vocab, merges, chat template), so prompts tokenize and
+default model's tokenizer metadata (vocab, merges, chat template; copied by proxy/native/shapes.py,
+which also writes the realistic shapes), so prompts tokenize and
 render for real and the proxy's tokenizer and template checks pass as with SmolLM2. The
 weights are seeded normal noise, scaled so greedy answers are not made of near-ties (the top
 two log-probabilities part by more than the near-tie rule's tolerance on most tokens; checked
@@ -19,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from proxy.native.build import pristine_source
+from proxy.native import shapes
 from proxy.native.fetch import cache_root, file_lock, staging_dir
-from proxy.native.model import default_model_path
+from proxy.native.shapes import add_value, copy_tokenizer, gguf_module
 
 Shape = tuple[int, ...]
 _LOGIT_STD = 16.0
@@ -348,7 +348,9 @@ def tiny_model(name: str) -> Path:
     """The GGUF of family `name`, written once into the cache (keyed by its content)."""
     fam = FAMILIES[name]
     key = hashlib.sha256(
-        json.dumps(fam.spec(), sort_keys=True).encode() + Path(__file__).read_bytes()
+        json.dumps(fam.spec(), sort_keys=True).encode()
+        + Path(__file__).read_bytes()
+        + Path(shapes.__file__).read_bytes()
     ).hexdigest()[:12]
     final = cache_root() / "tiny-models" / f"{name}-{key}.gguf"
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -360,20 +362,10 @@ def tiny_model(name: str) -> Path:
     return final
 
 
-def _gguf() -> Any:
-    """The pinned source's gguf-py (the writer that matches the server's reader)."""
-    path = str(pristine_source() / "gguf-py")
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    import gguf
-
-    return gguf
-
-
 def _write(fam: Family, out: Path) -> None:
-    gguf = _gguf()
+    gguf = gguf_module()
     writer = gguf.GGUFWriter(str(out), fam.arch)
-    vocab = _copy_tokenizer(gguf, writer)
+    vocab = copy_tokenizer(gguf, writer)
     a = fam.arch
     kv: dict[str, Any] = {"block_count": fam.n_layer, "context_length": 8192, "embedding_length": fam.n_embd}
     if fam.n_head:  # attention (a pure state-space model has none)
@@ -388,7 +380,7 @@ def _write(fam: Family, out: Path) -> None:
         }
     kv["attention.layer_norm_rms_epsilon"] = 1e-5
     for k, v in (kv | fam.extra_kv).items():
-        _add(gguf, writer, f"{a}.{k}", v)
+        add_value(writer, f"{a}.{k}", v)
     writer.add_uint32("general.file_type", 1)  # mostly F16
     rng = np.random.default_rng(int.from_bytes(hashlib.sha256(a.encode()).digest()[:4], "little"))
     for name, shape in _tensors(fam, vocab):
@@ -435,34 +427,3 @@ def _weights(rng: np.random.Generator, name: str, shape: Shape, fam: Family) -> 
     else:
         std = fam.scale / np.sqrt(shape[0])
     return (rng.standard_normal(np_shape, dtype=np.float32) * std).astype(np.float16)
-
-
-def _add(gguf: Any, writer: Any, key: str, value: Any) -> None:
-    if isinstance(value, list):
-        writer.add_array(key, value)
-    elif isinstance(value, bool):
-        writer.add_bool(key, value)
-    elif isinstance(value, int):
-        writer.add_uint32(key, value)
-    elif isinstance(value, float):
-        writer.add_float32(key, value)
-    else:
-        writer.add_string(key, str(value))
-
-
-def _copy_tokenizer(gguf: Any, writer: Any) -> int:
-    """Copy every `tokenizer.*` key of the default model; returns the vocabulary size."""
-    reader = gguf.GGUFReader(str(default_model_path()))
-    n_vocab = 0
-    for key, fld in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        vtype = fld.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            values = fld.contents()
-            writer.add_array(key, values)
-            if key == "tokenizer.ggml.tokens":
-                n_vocab = len(values)
-        else:
-            writer.add_key_value(key, fld.contents(), vtype)
-    return n_vocab

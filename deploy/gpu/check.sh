@@ -10,12 +10,22 @@
 #      CUDA from scratch) with -ngl 99, each server's log checked to put every KV buffer on CUDA0;
 #   3. radixctl bench kvctl, restore and agents with --build-backend cuda --gpu-layers 99.
 #
+# PLAN=shapes runs the realistic shapes instead (issue 45 item 5; about 8 minutes with the
+# bounded build): carry preflight build models shape-kvctl shape-restore shape-multiround
+# shape-fanout, that is random-weight models shaped like Llama-3.2-1B and Llama-3.1-8B
+# (`radixctl model make`), the PCIe copy rate of pinned memory (pcie_probe.py), `bench kvctl` at
+# 4k/16k tokens on the 8B shape, `bench restore` and `multi-round` on both shapes and `fanout`
+# on the 1B, each against stock CUDA in the same run.
+#
 # Writes under $OUT (default gpu-check-out/<UTC time>): summary.txt (machine, versions, each
 # step's status and seconds; machine.txt alone), <step>.log for every step, tests.xml (JUnit), kvctl/, restore/,
 # agents/ (the benches' report.md and report.json, logs), builds.json (the two build.json).
 #
 #   OUT=DIR          where the reports go
-#   STEPS="..."      which steps, in order (default: preflight build tests kvctl restore agents)
+#   PLAN=suite|shapes  the default steps: the suite above, or the realistic shapes
+#   STEPS="..."      which steps, in order (default: the plan's)
+#   CARRY=DIR        what deploy/gpu/carry.sh packed (source, vocabulary, wheels): the `carry`
+#                    step unpacks it into the radixctl cache and puts the wheels on PYTHONPATH
 #   DRY_RUN=1        print what would run, after the checks that need no GPU; build nothing
 #   PYTHON=python3   the interpreter for the project's virtual environment (3.11 or newer)
 #   VENV=0           no virtual environment: $PYTHON already has the project's packages (e.g.
@@ -26,6 +36,10 @@
 #                    then use that build: its own cache key)
 #   KVCTL_ARGS, RESTORE_ARGS, AGENTS_ARGS   extra arguments of each bench (e.g. --sizes 512,2048)
 #   PYTEST_ARGS      extra pytest arguments (e.g. -k "lossless or routes")
+#   SHAPE_SMALL, SHAPE_LARGE  the shapes of PLAN=shapes (default llama-3.2-1b, llama-3.1-8b)
+#   MULTIROUND_ARGS, FANOUT_ARGS  extra arguments of those benches
+#   BACKEND=cpu NGL=0  the benches' build backend and offloaded layers (default cuda, 99): a
+#                    rehearsal of the bench steps on a machine without a GPU
 #
 # Without network: create .venv beforehand (or set PIP_NO_INDEX=1 PIP_FIND_LINKS=<wheels>), and
 # carry the radixctl cache (RADIX_CACHE_DIR: downloads/ holds the llama.cpp sdist and the model
@@ -37,7 +51,14 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT" || exit 2
 OUT=${OUT:-$ROOT/gpu-check-out/$(date -u +%Y%m%dT%H%M%SZ)}
-STEPS=${STEPS:-preflight build tests kvctl restore agents}
+PLAN=${PLAN:-suite}
+case "$PLAN" in
+    suite) DEFAULT_STEPS="preflight build tests kvctl restore agents" ;;
+    shapes) DEFAULT_STEPS="carry preflight build models shape-kvctl shape-restore shape-multiround shape-fanout" ;;
+    *) echo "unknown PLAN $PLAN (suite, shapes)" >&2 && exit 2 ;;
+esac
+STEPS=${STEPS:-$DEFAULT_STEPS}
+CARRY=${CARRY:-}
 DRY_RUN=${DRY_RUN:-0}
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-1}
@@ -49,7 +70,8 @@ else
     RADIXCTL=("$PYTHON" -m proxy.cli)
     export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 fi
-GPU=(--build-backend cuda --gpu-layers 99)
+# BACKEND=cpu NGL=0 rehearses the bench steps on a machine without a GPU (docs/devices.md).
+GPU=(--build-backend "${BACKEND:-cuda}" --gpu-layers "${NGL:-99}")
 mkdir -p "$OUT"
 SUMMARY=$OUT/summary.txt
 failed=0
@@ -179,16 +201,82 @@ bench_restore() { run restore "${RADIXCTL[@]}" bench restore "${GPU[@]}" --out "
 # shellcheck disable=SC2086
 bench_agents() { run agents "${RADIXCTL[@]}" bench agents "${GPU[@]}" --out "$OUT/agents" ${AGENTS_ARGS:-}; }
 
+# Unpack what carry.sh packed: the source where `radixctl build` extracts it, the vocabulary
+# where `radixctl model make` looks for it, the wheels into a directory on PYTHONPATH.
+carry() {
+    [ -n "$CARRY" ] || { log "carry: no CARRY directory given; nothing to unpack"; return 0; }
+    [ -f "$CARRY/manifest.env" ] || { log "carry: $CARRY/manifest.env missing (run deploy/gpu/carry.sh)"; return 1; }
+    # shellcheck disable=SC1091
+    . "$CARRY/manifest.env"
+    local cache=${RADIX_CACHE_DIR:-$HOME/.cache/llama-radix-proxy}
+    if [ "$DRY_RUN" = 1 ]; then
+        log "dry run: unpack $CARRY into $cache ($CARRY_SRC, $CARRY_VOCAB) and its wheels"
+        return 0
+    fi
+    mkdir -p "$cache/models" "$OUT/site"
+    [ -d "$cache/$CARRY_SRC" ] || tar -C "$cache" -xJf "$CARRY/src.tar.xz" || return 1
+    cp "$CARRY/vocab.gguf" "$cache/$CARRY_VOCAB" || return 1
+    if ls "$CARRY"/wheels/*.whl >/dev/null 2>&1; then
+        "$PYTHON" -m pip install -q --disable-pip-version-check --no-index --no-deps \
+            --target "$OUT/site" "$CARRY"/wheels/*.whl || return 1
+        export PYTHONPATH=$OUT/site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    log "carry: unpacked into $cache"
+}
+
+# The random-weight models of real shapes the shape steps use (written once each).
+SHAPE_SMALL=${SHAPE_SMALL:-llama-3.2-1b}
+SHAPE_LARGE=${SHAPE_LARGE:-llama-3.1-8b}
+models() {
+    run model-small "${RADIXCTL[@]}" model make "$SHAPE_SMALL" || return 1
+    run model-large "${RADIXCTL[@]}" model make "$SHAPE_LARGE" || return 1
+    # The limit a host restore is read against: pinned host <-> device copies of 512 MiB.
+    run pcie "$PY" "$ROOT/deploy/gpu/pcie_probe.py" --mib 512 --out "$OUT/pcie.json"
+}
+
+# shape_bench NAME WORKLOAD SHAPE ARGS...: one bench of one shape against stock CUDA.
+shape_bench() {
+    local name=$1 workload=$2 shape=$3
+    shift 3
+    run "$name" "${RADIXCTL[@]}" bench "$workload" "${GPU[@]}" --model "shape:$shape" --out "$OUT/$name" "$@"
+}
+# shellcheck disable=SC2086  # *_ARGS are lists of words
+shape_kvctl() {
+    # 16k tokens in one slot of the 8B shape: 2 GiB of f16 KV, one slot of a 32k pool.
+    shape_bench kvctl-8b kvctl "$SHAPE_LARGE" --sizes 4096,16384 --reps 3 -np 2 -c 40960 ${KVCTL_ARGS:-}
+}
+# shellcheck disable=SC2086
+shape_restore() {
+    shape_bench restore-1b restore "$SHAPE_SMALL" --arms legacy,proxy --prompt-tokens 4000 --rounds 2 ${RESTORE_ARGS:-}
+    shape_bench restore-8b restore "$SHAPE_LARGE" --arms legacy,proxy --prompt-tokens 4000 --rounds 2 ${RESTORE_ARGS:-}
+}
+# shellcheck disable=SC2086
+shape_multiround() {
+    shape_bench multiround-1b multi-round "$SHAPE_SMALL" --interval-ms 400 ${MULTIROUND_ARGS:-}
+    shape_bench multiround-8b multi-round "$SHAPE_LARGE" --interval-ms 400 ${MULTIROUND_ARGS:-}
+}
+# shellcheck disable=SC2086
+shape_fanout() { shape_bench fanout-1b fanout "$SHAPE_SMALL" --arms legacy,proxy ${FANOUT_ARGS:-}; }
+
 log "output: $OUT"
 for step in $STEPS; do
     case "$step" in
+        carry) carry || { log "carry failed"; exit 1; } ;;
         preflight) preflight || { log "preflight failed: no GPU toolchain here"; exit 1; } ;;
         build) build || log "build failed: the later steps would build again; stopping" ;;
         tests) tests ;;
         kvctl) bench_kvctl ;;
         restore) bench_restore ;;
         agents) bench_agents ;;
-        *) log "unknown step $step (preflight build tests kvctl restore agents)"; exit 2 ;;
+        models) models || log "models failed: the shape steps would make them again" ;;
+        shape-kvctl) shape_kvctl ;;
+        shape-restore) shape_restore ;;
+        shape-multiround) shape_multiround ;;
+        shape-fanout) shape_fanout ;;
+        *)
+            log "unknown step $step (carry preflight build tests kvctl restore agents models shape-kvctl shape-restore shape-multiround shape-fanout)"
+            exit 2
+            ;;
     esac
     if [ "$step" = build ] && [ "$failed" = 1 ]; then break; fi
 done

@@ -1,85 +1,26 @@
-"""``radixctl bench WORKLOAD`` and ``radixctl bench replay MANIFEST --url URL``."""
+"""``radixctl bench WORKLOAD``: the workload commands, each arm in turn, and the bench group (the
+other commands are in cli_tools.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import click
 
-import proxy.cli.options as options
 from proxy.bench.capacity import DEFAULT_PROBE_TIMEOUT_S, DEFAULT_STEP, DEFAULT_UPPER_FACTOR
+from proxy.bench.cli_options import ARM_OPTIONS, arm_settings, default_out, parse_sizes, say
+from proxy.bench.cli_tools import kvctl, replay, report, soak
 from proxy.bench.workloads import DEFAULT_ARMS, GENERATORS, make_workload
 from proxy.cli.common import fail_cleanly
-from proxy.cli.options import model_option
-from proxy.config import Config
 from proxy.errors import ConfigError
 from proxy.traffic.spec import Workload
 
 ALL_ARMS = ("nocache", "legacy", "proxy")
 
-
-def _say(message: str) -> None:
-    click.echo(f"[bench] {message}", err=True)
-
-
-def _default_out(name: str) -> Path:
-    return Path("bench-out") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def _sizes(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(s) for s in text.split(",") if s.strip())
-    except ValueError as exc:
-        raise click.BadParameter(f"not a comma-separated list of token counts: {text}") from exc
-    if not sizes or min(sizes) < 1:
-        raise click.BadParameter("give at least one positive token count")
-    return sizes
-
-
-# ---- options of every command that starts arms (the workloads, kvctl) ---------------------------
-
-out_option = click.option(
-    "--out",
-    "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Output directory (default: bench-out/WORKLOAD-TIMESTAMP).",
-)
-parallel_option = options.parallel_option()
-ctx_size_option = options.ctx_size_option()
-threads_option = options.threads_option(help="Threads per server (default: all cores).")
-batch_size_option = click.option("--batch-size", "-b", default=2048, show_default=True)
-ubatch_size_option = click.option("--ubatch-size", "-ub", default=512, show_default=True)
-build_backend_option = options.build_backend_option()
-gpu_layers_option = click.option(
-    "--gpu-layers",
-    "-ngl",
-    "gpu_layers",
-    type=int,
-    default=0,
-    show_default=True,
-    envvar="RADIX_GPU_LAYERS",
-    help="Layers every llama-server offloads to its GPU (-ngl; 99: all, with the KV cache). "
-    "Build the server for the GPU with --build-backend.",
-)
-
-#: In the order ``--help`` lists them.
-ARM_OPTIONS: tuple[Callable[[Any], Any], ...] = (
-    out_option,
-    model_option,
-    parallel_option,
-    ctx_size_option,
-    threads_option,
-    batch_size_option,
-    ubatch_size_option,
-    build_backend_option,
-    gpu_layers_option,
-)
 
 # ---- options of the workload commands ----------------------------------------------------------
 
@@ -177,35 +118,6 @@ def _apply(fn: Callable[..., Any], options: Iterable[Callable[[Any], Any]]) -> C
     return fn
 
 
-def _settings(
-    out_dir: Path,
-    model_arg: str | None,
-    n_parallel: int,
-    ctx_size: int,
-    threads: int | None,
-    batch_size: int,
-    ubatch_size: int,
-    build_backend: str,
-    gpu_layers: int = 0,
-) -> Any:
-    import os
-
-    from proxy.bench.arms import ArmSettings
-    from proxy.native.model import resolve_model
-
-    return ArmSettings(
-        model=resolve_model(model_arg),
-        log_dir=out_dir / "logs",
-        n_parallel=n_parallel,
-        ctx_size=ctx_size,
-        threads=threads or os.cpu_count() or 2,
-        batch_size=batch_size,
-        ubatch_size=ubatch_size,
-        build_backend=build_backend,
-        gpu_layers=gpu_layers,
-    )
-
-
 def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: Path) -> dict[str, Any]:
     """Each arm in turn: start it, replay the workload, collect its figures, stop it."""
     from proxy.bench.arms import ARMS, arm_binary, start_arm
@@ -218,7 +130,7 @@ def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: P
     arms: dict[str, Any] = {}
     limit: dict[str, Any] | None = None
     for name in arm_names:
-        _say(f"arm {name}: {ARMS[name].description}")
+        say(f"arm {name}: {ARMS[name].description}")
         start = start_cluster_arm if settings.n_servers > 1 else start_arm
         with start(name, settings, binaries[name]) as arm:
             results = asyncio.run(
@@ -233,7 +145,7 @@ def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: P
             )
             stats = arm.stats()
             if name == arm_names[0]:  # the prompts as the server tokenizes them, once the run is over
-                limit = tokenized_limit(arm.server_url, workload, _say)
+                limit = tokenized_limit(arm.server_url, workload, say)
         write_results(out_dir / f"results-{name}.jsonl", results)
         arms[name] = {"results": results, "stats": stats}
     shared = {
@@ -258,7 +170,7 @@ def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: P
         limit,
     )
     for path in write_report(report, out_dir):
-        _say(f"wrote {path}")
+        say(f"wrote {path}")
     click.echo((out_dir / "report.md").read_text())
     return report
 
@@ -281,10 +193,10 @@ def run_capacity_arms(
             fix="pass e.g. --min-together 3, or leave it out",
         )
     report = run_capacity(
-        workload, arm_names, settings, out_dir, say=_say, **{k: v for k, v in search.items() if v is not None}
+        workload, arm_names, settings, out_dir, say=say, **{k: v for k, v in search.items() if v is not None}
     )
     for path in write_report(report, out_dir):
-        _say(f"wrote {path}")
+        say(f"wrote {path}")
     click.echo((out_dir / "report.md").read_text())
     return report
 
@@ -326,27 +238,27 @@ def run_workload_command(
     if tier == "disk":
         from proxy.bench.disktier import run_disk_restore
 
-        out = out_dir or _default_out("restore-disk")
-        settings = _settings(
+        out = out_dir or default_out("restore-disk")
+        settings = arm_settings(
             out, model_arg, n_parallel, ctx_size, threads, batch_size, ubatch_size, build_backend, gpu_layers
         )
         arm_names = tuple(a.strip() for a in (arms or "disk,ram,legacy,prefill").split(",") if a.strip())
-        run_disk_restore(settings, _sizes(tier_sizes or "1024,2048,4096,8192"), out, arm_names)
+        run_disk_restore(settings, parse_sizes(tier_sizes or "1024,2048,4096,8192"), out, arm_names)
         return
     workload = make_workload(name, **sizes)
-    out = out_dir or _default_out(name)
+    out = out_dir or default_out(name)
     out.mkdir(parents=True, exist_ok=True)
     write_manifest(
         out / "workload.jsonl",
         (ManifestEntry(0.0, r.id, r.session, r.group, r.via, r.body, r.path) for r in workload.requests),
     )
-    _say(
+    say(
         f"{name}: {len(workload.requests)} requests, concurrency {workload.concurrency}, "
         f"params {json.dumps(workload.params)}; request list in {out / 'workload.jsonl'}"
     )
     if dry_run:
         return
-    settings = _settings(
+    settings = arm_settings(
         out, model_arg, n_parallel, ctx_size, threads, batch_size, ubatch_size, build_backend, gpu_layers
     )
     if n_servers > 1:
@@ -436,175 +348,8 @@ for _name in GENERATORS:
 del _name
 
 
-@bench.command("kvctl")
-@out_option
-@model_option
-@parallel_option
-@ctx_size_option
-@threads_option
-@batch_size_option
-@ubatch_size_option
-@build_backend_option
-@gpu_layers_option
-@click.option("--sizes", default="512,2048,8192", show_default=True, help="Token counts to move.")
-@click.option("--reps", default=5, show_default=True, help="Repetitions per size and direction.")
-@click.option("--no-probe", is_flag=True, help="Do not time a tiny generation during the moves.")
-@click.option(
-    "--transport",
-    type=click.Choice(["arena", "shared", "inline", "both", "all"]),
-    default="arena",
-    show_default=True,
-    help="Moves through the KV arena (one copy, the proxy's default), shared-memory payload "
-    "files (--kv-arena off), inline over HTTP (msgpack binary, as across hosts); both: files "
-    "and inline side by side; all: the three.",
-)
-@click.option(
-    "--arena-chunk",
-    type=click.IntRange(0, 65536),
-    default=Config.kv_arena_chunk,
-    show_default=True,
-    help="Tokens per arena block (--kv-arena-chunk; 0: about 16 MiB of KV) for the arena transport.",
-)
-@fail_cleanly
-def kvctl(
-    out_dir: Path | None,
-    model_arg: str | None,
-    n_parallel: int,
-    ctx_size: int,
-    threads: int | None,
-    batch_size: int,
-    ubatch_size: int,
-    build_backend: str,
-    gpu_layers: int,
-    sizes: str,
-    reps: int,
-    no_probe: bool,
-    transport: str,
-    arena_chunk: int,
-) -> None:
-    """KV export/import throughput through the proxy's mover against a numpy memcpy, and main-loop stalls."""
-    from proxy.bench.arms import patched_server
-    from proxy.bench.kvbench import kvctl_ctx_size, run_kvctl_bench
-    from proxy.bench.report import write_report
-
-    token_sizes = _sizes(sizes)
-    out = out_dir or _default_out("kvctl")
-    settings = _settings(
-        out,
-        model_arg,
-        max(n_parallel, 4),
-        ctx_size,
-        threads,
-        batch_size,
-        ubatch_size,
-        build_backend,
-        gpu_layers,
-    )
-    kinds = {"both": ["shared", "inline"], "all": ["arena", "shared", "inline"]}.get(transport, [transport])
-    reports: dict[str, dict[str, Any]] = {}
-    with patched_server(settings, max(ctx_size, kvctl_ctx_size(token_sizes))) as (server, shm):
-        from proxy.bench.transport import warm_slot0
-
-        asyncio.run(warm_slot0(server.url, max(token_sizes)))
-        for kind in kinds:
-            reports[kind] = asyncio.run(
-                run_kvctl_bench(
-                    server.url,
-                    shm if kind in ("arena", "shared") else None,
-                    token_sizes,
-                    reps,
-                    not no_probe,
-                    _say,
-                    kvctl_key=server.spec.kvctl_key,
-                    arena=kind == "arena",
-                    chunk_tokens=arena_chunk,
-                )
-            )
-    for kind, report in reports.items():
-        where = out / kind if len(reports) > 1 else out
-        for path in write_report(report, where):
-            _say(f"wrote {path}")
-        click.echo((where / "report.md").read_text())
-    if "shared" in reports and "inline" in reports:
-        from proxy.bench.transport import transport_table
-
-        table, rows = transport_table(reports["shared"], reports["inline"])
-        (out / "transport.md").write_text(table)
-        (out / "transport.json").write_text(json.dumps(rows, indent=2))
-        click.echo(table)
-
-
-@bench.command("replay")
-@click.argument("manifest", type=click.Path(dir_okay=False, exists=True, path_type=Path))
-@click.option("--url", required=True, help="OpenAI base URL (with or without /v1).")
-@click.option("--speed", default=1.0, show_default=True, help="Time scale: 2 sends twice as fast.")
-@click.option(
-    "--out",
-    "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Write results and a report here.",
-)
-@fail_cleanly
-def replay(manifest: Path, url: str, speed: float, out_dir: Path | None) -> None:
-    """Replay a manifest (manifest-ARM.jsonl of a run) against any OpenAI URL with its original timing."""
-    from proxy.bench.report import build_report, render_markdown, write_report
-    from proxy.traffic.runner import read_manifest, replay_manifest, write_results
-
-    if speed <= 0:
-        raise ConfigError("--speed must be positive", fix="pass e.g. --speed 1")
-    entries = read_manifest(manifest)
-    if not entries:
-        raise ConfigError(
-            f"{manifest} holds no requests", fix="pass a manifest-ARM.jsonl written by a bench run"
-        )
-    _say(f"replaying {len(entries)} requests over {entries[-1].t / speed:.1f} s against {url}")
-    results = asyncio.run(replay_manifest(entries, url, speed=speed))
-    report = build_report(
-        {"name": f"replay of {manifest.name}", "description": f"against {url}", "params": {"speed": speed}},
-        {"replay": {"results": results, "stats": {}}},
-    )
-    if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        write_results(out_dir / "results-replay.jsonl", results)
-        for path in write_report(report, out_dir, charts=False):
-            _say(f"wrote {path}")
-    click.echo(render_markdown(report))
-
-
-@bench.command("soak")
-@out_option
-@click.option("--minutes", default=30.0, show_default=True, help="How long to run.")
-@click.option(
-    "--kill-every", "kill_every", default=5.0, show_default=True, help="Minutes between server kills."
-)
-@click.option("--sessions", default=1, show_default=True, help="Agent sessions per scenario.")
-@click.option("--system-tokens", default=800, show_default=True, help="System prompt size of each scenario.")
-@click.option("--max-tokens", default=32, show_default=True, help="Answer length.")
-@options.threads_option(default=2, show_default=True, help="llama-server threads.")
-@ctx_size_option
-@fail_cleanly
-def soak(
-    out_dir: Path | None,
-    minutes: float,
-    kill_every: float,
-    sessions: int,
-    system_tokens: int,
-    max_tokens: int,
-    threads: int,
-    ctx_size: int,
-) -> None:
-    """The agents workload against `radixctl up` with llama-server killed every few minutes:
-    answered/failed, TTFT between kills, seconds until cache hits again, proxy RSS over time."""
-    from proxy.bench.soak import run_soak
-
-    out = out_dir or _default_out("soak")
-    report = run_soak(
-        out, minutes, kill_every, sessions, system_tokens, max_tokens, threads, ctx_size, say=_say
-    )
-    _say(f"wrote {out / 'report.json'}")
-    shown = {k: v for k, v in report.items() if k != "rss_samples"}
-    click.echo(json.dumps(shown, indent=1))
-
+for _command in (kvctl, replay, report, soak):
+    bench.add_command(_command)
+del _command
 
 __all__ = ["bench", "run_arms", "run_capacity_arms"]

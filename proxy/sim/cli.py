@@ -84,6 +84,13 @@ def sim() -> None:
 @click.option("--prefill-ctx-tokens", default=DEFAULTS.prefill_ctx_tokens, show_default=True)
 @click.option("--decode-tok-s", default=DEFAULTS.decode_tok_s, show_default=True)
 @click.option("--move-mb-s", default=DEFAULTS.move_mb_s, show_default=True)
+@click.option("--move-call-s", default=DEFAULTS.move_call_s, show_default=True, help="Fixed cost of one move.")
+@click.option(
+    "--bytes-per-token",
+    default=DEFAULTS.bytes_per_token,
+    show_default=True,
+    help="KV bytes per token (f16 of the default model; `radixctl model shapes` lists other shapes').",
+)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Also write the table here.")
 def run(
@@ -101,6 +108,8 @@ def run(
     prefill_ctx_tokens: float,
     decode_tok_s: float,
     move_mb_s: float,
+    move_call_s: float,
+    bytes_per_token: int,
     seed: int,
     out: Path | None,
 ) -> None:
@@ -113,6 +122,8 @@ def run(
         prefill_ctx_tokens=prefill_ctx_tokens,
         decode_tok_s=decode_tok_s,
         move_mb_s=move_mb_s,
+        move_call_s=move_call_s,
+        bytes_per_token=bytes_per_token,
     )
     results: list[Summary] = []
     for n in _ints(servers):

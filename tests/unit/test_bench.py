@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from proxy.bench import capacity as cap
 from proxy.bench import report as report_mod
+from proxy.bench import report_capacity
 from proxy.bench.arms import legacy_cache_bytes, parse_arms
 from proxy.bench.stats import percentile
 from proxy.bench.workloads import make_workload, prompt_words
@@ -515,6 +516,35 @@ def test_report_on_synthetic_results(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert "matplotlib is not installed" in md and "by group" in md
 
 
+def test_report_means_tails_and_rebuild(tmp_path: Path) -> None:
+    """Means and p99s against Legacy (issue 45's targets read them), and `radixctl bench report`
+    writes the same report again from the run's files."""
+    from proxy.traffic.runner import write_results
+
+    legacy = _results([1.0, 2.0, 3.0, 10.0], "a")
+    proxy = _results([0.5, 1.0, 1.5, 2.0], "a", cache=90)
+    arms = {
+        "legacy": {"results": legacy, "stats": {"host_cache_bytes": 7}},
+        "proxy": {"results": proxy, "stats": {}},
+    }
+    rep = report_mod.build_report({"name": "w", "params": {}}, arms, {"threads": 2})
+    lp, pp = rep["arms"]["legacy"], rep["arms"]["proxy"]
+    assert lp["ttft_mean_s"] == pytest.approx(4.0) and pp["ttft_mean_s"] == pytest.approx(1.25)
+    assert pp["ttft_mean_vs_legacy"] == pytest.approx(1.25 / 4.0)
+    assert pp["ttft_p99_vs_legacy"] == pytest.approx(
+        percentile([0.5, 1.0, 1.5, 2.0], 99) / percentile([1.0, 2.0, 3.0, 10.0], 99)
+    )
+    assert "| proxy | 1.250 |" in report_mod.render_markdown(rep)
+    report_mod.write_report(rep, tmp_path, charts=False)
+    for name, arm in arms.items():
+        write_results(tmp_path / f"results-{name}.jsonl", arm["results"])
+    again = report_mod.rebuild_report(tmp_path)
+    assert json.loads(json.dumps(again, default=str)) == json.loads((tmp_path / "report.json").read_text())
+    (tmp_path / "results-proxy.jsonl").unlink()
+    with pytest.raises(ConfigError, match="results-proxy.jsonl is missing"):
+        report_mod.rebuild_report(tmp_path)
+
+
 def test_report_pairs_overhead() -> None:
     front = _results([0.102, 0.205, 0.301], "front", "front", prompt_ms=[90.0, 200.0, 290.0])
     server = _results([0.100, 0.200, 0.300], "server", "server", prompt_ms=[89.0, 199.0, 290.0])
@@ -688,7 +718,7 @@ def test_pool_search_flags_a_failure_above_the_result() -> None:
     assert out["min_cells"] == 1280 and out["failed_above_cells"] == []
     assert out["any_order"]["min_cells"] == 512 and out["any_order"]["failed_above_cells"] == [1024]
     rep = cap.capacity_report({"name": "capacity"}, {}, {"grid": [512, 1792], "ideal": {}}, {"proxy-hs": out})
-    assert "proxy-hs, any order: not monotone" in report_mod.render_capacity_markdown(rep)
+    assert "proxy-hs, any order: not monotone" in report_capacity.render_capacity_markdown(rep)
 
 
 def test_probe_verdict() -> None:

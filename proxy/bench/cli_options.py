@@ -1,0 +1,102 @@
+"""What the bench commands share: their messages, output folders and the options of every command
+that starts arms (the workloads, kvctl)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+import proxy.cli.options as options
+from proxy.cli.options import model_option
+
+
+def say(message: str) -> None:
+    click.echo(f"[bench] {message}", err=True)
+
+
+def default_out(name: str) -> Path:
+    return Path("bench-out") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError as exc:
+        raise click.BadParameter(f"not a comma-separated list of token counts: {text}") from exc
+    if not sizes or min(sizes) < 1:
+        raise click.BadParameter("give at least one positive token count")
+    return sizes
+
+
+# ---- options of every command that starts arms (the workloads, kvctl) ---------------------------
+
+out_option = click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Output directory (default: bench-out/WORKLOAD-TIMESTAMP).",
+)
+parallel_option = options.parallel_option()
+ctx_size_option = options.ctx_size_option()
+threads_option = options.threads_option(help="Threads per server (default: all cores).")
+batch_size_option = click.option("--batch-size", "-b", default=2048, show_default=True)
+ubatch_size_option = click.option("--ubatch-size", "-ub", default=512, show_default=True)
+build_backend_option = options.build_backend_option()
+gpu_layers_option = click.option(
+    "--gpu-layers",
+    "-ngl",
+    "gpu_layers",
+    type=int,
+    default=0,
+    show_default=True,
+    envvar="RADIX_GPU_LAYERS",
+    help="Layers every llama-server offloads to its GPU (-ngl; 99: all, with the KV cache). "
+    "Build the server for the GPU with --build-backend.",
+)
+
+#: In the order ``--help`` lists them.
+ARM_OPTIONS: tuple[Callable[[Any], Any], ...] = (
+    out_option,
+    model_option,
+    parallel_option,
+    ctx_size_option,
+    threads_option,
+    batch_size_option,
+    ubatch_size_option,
+    build_backend_option,
+    gpu_layers_option,
+)
+
+
+def arm_settings(
+    out_dir: Path,
+    model_arg: str | None,
+    n_parallel: int,
+    ctx_size: int,
+    threads: int | None,
+    batch_size: int,
+    ubatch_size: int,
+    build_backend: str,
+    gpu_layers: int = 0,
+) -> Any:
+    import os
+
+    from proxy.bench.arms import ArmSettings
+    from proxy.native.model import resolve_model
+
+    return ArmSettings(
+        model=resolve_model(model_arg),
+        log_dir=out_dir / "logs",
+        n_parallel=n_parallel,
+        ctx_size=ctx_size,
+        threads=threads or os.cpu_count() or 2,
+        batch_size=batch_size,
+        ubatch_size=ubatch_size,
+        build_backend=build_backend,
+        gpu_layers=gpu_layers,
+    )
