@@ -87,7 +87,7 @@ def arm_settings(
     import os
 
     from proxy.bench.arms import ArmSettings
-    from proxy.native.model import resolve_model
+    from proxy.native.modelref import resolve_model
 
     return ArmSettings(
         model=resolve_model(model_arg),

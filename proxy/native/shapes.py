@@ -151,7 +151,7 @@ def gguf_module() -> Any:
 def vocab_path() -> Path:
     """A GGUF of the default model's ``tokenizer.*`` keys alone (about 2 MB, written once from
     the default model): what the models made here copy. A machine without network can be given
-    this file under the cache's models/ instead of the 98 MB model (deploy/gpu/shapes.sh)."""
+    this file under the cache's models/ instead of the 98 MB model (deploy/gpu/carry.sh)."""
     final = cache_root() / "models" / f"vocab-{SMOLLM2.member_sha256[:12]}.gguf"
     final.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(final.parent / f".{final.name}.lock"):

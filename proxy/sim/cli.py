@@ -84,7 +84,9 @@ def sim() -> None:
 @click.option("--prefill-ctx-tokens", default=DEFAULTS.prefill_ctx_tokens, show_default=True)
 @click.option("--decode-tok-s", default=DEFAULTS.decode_tok_s, show_default=True)
 @click.option("--move-mb-s", default=DEFAULTS.move_mb_s, show_default=True)
-@click.option("--move-call-s", default=DEFAULTS.move_call_s, show_default=True, help="Fixed cost of one move.")
+@click.option(
+    "--move-call-s", default=DEFAULTS.move_call_s, show_default=True, help="Fixed cost of one move."
+)
 @click.option(
     "--bytes-per-token",
     default=DEFAULTS.bytes_per_token,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from proxy.native.model import resolve_model
+from proxy.native.modelref import resolve_model
 from proxy.native.shapes import SHAPES
 from tests.helpers import (
     ProxyThread,

@@ -12,7 +12,7 @@ import pytest
 
 from proxy.errors import ConfigError
 from proxy.native import shapes
-from proxy.native.model import resolve_model
+from proxy.native.modelref import resolve_model
 
 pytestmark = pytest.mark.unit
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from proxy.bench.arms import ArmSettings, start_arm
 from proxy.bench.limit import prompt_token_lists, workload_limit
 from proxy.bench.workloads import make_workload
-from proxy.native.model import resolve_model
+from proxy.native.modelref import resolve_model
 
 ROOT = Path(__file__).resolve().parents[1] / "2026-12-01-defaults"
 WORKLOADS = ("agents", "prefix-tiers", "restore", "fanout", "host-dedup", "overhead")
