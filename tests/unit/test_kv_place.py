@@ -21,15 +21,15 @@ from proxy.config import Config
 from proxy.core.payload import KvSegment
 from proxy.core.planner import Route
 from proxy.core.segment import KvLayout
-from proxy.server import startup
+from proxy.server.api.routes import health
 from proxy.server.coordinator import KvPlace
-from proxy.server.health import HealthMonitor
-from proxy.server.kvctl import Caps, ExportReply, ImportReply
-from proxy.server.layoutcheck import LayoutChecks
+from proxy.server.dataplane.kvctl import Caps, ExportReply, ImportReply
+from proxy.server.dataplane.layoutcheck import LayoutChecks
+from proxy.server.dataplane.mover import KvMover
 from proxy.server.metrics import Metrics
-from proxy.server.mover import KvMover
-from proxy.server.routes import health
-from proxy.server.runtime import RUNTIME
+from proxy.server.ops import startup
+from proxy.server.ops.health import HealthMonitor
+from proxy.server.ops.runtime import RUNTIME
 from tests.unit.test_coordinator import LAYOUT, FakeServer, check, coordinator, rows, server, toks
 from tests.unit.test_kvctl_replies import GOOD
 

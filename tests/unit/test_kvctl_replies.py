@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from proxy.errors import FallbackCause, KvMoveError
-from proxy.server.kvctl import (
+from proxy.server.dataplane.kvctl import (
     Caps,
     Cells,
     CheckpointReply,

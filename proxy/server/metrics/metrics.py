@@ -7,7 +7,7 @@ Names follow the Prometheus conventions: base units (seconds, bytes), counters e
 
 Two families are not ``radix_``-prefixed because they describe the llama-server's KV pool,
 not the proxy: ``kv_cache_*_cells{server}``, read from each server's ``GET /kvctl/cells``
-when /metrics is scraped (see ``proxy.server.observe.refresh_metrics``).
+when /metrics is scraped (see ``proxy.server.ops.observe.refresh_metrics``).
 
 The metric list, with what each means and how to read it, is in docs/observability.md.
 """
@@ -20,56 +20,22 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from proxy.core.planner import Route
 from proxy.core.radix import TreeStats
-from proxy.errors import FallbackCause, RejectReason
-from proxy.server.disk_metrics import DiskMetrics
+from proxy.server.metrics.labels import (
+    APIS,
+    ARENA_FULL_DIRECTIONS,
+    ARENA_PATHS,
+    ARENA_STATES,
+    DIRECTIONS,
+    FALLBACK_CAUSES,
+    POOL_FIELDS,
+    POOL_HELP,
+    REJECT_REASONS,
+    ROUTES,
+)
+from proxy.server.metrics.tiers import DiskMetrics
 
-ROUTES = tuple(r.value for r in Route)
-# The reference implementation's per-path families; a mixed route (A+H, S+H) counts under
-# h, the host restore being the part that reached furthest.
-SHARE_PATHS = {
-    Route.A: "a",
-    Route.S: "s",
-    Route.H: "h",
-    Route.AH: "h",
-    Route.SH: "h",
-    Route.PREFILL: "prefill",
-}
-FALLBACK_CAUSES = tuple(c.value for c in FallbackCause)
-DIRECTIONS = ("export", "import")
-ARENA_PATHS = ("in_place", "staged", "file")
-ARENA_FULL_DIRECTIONS = (*DIRECTIONS, "promote")  # promote: a disk tier read
-ARENA_STATES = ("capacity", "used", "quarantined")
-REJECT_REASONS = tuple(r.value for r in RejectReason)
-APIS = (
-    "chat",
-    "completions",
-    "messages",
-    "responses",
-    "infill",
-    "embeddings",
-    "rerank",
-)  # the client APIs of steered requests
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
-
-# GET /kvctl/cells field -> pool gauge (all per server, in KV cells).
-POOL_FIELDS = {
-    "n_cells": "kv_cache_total_cells",
-    "used": "kv_cache_used_cells",
-    "slot": "kv_cache_slot_cells",
-    "owner": "kv_cache_owner_cells",
-    "owner_only": "kv_cache_owner_only_cells",
-    "logical": "kv_cache_business_logical_cells",
-}
-_POOL_HELP = {
-    "n_cells": "Cells in the server's unified KV pool",
-    "used": "Non-empty cells of the server's KV pool",
-    "slot": "Cells held by at least one slot",
-    "owner": "Cells held by at least one owner sequence (resident prefixes)",
-    "owner_only": "Cells held by owner sequences and no slot",
-    "logical": "Sum over sequences of the cells each holds (a cell shared by k sequences counts k times)",
-}
 
 
 class SyncedCounter:
@@ -390,7 +356,7 @@ class Metrics:
             registry=registry,
         )
         self.pool = {
-            field: Gauge(name, _POOL_HELP[field], ["server"], registry=registry)
+            field: Gauge(name, POOL_HELP[field], ["server"], registry=registry)
             for field, name in POOL_FIELDS.items()
         }
         self.tokenizer_fallback = Gauge(

@@ -1,6 +1,6 @@
 """What the coordinator needs from a server's client and from its KV mover, as Protocols.
 
-``ServerClient`` (proxy/server/backend.py) and ``KvMover`` (proxy/server/mover.py) are the
+``ServerClient`` (proxy/server/dataplane/backend.py) and ``KvMover`` (proxy/server/dataplane/mover.py) are the
 implementations; the coordinator's unit tests give it fakes, which mypy checks against
 these. The HTTP pass-through (completions, tokenize, ...) needs the real client:
 ``ServerState.client``.
@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from proxy.core.payload import KvLayout, KvSegment
-from proxy.server.kvctl import (
+from proxy.server.dataplane.kvctl import (
     Cells,
     CheckpointReply,
     EraseReply,

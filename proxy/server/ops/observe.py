@@ -12,9 +12,9 @@ import aiohttp
 
 from proxy.errors import RadixError
 from proxy.server.coordinator import ServerState
-from proxy.server.kvctl import Cells
+from proxy.server.dataplane.kvctl import Cells
 from proxy.server.metrics import FALLBACK_CAUSES
-from proxy.server.runtime import Runtime
+from proxy.server.ops.runtime import Runtime
 
 log = logging.getLogger("radix")
 

@@ -1,5 +1,5 @@
 """The disk tier's file work, run on its threads: the MAC key, the directory scan at startup,
-atomic entry writes, checked reads, deletes (proxy/server/disk.py schedules them)."""
+atomic entry writes, checked reads, deletes (proxy/server/tiers/disk.py schedules them)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from proxy.core.diskindex import (
 )
 from proxy.core.payload import KvLayout, KvSegment
 from proxy.core.radix import Spill
-from proxy.server.arena import ArenaBlock, rows_into_blocks
+from proxy.server.dataplane.arena import ArenaBlock, rows_into_blocks
 
 log = logging.getLogger("radix")
 

@@ -1,14 +1,14 @@
 """The agent APIs, steered like chat: Anthropic Messages and OpenAI Responses.
 
 - ``POST /v1/messages``: converted to the chat body the server would make of it
-  (``proxy/server/anthropic.py``), rendered, tokenized, leased and restored like chat, sent to
+  (``proxy/server/api/anthropic.py``), rendered, tokenized, leased and restored like chat, sent to
   the server's chat endpoint pinned to the leased slot, and answered in Anthropic's shape
   (body, event stream, errors).
 - ``POST /v1/messages/count_tokens``: the server's own count (its conversion, its template,
   its tokenizer), touching no slot; errors in Anthropic's shape.
 - ``POST /v1/responses``, ``/responses``: the client's body goes to the server's own endpoint
   pinned to the leased slot; its prompt tokens come from the server's conversion mirrored
-  (``proxy/server/responses.py``).
+  (``proxy/server/api/responses.py``).
 
 docs/apis.md lists every endpoint and what the proxy does with it.
 """
@@ -19,13 +19,13 @@ import orjson
 from aiohttp import web
 
 from proxy.errors import RadixError, TooLarge
-from proxy.server import anthropic, responses
-from proxy.server.backend import ServerClient
-from proxy.server.forward import forward_headers
-from proxy.server.models import pick_model
-from proxy.server.routes import _read_json, _steered
-from proxy.server.runtime import RUNTIME
-from proxy.server.shapes import AnthropicShape, ResponsesShape
+from proxy.server.api import anthropic, responses
+from proxy.server.api.routes import _read_json, _steered
+from proxy.server.api.shapes import AnthropicShape, ResponsesShape
+from proxy.server.dataplane.backend import ServerClient
+from proxy.server.http.forward import forward_headers
+from proxy.server.ops.models import pick_model
+from proxy.server.ops.runtime import RUNTIME
 
 COUNT_TOKENS = "/v1/messages/count_tokens"
 

@@ -18,7 +18,7 @@ import aiohttp
 
 from proxy.errors import RadixError
 from proxy.server.coordinator import Coordinator, KvPlace, ServerState
-from proxy.server.kvctl import Caps
+from proxy.server.dataplane.kvctl import Caps
 
 log = logging.getLogger("radix")
 

@@ -6,11 +6,11 @@ its KV cache, the proxy between the file and its segments (block copies), one co
 hosts: inline msgpack bytes. Parsing and building payloads run in a worker thread so the
 event loop keeps serving while megabytes are copied.
 
-With the arena (proxy/server/arena.py, servers with chunked exports), neither file is used:
+With the arena (proxy/server/dataplane/arena.py, servers with chunked exports), neither file is used:
 an export writes each chunk's blob straight into arena blocks and its segments are views of
 them; an import names the whole blocks of its segments by offset and stages only the rest (a
 tree edge split inside a chunk) into temporary blocks. One copy per move, the server's, for
-everything but the staged parts. A full arena falls back to the files (proxy/server/payfile.py),
+everything but the staged parts. A full arena falls back to the files (proxy/server/dataplane/payfile.py),
 and so does a server that keeps more than its share of the arena quarantined.
 
 Payload files are reused: a fresh tmpfs file costs a page allocation and a fault per page,
@@ -43,11 +43,11 @@ from proxy.core.arena import auto_chunk, chunk_bounds
 from proxy.core.payload import KvLayout, KvSegment, blob_size, parse_blob, write_blob
 from proxy.core.routing import MeasuredRates
 from proxy.errors import FallbackCause, KvMoveError, PayloadError
-from proxy.server.arena import Arena, ArenaBlock, block_segments, stage_runs
-from proxy.server.backend import ServerClient, move_timeout_s
+from proxy.server.dataplane.arena import Arena, ArenaBlock, block_segments, stage_runs
+from proxy.server.dataplane.backend import ServerClient, move_timeout_s
+from proxy.server.dataplane.paydir import private_dir_fd
+from proxy.server.dataplane.payfile import POPULATE, PayloadFile, file_in_thread
 from proxy.server.metrics import Metrics
-from proxy.server.paydir import private_dir_fd
-from proxy.server.payfile import POPULATE, PayloadFile, file_in_thread
 
 _names = itertools.count()
 log = logging.getLogger("radix")

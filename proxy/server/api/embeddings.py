@@ -22,13 +22,13 @@ import orjson
 from aiohttp import web
 
 from proxy.errors import BackendError, BadRequest, NotSupported, Unavailable
-from proxy.server.backend import ServerClient
+from proxy.server.api.routes import SESSION_HEADER, _read_json, _request_id
 from proxy.server.coordinator import RestoreAbandoned
-from proxy.server.forward import forward_headers, radix_headers, read_capped
-from proxy.server.front import cache_namespace, prompt_token_ids
-from proxy.server.models import ModelEntry, pick_model, with_model
-from proxy.server.routes import SESSION_HEADER, _read_json, _request_id
-from proxy.server.runtime import RUNTIME, Runtime
+from proxy.server.dataplane.backend import ServerClient
+from proxy.server.http.forward import forward_headers, radix_headers, read_capped
+from proxy.server.http.front import cache_namespace, prompt_token_ids
+from proxy.server.ops.models import ModelEntry, pick_model, with_model
+from proxy.server.ops.runtime import RUNTIME, Runtime
 
 log = logging.getLogger("radix")
 EMBEDDING_PATHS = ("/v1/embeddings", "/embeddings", "/embedding")

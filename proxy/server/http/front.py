@@ -25,8 +25,8 @@ import orjson
 
 from proxy.config import Config
 from proxy.errors import BadRequest
-from proxy.server.limits import check_json_depth, maybe_deep
-from proxy.server.wire import LineSplitter
+from proxy.server.dataplane.wire import LineSplitter
+from proxy.server.http.limits import check_json_depth, maybe_deep
 
 # Read-only paths passed to the first server unchanged (method, path).
 READ_ONLY = {

@@ -3,7 +3,7 @@
 :class:`AnswerShape` is the OpenAI / llama-server shape the server already writes: the
 answer is passed on, with cache information stripped when it is hidden (``--cache-info
 off``). :class:`AnthropicShape` rewrites a chat answer as Anthropic Messages
-(``proxy/server/anthropic.py``); :class:`ResponsesShape` passes the server's Responses
+(``proxy/server/api/anthropic.py``); :class:`ResponsesShape` passes the server's Responses
 answer on and strips every field that tells how much of the prompt was cached.
 """
 
@@ -14,11 +14,11 @@ from typing import Any, Protocol
 
 import orjson
 
-from proxy.server.anthropic import convert_error, message_of
-from proxy.server.anthropic_stream import EventStream
-from proxy.server.front import SseStripper, strip_cache_info_raw
+from proxy.server.api.anthropic import convert_error, message_of
+from proxy.server.api.anthropic_stream import EventStream
+from proxy.server.dataplane.wire import LineSplitter
+from proxy.server.http.front import SseStripper, strip_cache_info_raw
 from proxy.server.metrics import Metrics
-from proxy.server.wire import LineSplitter
 
 log = logging.getLogger("radix")
 

@@ -14,14 +14,14 @@ from aiohttp import web
 from proxy.config import Config
 from proxy.core.infill import PieceCache
 from proxy.errors import Unavailable
-from proxy.server.arena import Arena
-from proxy.server.backend import ServerClient
 from proxy.server.coordinator import Coordinator, ServerState
-from proxy.server.health import HealthMonitor
-from proxy.server.layoutcheck import LayoutChecks
+from proxy.server.dataplane.arena import Arena
+from proxy.server.dataplane.backend import ServerClient
+from proxy.server.dataplane.layoutcheck import LayoutChecks
+from proxy.server.http.recorder import Recorder
 from proxy.server.metrics import Metrics
-from proxy.server.models import ModelEntry
-from proxy.server.recorder import Recorder
+from proxy.server.ops.health import HealthMonitor
+from proxy.server.ops.models import ModelEntry
 from proxy.tokenizer import PromptTokenizer
 from proxy.tokenizer.template import ChatTemplate
 

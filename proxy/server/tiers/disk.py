@@ -39,8 +39,9 @@ from proxy.core.diskindex import (
 )
 from proxy.core.payload import KvLayout, KvSegment, blob_size
 from proxy.core.radix import HostMatch, RadixTree, Spill
-from proxy.server.arena import Arena, ArenaBlock
-from proxy.server.disk_files import (
+from proxy.server.dataplane.arena import Arena, ArenaBlock
+from proxy.server.metrics import DiskMetrics
+from proxy.server.tiers.disk_files import (
     default_key_file,
     load_secret,
     read_segment,
@@ -48,7 +49,6 @@ from proxy.server.disk_files import (
     unlink_all,
     write_entry,
 )
-from proxy.server.disk_metrics import DiskMetrics
 
 log = logging.getLogger("radix")
 

@@ -39,7 +39,7 @@ from proxy.core.arena import RangeAllocator, aligned
 from proxy.core.payload import KvLayout, blob_size, parse_blob, write_blob, write_rows_blob
 from proxy.core.segment import KvSegment
 from proxy.errors import ConfigError, FallbackCause, KvMoveError
-from proxy.server.paydir import PAYLOAD_SUFFIX, private_dir_fd
+from proxy.server.dataplane.paydir import PAYLOAD_SUFFIX, private_dir_fd
 
 log = logging.getLogger("radix")
 

@@ -20,20 +20,20 @@ from proxy.core.payload import KvLayout
 from proxy.core.radix import RadixTree
 from proxy.core.resident import ResidentIndex
 from proxy.errors import ConfigError, FallbackCause, KvMoveError, PayloadError, RadixError
-from proxy.server.arena import Arena, is_shared_memory
-from proxy.server.backend import ServerClient
 from proxy.server.coordinator import Coordinator, KvPlace, ServerState, SlotState
-from proxy.server.disk import DiskTier, compat_key
-from proxy.server.kvctl import Caps, KvctlReplyError, SeqInfo
-from proxy.server.layoutcheck import LayoutCheckDeferred, LayoutChecks
+from proxy.server.dataplane.arena import Arena, is_shared_memory
+from proxy.server.dataplane.backend import ServerClient
+from proxy.server.dataplane.kvctl import Caps, KvctlReplyError, SeqInfo
+from proxy.server.dataplane.layoutcheck import LayoutCheckDeferred, LayoutChecks
+from proxy.server.dataplane.mover import KvMover
+from proxy.server.dataplane.netlocal import is_local_host
+from proxy.server.dataplane.paydir import check_private_dir, private_dir_fd
+from proxy.server.dataplane.sharing import Sharing
+from proxy.server.http.recorder import Recorder
 from proxy.server.metrics import Metrics
-from proxy.server.models import ModelEntry, compat_ns
-from proxy.server.mover import KvMover
-from proxy.server.netlocal import is_local_host
-from proxy.server.paydir import check_private_dir, private_dir_fd
-from proxy.server.recorder import Recorder
-from proxy.server.runtime import Runtime
-from proxy.server.sharing import Sharing
+from proxy.server.ops.models import ModelEntry, compat_ns
+from proxy.server.ops.runtime import Runtime
+from proxy.server.tiers.disk import DiskTier, compat_key
 from proxy.tokenizer import CORPUS, probe
 from proxy.tokenizer.template import TemplateProbe, probe_template
 

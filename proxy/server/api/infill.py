@@ -30,10 +30,10 @@ from proxy.core.infill import (
     infill_prompt,
 )
 from proxy.errors import BadRequest, NotSupported, Unavailable
-from proxy.server.front import cache_namespace
-from proxy.server.models import ModelEntry, pick_model
-from proxy.server.routes import _read_json, _steered
-from proxy.server.runtime import RUNTIME, Runtime
+from proxy.server.api.routes import _read_json, _steered
+from proxy.server.http.front import cache_namespace
+from proxy.server.ops.models import ModelEntry, pick_model
+from proxy.server.ops.runtime import RUNTIME, Runtime
 
 INFILL_FIELDS = ("input_prefix", "input_suffix", "input_extra")
 COMPLETION_PATH = "/completion"

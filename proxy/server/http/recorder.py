@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from proxy.server.front import SALT_FIELD
+from proxy.server.http.front import SALT_FIELD
 
 
 class Recorder:

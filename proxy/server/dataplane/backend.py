@@ -15,7 +15,7 @@ import orjson
 
 from proxy.core.payload import tokens_sha256
 from proxy.errors import BackendError, FallbackCause, KvMoveError, RadixError
-from proxy.server.kvctl import (
+from proxy.server.dataplane.kvctl import (
     Caps,
     Cells,
     CheckpointReply,
@@ -28,7 +28,7 @@ from proxy.server.kvctl import (
     SeqInfo,
     Slots,
 )
-from proxy.server.wire import json_or_error
+from proxy.server.dataplane.wire import json_or_error
 
 log = logging.getLogger("radix")
 
@@ -58,7 +58,7 @@ def move_timeout_s(nbytes: int) -> float:
 
 class ServerClient:
     """The HTTP client of one llama-server: its plain API and its /kvctl routes, whose replies
-    are parsed into typed replies (proxy/server/kvctl.py) here. All KV moves on it are
+    are parsed into typed replies (proxy/server/dataplane/kvctl.py) here. All KV moves on it are
     serialized by the coordinator's lock."""
 
     def __init__(

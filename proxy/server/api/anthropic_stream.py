@@ -19,8 +19,8 @@ from typing import Any
 
 import orjson
 
-from proxy.server.anthropic import error_body, event, stop_reason, usage
-from proxy.server.wire import LineSplitter
+from proxy.server.api.anthropic import error_body, event, stop_reason, usage
+from proxy.server.dataplane.wire import LineSplitter
 
 
 class EventStream:

@@ -19,8 +19,8 @@ import numpy as np
 
 from proxy.core.payload import build_blob
 from proxy.errors import BackendError, FallbackCause, KvMoveError, RadixError
-from proxy.server.backend import ServerClient
-from proxy.server.mover import KvMover
+from proxy.server.dataplane.backend import ServerClient
+from proxy.server.dataplane.mover import KvMover
 
 log = logging.getLogger("radix")
 

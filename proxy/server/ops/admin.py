@@ -30,10 +30,9 @@ from aiohttp import web
 
 from proxy.errors import BadRequest, Forbidden, RadixError, Unauthorized
 from proxy.server.coordinator import Decision
-from proxy.server.disk_metrics import DEMOTE_FAILURES, DROP_CAUSES
-from proxy.server.metrics import DIRECTIONS, FALLBACK_CAUSES, ROUTES
-from proxy.server.observe import refresh_pool_gauges, server_json, set_resident
-from proxy.server.runtime import RUNTIME, Runtime
+from proxy.server.metrics import DEMOTE_FAILURES, DIRECTIONS, DROP_CAUSES, FALLBACK_CAUSES, ROUTES
+from proxy.server.ops.observe import refresh_pool_gauges, server_json, set_resident
+from proxy.server.ops.runtime import RUNTIME, Runtime
 
 log = logging.getLogger("radix")
 

@@ -16,8 +16,8 @@ import numpy as np
 from proxy.core.payload import tokens_sha256
 from proxy.core.resident import ResidentIndex
 from proxy.errors import FallbackCause, KvMoveError
-from proxy.server.kvctl import Cells
-from proxy.server.ports import KvServer
+from proxy.server.dataplane.kvctl import Cells
+from proxy.server.dataplane.ports import KvServer
 
 log = logging.getLogger("radix")
 

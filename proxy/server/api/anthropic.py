@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 
 from proxy.errors import BadRequest, RadixError
-from proxy.server.wire import json_or_error
+from proxy.server.dataplane.wire import json_or_error
 
 CHAT_PATH = "/v1/chat/completions"
 BILLING_PREFIX = "x-anthropic-billing-header:"

@@ -19,10 +19,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from proxy.config import Config
 from proxy.errors import BackendError, BadRequest, NotFound, RequestTimeout, TooLarge
-from proxy.server.admin import refuse_admin
-from proxy.server.backend import ServerClient
+from proxy.server.api.shapes import AnswerShape, check_prompt_count
 from proxy.server.coordinator import Lease, RestoreAbandoned
-from proxy.server.forward import (
+from proxy.server.dataplane.backend import ServerClient
+from proxy.server.http.forward import (
     HOP_HEADERS,
     NoRoom,
     NotStarted,
@@ -31,7 +31,7 @@ from proxy.server.forward import (
     forward_headers,
     read_capped,
 )
-from proxy.server.front import (
+from proxy.server.http.front import (
     cache_namespace,
     check_one_answer,
     hide_cache_info_request,
@@ -39,11 +39,11 @@ from proxy.server.front import (
     prompt_token_ids,
     refusal,
 )
-from proxy.server.limits import check_request
-from proxy.server.models import ModelEntry, models_listing, pick_model, with_model
-from proxy.server.observe import refresh_metrics
-from proxy.server.runtime import RUNTIME, Runtime
-from proxy.server.shapes import AnswerShape, check_prompt_count
+from proxy.server.http.limits import check_request
+from proxy.server.ops.admin import refuse_admin
+from proxy.server.ops.models import ModelEntry, models_listing, pick_model, with_model
+from proxy.server.ops.observe import refresh_metrics
+from proxy.server.ops.runtime import RUNTIME, Runtime
 
 log = logging.getLogger("radix")
 
@@ -326,7 +326,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    """Every model the proxy can serve, under the operator's names (``proxy/server/models.py``)."""
+    """Every model the proxy can serve, under the operator's names (``proxy/server/ops/models.py``)."""
     return web.json_response(models_listing(request.app[RUNTIME].models))
 
 
