@@ -19,9 +19,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from proxy.config import Config
 from proxy.errors import BackendError, BadRequest, NotFound, RequestTimeout, TooLarge
-from proxy.server.api.shapes import AnswerShape, check_prompt_count
+from proxy.server.api.shapes import check_prompt_count
 from proxy.server.coordinator import Lease, RestoreAbandoned
 from proxy.server.dataplane.backend import ServerClient
+from proxy.server.http.answer import AnswerShape
 from proxy.server.http.forward import (
     HOP_HEADERS,
     NoRoom,

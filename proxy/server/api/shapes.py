@@ -1,8 +1,8 @@
 """The shape of an answer on its way back to the client, one per API.
 
-:class:`AnswerShape` is the OpenAI / llama-server shape the server already writes: the
-answer is passed on, with cache information stripped when it is hidden (``--cache-info
-off``). :class:`AnthropicShape` rewrites a chat answer as Anthropic Messages
+:class:`AnswerShape` (``proxy/server/http/answer.py``) is the OpenAI / llama-server shape the
+server already writes: the answer is passed on, with cache information stripped when it is
+hidden (``--cache-info off``). :class:`AnthropicShape` rewrites a chat answer as Anthropic Messages
 (``proxy/server/api/anthropic.py``); :class:`ResponsesShape` passes the server's Responses
 answer on and strips every field that tells how much of the prompt was cached.
 """
@@ -10,51 +10,17 @@ answer on and strips every field that tells how much of the prompt was cached.
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 
 from proxy.server.api.anthropic import convert_error, message_of
 from proxy.server.api.anthropic_stream import EventStream
 from proxy.server.dataplane.wire import LineSplitter
-from proxy.server.http.front import SseStripper, strip_cache_info_raw
+from proxy.server.http.answer import AnswerShape, Rewriter, _loads
 from proxy.server.metrics import Metrics
 
 log = logging.getLogger("radix")
-
-
-class Rewriter(Protocol):
-    def feed(self, chunk: bytes) -> bytes: ...
-    def flush(self) -> bytes: ...
-
-
-def _loads(raw: bytes) -> Any:
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-
-
-class AnswerShape:
-    """The server's answer as it wrote it (OpenAI chat and completions, llama.cpp's own)."""
-
-    api = "openai"
-
-    def __init__(self, show: bool) -> None:
-        self.show = show
-
-    def timings(self, raw: bytes) -> dict[str, Any] | None:
-        """The server's ``timings`` (``cache_n``, ``prompt_n``) of a non-streamed answer."""
-        data = _loads(raw)
-        timings = data.get("timings") if isinstance(data, dict) else None
-        return timings if isinstance(timings, dict) else None
-
-    def answer(self, raw: bytes, status: int) -> bytes:
-        return raw if self.show else strip_cache_info_raw(raw)
-
-    def stream(self) -> Rewriter | None:
-        """What rewrites a streamed answer, None to pass it on unchanged."""
-        return None if self.show else SseStripper()
 
 
 class AnthropicShape(AnswerShape):

@@ -23,9 +23,9 @@ import orjson
 from aiohttp import web
 
 from proxy.errors import BackendError
-from proxy.server.api.shapes import AnswerShape
 from proxy.server.coordinator import Lease
 from proxy.server.dataplane.wire import LineSplitter
+from proxy.server.http.answer import AnswerShape
 
 CLIENT_WRITE_TIMEOUT_S = 120.0  # a client that takes no byte for this long is gone: cut it
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding"}
