@@ -13,7 +13,8 @@ import pytest
 from proxy.core.planner import Route
 from proxy.errors import FallbackCause, KvMoveError
 from proxy.server.coordinator import ServerState
-from proxy.server.dataplane.kvctl import CheckpointReply, RestoreReply, SeqInfo, Slots
+from proxy.server.dataplane.kvctl import SeqInfo, Slots
+from proxy.server.dataplane.kvctl_moves import CheckpointReply, RestoreReply
 from proxy.server.ops.health import HealthMonitor
 from tests.unit.test_coordinator import FakeServer, check, coordinator, server, toks
 

@@ -25,15 +25,8 @@ from proxy.core.radix import RadixTree, Spill
 from proxy.errors import FallbackCause, KvMoveError, RejectReason, TooManyRequests, Unavailable
 from proxy.server.coordinator import Coordinator, Lease, RestoreAbandoned, ServerState, SlotState
 from proxy.server.coordinator import scan as scan_module
-from proxy.server.dataplane.kvctl import (
-    Cells,
-    CheckpointReply,
-    EraseReply,
-    ReleaseReply,
-    RestoreReply,
-    SeqInfo,
-    Slots,
-)
+from proxy.server.dataplane.kvctl import Cells, SeqInfo, Slots
+from proxy.server.dataplane.kvctl_moves import CheckpointReply, EraseReply, ReleaseReply, RestoreReply
 from proxy.server.metrics import REJECT_REASONS, DiskMetrics, Metrics
 from proxy.server.tiers.disk import DiskTier
 

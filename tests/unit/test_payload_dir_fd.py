@@ -56,7 +56,7 @@ def test_a_server_holding_another_directory_under_our_name_gets_no_payload_files
     """caps' dir_id (device:inode of the directory the server holds open) must be the one our
     mover holds: the same name is not enough (it may have been swapped between the two opens)."""
     from proxy.config import parse_backend
-    from proxy.server.ops.startup import _payload_dir
+    from proxy.server.ops.connect import _payload_dir
 
     ours = tmp_path / "payloads"
     ours.mkdir(mode=0o700)

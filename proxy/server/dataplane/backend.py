@@ -15,18 +15,14 @@ import orjson
 
 from proxy.core.payload import tokens_sha256
 from proxy.errors import BackendError, FallbackCause, KvMoveError, RadixError
-from proxy.server.dataplane.kvctl import (
-    Caps,
-    Cells,
+from proxy.server.dataplane.kvctl import Caps, Cells, KvRoute, SeqInfo, Slots
+from proxy.server.dataplane.kvctl_moves import (
     CheckpointReply,
     EraseReply,
     ExportReply,
     ImportReply,
-    KvRoute,
     ReleaseReply,
     RestoreReply,
-    SeqInfo,
-    Slots,
 )
 from proxy.server.dataplane.wire import json_or_error
 

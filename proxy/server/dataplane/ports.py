@@ -16,15 +16,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from proxy.core.payload import KvLayout, KvSegment
-from proxy.server.dataplane.kvctl import (
-    Cells,
-    CheckpointReply,
-    EraseReply,
-    ReleaseReply,
-    RestoreReply,
-    SeqInfo,
-    Slots,
-)
+from proxy.server.dataplane.kvctl import Cells, SeqInfo, Slots
+from proxy.server.dataplane.kvctl_moves import CheckpointReply, EraseReply, ReleaseReply, RestoreReply
 
 
 class KvServer(Protocol):
