@@ -145,7 +145,7 @@ class Config:
     backend_read_timeout_s: float = 600.0
     # On the first SIGTERM/SIGINT, in-flight requests get this long to finish.
     shutdown_grace_s: float = 30.0
-    # The event loop: "auto" (uvloop when installed), "uvloop" or "asyncio" (proxy/server/eventloop.py).
+    # The event loop: "auto" (uvloop when installed), "uvloop" or "asyncio" (proxy/server/ops/eventloop.py).
     event_loop: str = "auto"
 
     @property

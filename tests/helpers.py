@@ -16,9 +16,9 @@ from prometheus_client import CollectorRegistry
 
 from proxy.config import Config
 from proxy.native.launch import ServerProcess, free_port
-from proxy.server import eventloop
 from proxy.server.app import RUNTIME, build_app, start_site
-from proxy.server.runtime import Runtime
+from proxy.server.ops import eventloop
+from proxy.server.ops.runtime import Runtime
 
 T = TypeVar("T")
 

@@ -31,11 +31,11 @@ from prometheus_client import CollectorRegistry
 from proxy.config import Config
 from proxy.core.payload import KvLayout, blob_size
 from proxy.errors import FallbackCause
-from proxy.server.arena import Arena
-from proxy.server.backend import MOVE_BASE_S, ServerClient
-from proxy.server.kvctl import KvRoute
+from proxy.server.dataplane.arena import Arena
+from proxy.server.dataplane.backend import MOVE_BASE_S, ServerClient
+from proxy.server.dataplane.kvctl import KvRoute
+from proxy.server.dataplane.mover import INLINE_LIMIT, KvMover
 from proxy.server.metrics import ARENA_PATHS, Metrics
-from proxy.server.mover import INLINE_LIMIT, KvMover
 from proxy.traffic.text import prose, seeded
 
 DEFAULT_SIZES = (512, 2048, 8192)

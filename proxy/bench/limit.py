@@ -181,7 +181,7 @@ def chat_body(path: str, body: Mapping[str, Any]) -> dict[str, Any]:
     """The OpenAI chat body the server computes for a request to ``path`` (``/v1/messages``
     bodies converted as llama-server converts them)."""
     if path.rstrip("/").endswith("/messages"):
-        from proxy.server.anthropic import to_chat
+        from proxy.server.api.anthropic import to_chat
 
         return to_chat(dict(body))
     return dict(body)

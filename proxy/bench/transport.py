@@ -45,7 +45,7 @@ async def warm_slot0(server_url: str, n_tokens: int) -> None:
     import aiohttp
 
     from proxy.bench.kvbench import _tokens
-    from proxy.server.backend import ServerClient
+    from proxy.server.dataplane.backend import ServerClient
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
         backend = ServerClient(server_url, session)

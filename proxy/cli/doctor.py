@@ -57,7 +57,7 @@ async def check_server(
     """Check one llama-server for use behind the proxy; every problem comes with its fix."""
     import aiohttp
 
-    from proxy.server.backend import ServerClient
+    from proxy.server.dataplane.backend import ServerClient
 
     timeout = aiohttp.ClientTimeout(total=60, sock_connect=5)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -145,7 +145,7 @@ async def _doctor(
     model_path = Path(str(props.get("model_path", "")))
 
     # 3. /kvctl: the patch, its flags and capabilities
-    from proxy.server.kvctl import Caps, KvRoute
+    from proxy.server.dataplane.kvctl import Caps, KvRoute
 
     caps: dict[str, Any] | None = None
     try:
@@ -336,7 +336,7 @@ def _caps_checks(caps: dict[str, Any], shm_dir: Path | None, layout_cls: Any) ->
 
 async def _template_check(backend: Any) -> Check:
     """Whether the proxy will render chat templates itself (the startup probe, as a check)."""
-    from proxy.server.startup import probe_chat_template
+    from proxy.server.ops.startup import probe_chat_template
 
     try:
         found = await probe_chat_template(backend)

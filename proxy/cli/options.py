@@ -21,7 +21,7 @@ import click
 
 from proxy.config import Config
 from proxy.native.build import BACKENDS, BuildSpec
-from proxy.server.eventloop import EVENT_LOOPS
+from proxy.server.ops.eventloop import EVENT_LOOPS
 
 #: Backends ``radixctl build`` can compile llama-server for.
 BUILD_BACKENDS = list(BACKENDS)

@@ -31,11 +31,11 @@ from proxy.native.build import build_server, spec_for
 from proxy.native.fetch import cache_root, say
 from proxy.native.launch import ServerProcess, ServerSpec, check_port_free, free_port
 from proxy.native.modelref import resolve_model
-from proxy.server import eventloop
 from proxy.server.app import RUNTIME, build_app, start_site
-from proxy.server.arena import sweep_stale_arenas
-from proxy.server.paydir import check_private_dir, make_private_dir, remove_payloads
-from proxy.server.runtime import Runtime
+from proxy.server.dataplane.arena import sweep_stale_arenas
+from proxy.server.dataplane.paydir import check_private_dir, make_private_dir, remove_payloads
+from proxy.server.ops import eventloop
+from proxy.server.ops.runtime import Runtime
 
 
 def _config(backends: tuple[str, ...], **kw: Any) -> Config:
@@ -284,7 +284,7 @@ async def _until_healthy(server: ServerProcess, timeout_s: float) -> None:
 
 def _payload_dir(given: Path | None, port: int) -> Path:
     """The operator's --shm-dir (created 0700 if missing), or a new one of ours; either checked
-    (proxy/server/paydir.py)."""
+    (proxy/server/dataplane/paydir.py)."""
     if given is None:
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         sweep_stale_arenas(base, f"radix-{os.getuid()}-")  # killed runs' arenas, each --cache-ram

@@ -1,7 +1,7 @@
 """The arena's bookkeeping: byte ranges of one shared-memory region, and the chunks of a move.
 
 The host tree's KV lives in one region made and faulted in once at startup
-(proxy/server/arena.py). Same-host servers map it too: an export writes each chunk's payload
+(proxy/server/dataplane/arena.py). Same-host servers map it too: an export writes each chunk's payload
 blob straight into a range the proxy reserved, and an import reads whole chunks from where
 they lie, so a move is one copy (docs/design.md, "The arena"). This module is the pure part:
 which ranges are free, and where a move's chunks start and end.

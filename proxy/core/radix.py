@@ -163,7 +163,7 @@ class RadixTree:
     def __init__(self, budget_bytes: int, layout: KvLayout | None = None) -> None:
         self.budget_bytes = budget_bytes
         # Given: every namespace must use it. None: each namespace takes the layout of its first
-        # insert (several models, each in its own namespace: proxy/server/models.py), and
+        # insert (several models, each in its own namespace: proxy/server/ops/models.py), and
         # ``layout`` reports the first one seen.
         self.layout = layout
         self._fixed_layout = layout is not None

@@ -21,17 +21,17 @@ from prometheus_client import CollectorRegistry
 
 from proxy.config import Config
 from proxy.errors import BackendError, ConfigError, RadixError, RequestTimeout, TooLarge
-from proxy.server.admin import add_admin_routes
-from proxy.server.apis import add_api_routes
-from proxy.server.connections import ConnectionLimits, GuardedSite, raise_file_limit
-from proxy.server.embeddings import add_embedding_routes
-from proxy.server.health import HealthMonitor
-from proxy.server.infill import add_infill_routes
-from proxy.server.observe import summary_loop
-from proxy.server.recorder import Recorder
-from proxy.server.routes import add_catch_all, add_routes, metrics_port_only, plain_paths_only
-from proxy.server.runtime import RUNTIME, Runtime
-from proxy.server.startup import connect_pending, create_runtime
+from proxy.server.api.agents import add_api_routes
+from proxy.server.api.embeddings import add_embedding_routes
+from proxy.server.api.infill import add_infill_routes
+from proxy.server.api.routes import add_catch_all, add_routes, metrics_port_only, plain_paths_only
+from proxy.server.http.connections import ConnectionLimits, GuardedSite, raise_file_limit
+from proxy.server.http.recorder import Recorder
+from proxy.server.ops.admin import add_admin_routes
+from proxy.server.ops.health import HealthMonitor
+from proxy.server.ops.observe import summary_loop
+from proxy.server.ops.runtime import RUNTIME, Runtime
+from proxy.server.ops.startup import connect_pending, create_runtime
 
 log = logging.getLogger("radix")
 

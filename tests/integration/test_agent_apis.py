@@ -20,8 +20,8 @@ import openai
 import pytest
 
 from proxy.native.launch import ServerProcess
-from proxy.server import anthropic as convert
-from proxy.server import responses as responses_convert
+from proxy.server.api import anthropic as convert
+from proxy.server.api import responses as responses_convert
 from tests.helpers import NEAR_TIE_NATS, ProxyThread, Reply, ServerFactory, answer_tokens, post, proxy_config
 from tests.integration.test_proxy import document
 

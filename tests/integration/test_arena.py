@@ -19,10 +19,10 @@ from proxy.core.arena import chunk_bounds
 from proxy.core.payload import KvLayout, KvSegment, build_blob
 from proxy.errors import FallbackCause, KvMoveError
 from proxy.native.launch import ServerProcess
-from proxy.server.arena import Arena, ArenaBlock
-from proxy.server.backend import ServerClient
+from proxy.server.dataplane.arena import Arena, ArenaBlock
+from proxy.server.dataplane.backend import ServerClient
+from proxy.server.dataplane.mover import KvMover
 from proxy.server.metrics import Metrics
-from proxy.server.mover import KvMover
 from tests.helpers import ProxyThread, ServerFactory, prefill_slot, proxy_config, request
 
 PROMPT = (

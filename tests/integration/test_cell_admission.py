@@ -69,7 +69,7 @@ def test_a_wave_larger_than_the_pool_is_served_without_running_out_of_cells(
             assert sum(prompts) + 4 * ANSWER > POOL  # the wave does not fit at once
 
         def books(rt: object) -> tuple[int, int, int]:
-            from proxy.server.runtime import Runtime
+            from proxy.server.ops.runtime import Runtime
 
             assert isinstance(rt, Runtime)
             rt.coordinator.leases.check_invariants()

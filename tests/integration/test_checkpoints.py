@@ -17,7 +17,7 @@ import pytest
 
 from proxy.core.payload import tokens_sha256
 from proxy.native.launch import ServerProcess
-from proxy.server.runtime import Runtime
+from proxy.server.ops.runtime import Runtime
 from tests.helpers import ProxyThread, ServerFactory, assert_same_answer, get, post, proxy_config
 from tests.integration.test_architectures import KV_CONFIGS, _ask, _fallbacks, _from_scratch, _kvctl
 from tests.integration.test_proxy import convo, document

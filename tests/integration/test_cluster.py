@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from proxy.native.launch import ServerProcess
-from proxy.server.runtime import Runtime
+from proxy.server.ops.runtime import Runtime
 from tests.helpers import (
     ProxyThread,
     Reply,

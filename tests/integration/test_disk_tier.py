@@ -27,8 +27,8 @@ import pytest
 
 from proxy.core.diskindex import HEADER_BYTES, SUFFIX, decode_header, encode_header, sha
 from proxy.native.launch import ServerProcess
-from proxy.server.admin import tiers as tiers_of
-from proxy.server.disk_files import default_key_file
+from proxy.server.ops.admin import tiers as tiers_of
+from proxy.server.tiers.disk_files import default_key_file
 from tests.helpers import ProxyThread, Reply, ServerFactory, assert_same_answer, chat_body, post, proxy_config
 from tests.integration.test_proxy import convo, document
 
@@ -233,7 +233,7 @@ _SLOW_WRITER = textwrap.dedent(
     import numpy as np
     from proxy.core.payload import KvLayout, KvSegment
     from proxy.core.radix import Spill
-    from proxy.server import disk_files
+    from proxy.server.tiers import disk_files
 
     def stalled_fsync(fd):  # a disk that takes forever: the bytes are written, not yet synced
         print("writing", flush=True)

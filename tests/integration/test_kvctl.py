@@ -31,7 +31,7 @@ import pytest
 
 from proxy.core.payload import tokens_sha256
 from proxy.native.launch import PROXY_SERVER_ARGS, ServerProcess, free_port
-from proxy.server.kvctl import Caps
+from proxy.server.dataplane.kvctl import Caps
 from tests.helpers import NEAR_TIE_NATS, Reply, ServerFactory, chat_body, request
 
 # Story text: greedy continuations of N_PREDICT tokens without an early end of text, and no

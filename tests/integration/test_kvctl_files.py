@@ -22,9 +22,9 @@ from prometheus_client import CollectorRegistry
 from proxy.core.payload import KvLayout, KvSegment, tokens_sha256
 from proxy.errors import FallbackCause, KvMoveError
 from proxy.native.launch import ServerProcess
-from proxy.server.backend import ServerClient
+from proxy.server.dataplane.backend import ServerClient
+from proxy.server.dataplane.mover import KvMover
 from proxy.server.metrics import Metrics
-from proxy.server.mover import KvMover
 from tests.helpers import ServerFactory, prefill_slot, request
 
 PROMPT = (

@@ -32,7 +32,7 @@ from proxy.config import Config
 from proxy.core.payload import blob_size
 from proxy.native.launch import ServerProcess, free_port
 from proxy.server.metrics import FALLBACK_CAUSES, ROUTES
-from proxy.server.observe import cache_summary, refresh_metrics
+from proxy.server.ops.observe import cache_summary, refresh_metrics
 from tests.helpers import ProxyThread, Reply, ServerFactory, get, post, request
 
 ROOT = Path(__file__).resolve().parents[2]

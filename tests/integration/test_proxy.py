@@ -148,7 +148,7 @@ def test_restored_kv_is_byte_identical_to_saved(proxy: ProxyThread) -> None:
     slot, cached = int(got.headers["X-Radix-Slot"]), int(got.headers["X-Radix-Cached-Tokens"])
 
     async def compare(rt: object) -> bool:
-        from proxy.server.runtime import Runtime
+        from proxy.server.ops.runtime import Runtime
 
         assert isinstance(rt, Runtime)
         server = rt.coordinator.servers[0]

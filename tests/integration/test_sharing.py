@@ -62,7 +62,7 @@ def reference(stock_server: ServerProcess, messages: list[dict[str, str]], n: in
 
 def invariants(proxy: ProxyThread) -> None:
     def check(rt: object) -> None:
-        from proxy.server.runtime import Runtime
+        from proxy.server.ops.runtime import Runtime
 
         assert isinstance(rt, Runtime)
         rt.coordinator.tree.check_invariants()

@@ -19,7 +19,7 @@ from proxy.core.admission import (
 from proxy.core.payload import KvSegment
 from proxy.core.planner import Plan, Route
 from proxy.server.coordinator import Coordinator, Lease, ServerState
-from proxy.server.kvctl import Cells
+from proxy.server.dataplane.kvctl import Cells
 from tests.unit.test_coordinator import (
     LAYOUT,
     FakeSharing,

@@ -10,10 +10,10 @@ import orjson
 import pytest
 
 from proxy.errors import BadRequest, TooLarge, Unavailable
-from proxy.server import anthropic, responses
-from proxy.server.anthropic_stream import EventStream
-from proxy.server.front import api_key
-from proxy.server.shapes import AnthropicShape, ResponsesShape, strip_deep
+from proxy.server.api import anthropic, responses
+from proxy.server.api.anthropic_stream import EventStream
+from proxy.server.api.shapes import AnthropicShape, ResponsesShape, strip_deep
+from proxy.server.http.front import api_key
 
 pytestmark = pytest.mark.unit
 
@@ -381,8 +381,8 @@ def test_x_api_key_is_the_api_key() -> None:
 def test_a_prompt_the_server_counted_otherwise_is_counted() -> None:
     from prometheus_client import CollectorRegistry
 
+    from proxy.server.api.shapes import check_prompt_count
     from proxy.server.metrics import Metrics
-    from proxy.server.shapes import check_prompt_count
 
     metrics = Metrics(CollectorRegistry(), ("s0",))
     assert check_prompt_count(metrics, "responses", 15, {"cache_n": 12, "prompt_n": 3}, "r1")

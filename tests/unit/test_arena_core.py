@@ -121,7 +121,7 @@ def test_a_whole_block_segment_keeps_nothing_extra_and_a_slice_does() -> None:
     plain = parse_blob(np.frombuffer(bytearray(blob), np.uint8), LAYOUT, view=True)
     assert plain.keeps_extra()  # a plain buffer: its headers count against the segment
 
-    # What the arena's blocks are (proxy/server/arena.py): a ctypes array that knows its KV bytes.
+    # What the arena's blocks are (proxy/server/dataplane/arena.py): a ctypes array that knows its KV bytes.
     block_type: Any = type("Block", (ctypes.c_ubyte * len(blob),), {"kv_nbytes": -1})
     home: Any = block_type.from_buffer_copy(blob)
     view = parse_blob(np.frombuffer(home, np.uint8), LAYOUT, view=True)

@@ -1,4 +1,4 @@
-"""The arena file (proxy/server/arena.py): made and mapped at startup, blocks freed when the
+"""The arena file (proxy/server/dataplane/arena.py): made and mapped at startup, blocks freed when the
 last view of them goes, quarantine, stale arenas of dead proxies, a clear error when there is
 no room."""
 
@@ -20,8 +20,8 @@ import pytest
 from proxy.core.payload import KvLayout, KvSegment, build_blob, parse_blob
 from proxy.core.radix import RadixTree
 from proxy.errors import FallbackCause, KvMoveError
-from proxy.server.arena import ARENA_PREFIX, Arena, is_shared_memory, page_note, sweep_stale_arenas
-from proxy.server.paydir import make_private_dir
+from proxy.server.dataplane.arena import ARENA_PREFIX, Arena, is_shared_memory, page_note, sweep_stale_arenas
+from proxy.server.dataplane.paydir import make_private_dir
 
 LAYOUT = KvLayout(2, (1, 1), (8, 8), (1, 1), False, (8, 8), (0, 0), (0, 0))
 MIB = 1 << 20
@@ -111,7 +111,7 @@ def test_arenas_of_dead_proxies_are_removed_live_ones_kept(shm: Path) -> None:
         [
             sys.executable,
             "-c",
-            f"from proxy.server.arena import Arena; from pathlib import Path; Arena.create(Path({str(shm)!r}), 1 << 20)",
+            f"from proxy.server.dataplane.arena import Arena; from pathlib import Path; Arena.create(Path({str(shm)!r}), 1 << 20)",
         ],
         check=True,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
@@ -126,7 +126,7 @@ def test_arenas_of_dead_proxies_are_removed_live_ones_kept(shm: Path) -> None:
 def test_no_room_is_a_startup_error_naming_the_size_and_the_fix(shm: Path) -> None:
     # A file size limit below the arena (as a full or small tmpfs would): posix_fallocate fails.
     code = (
-        "import resource, signal; from pathlib import Path; from proxy.server.arena import Arena\n"
+        "import resource, signal; from pathlib import Path; from proxy.server.dataplane.arena import Arena\n"
         "from proxy.errors import ConfigError\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
@@ -219,7 +219,7 @@ def test_up_sweeps_the_arenas_of_killed_runs_in_their_own_directories(shm: Path)
     dead, live, other, empty = (
         make_private_dir(shm, p) for p in ("radix-0-1-", "radix-0-2-", "keep-", "radix-0-3-")
     )
-    code = "from proxy.server.arena import Arena; from pathlib import Path; import sys; Arena.create(Path(sys.argv[1]), 1 << 20)"
+    code = "from proxy.server.dataplane.arena import Arena; from pathlib import Path; import sys; Arena.create(Path(sys.argv[1]), 1 << 20)"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     for path in (dead, other):  # a proxy that died there
         subprocess.run([sys.executable, "-c", code, str(path)], check=True, env=env)
@@ -248,7 +248,7 @@ def test_disk_promotions_are_read_into_blocks_one_per_chunk(shm: Path, tmp_path:
     """KV read back from the disk tier lands in arena blocks cut as an export's chunks (whole
     blocks: imported in place later, and counted in the arena); with no room, in ordinary
     memory, counted under promote."""
-    from proxy.server.disk import DiskTier
+    from proxy.server.tiers.disk import DiskTier
     from tests.unit.test_disk_io import opened
 
     full: list[int] = []
@@ -368,7 +368,7 @@ def test_with_a_disk_tier_the_arena_holds_the_demotion_queue_too(tmp_path: Path)
     """Edges the tree evicted wait for their disk write in their blocks: outside the tree's
     budget, so the arena is --cache-ram plus the queue."""
     from proxy.config import Config
-    from proxy.server.startup import arena_bytes
+    from proxy.server.ops.startup import arena_bytes
 
     plain = Config(backends=("http://x",), cache_ram_mib=512)
     assert arena_bytes(plain) == plain.cache_bytes == 512 << 20

@@ -8,7 +8,7 @@ import pytest
 
 from proxy.bench.report import build_report, render_markdown
 from proxy.bench.waits import route_waits
-from proxy.server.forward import radix_headers, wait_header
+from proxy.server.http.forward import radix_headers, wait_header
 from proxy.traffic.runner import RequestResult, add_prefix_step, parse_waits
 from tests.unit.test_coordinator import coordinator, server, toks
 

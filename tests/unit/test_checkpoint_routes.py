@@ -13,8 +13,9 @@ import pytest
 from proxy.core.planner import Route
 from proxy.errors import FallbackCause, KvMoveError
 from proxy.server.coordinator import ServerState
-from proxy.server.health import HealthMonitor
-from proxy.server.kvctl import CheckpointReply, RestoreReply, SeqInfo, Slots
+from proxy.server.dataplane.kvctl import SeqInfo, Slots
+from proxy.server.dataplane.kvctl_moves import CheckpointReply, RestoreReply
+from proxy.server.ops.health import HealthMonitor
 from tests.unit.test_coordinator import FakeServer, check, coordinator, server, toks
 
 pytestmark = pytest.mark.unit

@@ -21,7 +21,7 @@ from proxy.cli.inspect import (
 from proxy.core.payload import KvLayout, KvSegment
 from proxy.core.radix import RadixTree
 from proxy.server.metrics import FALLBACK_CAUSES, ROUTES, Metrics
-from proxy.server.observe import cache_summary
+from proxy.server.ops.observe import cache_summary
 
 LAYOUT = KvLayout(2, (1, 1), (8, 8), (1, 1), False, (8, 8), (0, 0), (0, 0))
 

@@ -25,18 +25,10 @@ from proxy.core.radix import RadixTree, Spill
 from proxy.errors import FallbackCause, KvMoveError, RejectReason, TooManyRequests, Unavailable
 from proxy.server.coordinator import Coordinator, Lease, RestoreAbandoned, ServerState, SlotState
 from proxy.server.coordinator import scan as scan_module
-from proxy.server.disk import DiskTier
-from proxy.server.disk_metrics import DiskMetrics
-from proxy.server.kvctl import (
-    Cells,
-    CheckpointReply,
-    EraseReply,
-    ReleaseReply,
-    RestoreReply,
-    SeqInfo,
-    Slots,
-)
-from proxy.server.metrics import REJECT_REASONS, Metrics
+from proxy.server.dataplane.kvctl import Cells, SeqInfo, Slots
+from proxy.server.dataplane.kvctl_moves import CheckpointReply, EraseReply, ReleaseReply, RestoreReply
+from proxy.server.metrics import REJECT_REASONS, DiskMetrics, Metrics
+from proxy.server.tiers.disk import DiskTier
 
 pytestmark = pytest.mark.unit
 
@@ -531,8 +523,8 @@ def test_decision_summary_has_the_admin_fields() -> None:
 def test_describe_decision_shows_the_divergence_as_text() -> None:
     from types import SimpleNamespace
 
-    from proxy.server.admin import describe_decision
     from proxy.server.coordinator import Decision, Divergence
+    from proxy.server.ops.admin import describe_decision
 
     decode = SimpleNamespace(decode=lambda ids: "".join(chr(96 + i) for i in ids))
     runtime: Any = SimpleNamespace(

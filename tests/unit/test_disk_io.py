@@ -1,4 +1,4 @@
-"""The disk tier's I/O on real files (proxy/server/disk.py), with a real host tree: demotion
+"""The disk tier's I/O on real files (proxy/server/tiers/disk.py), with a real host tree: demotion
 on eviction, the copy at shutdown, the scan at start, checked promotion, atomic writes."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from prometheus_client import CollectorRegistry
 from proxy.core.diskindex import SUFFIX
 from proxy.core.payload import KvLayout, KvSegment
 from proxy.core.radix import RadixTree, Spill
-from proxy.server.disk import DiskTier
-from proxy.server.disk_files import default_key_file, load_secret, write_entry
-from proxy.server.disk_metrics import DiskMetrics
+from proxy.server.metrics import DiskMetrics
+from proxy.server.tiers.disk import DiskTier
+from proxy.server.tiers.disk_files import default_key_file, load_secret, write_entry
 
 LAYOUT = KvLayout(1, (1,), (8,), (1,), False, (8,), (0,), (0,))
 KEY = b"q" * 32

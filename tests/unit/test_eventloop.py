@@ -1,4 +1,4 @@
-"""The proxy's event loop choice (proxy/server/eventloop.py)."""
+"""The proxy's event loop choice (proxy/server/ops/eventloop.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from proxy.errors import ConfigError
-from proxy.server import eventloop
+from proxy.server.ops import eventloop
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from proxy.config import Config
 from proxy.errors import BadRequest
-from proxy.server import front
+from proxy.server.http import front
 
 pytestmark = pytest.mark.unit
 
@@ -57,7 +57,7 @@ def test_only_the_read_only_allowlist_passes(method: str, path: str, passes: boo
 def test_slot_endpoints_are_steered_not_refused() -> None:
     steered_paths = ("/infill", "/v1/embeddings", "/embeddings", "/embedding", "/v1/rerank", "/rerank")
     for steered in (*steered_paths, "/reranking", "/v1/reranking"):
-        assert steered not in front.REFUSED  # proxy/server/infill.py, proxy/server/embeddings.py
+        assert steered not in front.REFUSED  # proxy/server/api/infill.py, proxy/server/api/embeddings.py
 
 
 @pytest.mark.parametrize("body", [{"n": 2}, {"n_cmpl": 3}, {"n": 0}, {"n": "2"}, {"n": True}, {"n": 1.5}])
@@ -200,6 +200,6 @@ def test_no_other_route_reveals_cache_hits_when_hidden() -> None:
     ],
 )
 def test_admin_rule_names_this_host_by_a_loopback_name(host: str, loopback: bool) -> None:
-    from proxy.server.admin import loopback_host
+    from proxy.server.ops.admin import loopback_host
 
     assert loopback_host(host) is loopback

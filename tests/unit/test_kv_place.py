@@ -21,15 +21,16 @@ from proxy.config import Config
 from proxy.core.payload import KvSegment
 from proxy.core.planner import Route
 from proxy.core.segment import KvLayout
-from proxy.server import startup
+from proxy.server.api.routes import health
 from proxy.server.coordinator import KvPlace
-from proxy.server.health import HealthMonitor
-from proxy.server.kvctl import Caps, ExportReply, ImportReply
-from proxy.server.layoutcheck import LayoutChecks
+from proxy.server.dataplane.kvctl import Caps
+from proxy.server.dataplane.kvctl_moves import ExportReply, ImportReply
+from proxy.server.dataplane.layoutcheck import LayoutChecks
+from proxy.server.dataplane.mover import KvMover
 from proxy.server.metrics import Metrics
-from proxy.server.mover import KvMover
-from proxy.server.routes import health
-from proxy.server.runtime import RUNTIME
+from proxy.server.ops import connect
+from proxy.server.ops.health import HealthMonitor
+from proxy.server.ops.runtime import RUNTIME
 from tests.unit.test_coordinator import LAYOUT, FakeServer, check, coordinator, rows, server, toks
 from tests.unit.test_kvctl_replies import GOOD
 
@@ -64,10 +65,10 @@ def health_body(coord: Any) -> dict[str, Any]:
 
 def test_a_server_that_cannot_say_where_its_kv_lives_is_served_prefill_only() -> None:
     known = caps(GOOD["caps"]["memory"]["buffers"])
-    layout, off = startup._layout_or_why_not(known)
+    layout, off = connect._layout_or_why_not(known)
     assert layout is not None and off == ()
     for unknown in (caps([]), caps([{**GOOD["caps"]["memory"]["buffers"][0], "device": ""}]), caps()):
-        layout, off = startup._layout_or_why_not(unknown)
+        layout, off = connect._layout_or_why_not(unknown)
         assert layout is None and len(off) == 1 and "/kvctl/caps" in off[0], off
         assert KvPlace.from_caps(unknown).unknown == off[0]
     # As startup sets it up: the moves-off path, the same as a sliding window's.
@@ -140,12 +141,12 @@ class _Client:
 async def test_startup_serves_it_with_moves_off_and_says_why(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(startup, "ServerClient", _Client)
+    monkeypatch.setattr(connect, "ServerClient", _Client)
     config = Config(backends=("http://127.0.0.1:1",), kv_share=False)
     metrics = Metrics(CollectorRegistry(), ("s0",))
     with caplog.at_level(logging.WARNING, logger="radix"):
         session: Any = None  # never used: the client is replaced above
-        state = await startup._connect(
+        state = await connect._connect(
             config, "s0", "http://127.0.0.1:1", session, metrics, LayoutChecks(), None
         )
     assert not state.moves and "do not say where its KV lives" in state.moves_off[0]

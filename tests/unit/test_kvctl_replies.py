@@ -12,19 +12,14 @@ import numpy as np
 import pytest
 
 from proxy.errors import FallbackCause, KvMoveError
-from proxy.server.kvctl import (
-    Caps,
-    Cells,
+from proxy.server.dataplane.kvctl import Caps, Cells, KvctlReplyError, KvRoute, SeqInfo, Slots
+from proxy.server.dataplane.kvctl_moves import (
     CheckpointReply,
     EraseReply,
     ExportReply,
     ImportReply,
-    KvctlReplyError,
-    KvRoute,
     ReleaseReply,
     RestoreReply,
-    SeqInfo,
-    Slots,
 )
 
 pytestmark = pytest.mark.unit

@@ -20,6 +20,11 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2] / "proxy"
 
+# What every part of the serving path may import from outside it.
+SERVER_BASE = ("proxy.errors", "proxy.config", "proxy.core", "proxy.tokenizer")
+# proxy.server's packages, top to bottom: each may import only those after it.
+SERVER_LAYERS = ("api", "ops", "http", "coordinator", "tiers", "dataplane", "metrics")
+
 # Which parts of the package each part may import (besides itself). The most specific
 # prefix of a module's name decides. Read top to bottom, this is the layer order.
 ALLOWED: dict[str, set[str]] = {
@@ -30,6 +35,14 @@ ALLOWED: dict[str, set[str]] = {
     "proxy.tokenizer": {"proxy.errors"},
     "proxy.native": {"proxy.errors"},
     "proxy.server": {"proxy.errors", "proxy.config", "proxy.core", "proxy.tokenizer"},
+    # The serving path's own layers (proxy/server/__init__.py), top to bottom: the composition
+    # root, the client APIs, operations, the HTTP path, the coordinator, the tiers below RAM,
+    # the data plane (the backend client), metrics.
+    "proxy.server.app": {*SERVER_BASE, *(f"proxy.server.{p}" for p in SERVER_LAYERS)},
+    **{
+        f"proxy.server.{part}": {*SERVER_BASE, *(f"proxy.server.{p}" for p in SERVER_LAYERS[i + 1 :])}
+        for i, part in enumerate(SERVER_LAYERS)
+    },
     "proxy.cli": {
         "proxy.errors",
         "proxy.config",
@@ -135,6 +148,16 @@ def allowed(importer: str, imported: str) -> bool:
 def test_the_module_list_is_complete() -> None:
     for must in ("proxy.core.radix", "proxy.server.app", "proxy.server.coordinator", "proxy.cli.main"):
         assert must in MODULES
+
+
+def test_every_server_module_is_in_a_layer() -> None:
+    """Nothing in proxy.server outside its packages but the composition root (``app``)."""
+    loose = sorted(
+        name for name in MODULES if name.startswith("proxy.server.") and part_of(name) == "proxy.server"
+    )
+    assert not loose, f"modules of proxy.server in no layer: {loose}"
+    for part in SERVER_LAYERS:
+        assert f"proxy.server.{part}" in MODULES
 
 
 def test_imports_go_down_the_layers() -> None:

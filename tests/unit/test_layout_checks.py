@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 
 from proxy.errors import BackendError, FallbackCause, KvMoveError, PayloadError, RadixError
-from proxy.server import layoutcheck
-from proxy.server.layoutcheck import LayoutCheckDeferred, LayoutChecks, check_layout
+from proxy.server.dataplane import layoutcheck
+from proxy.server.dataplane.layoutcheck import LayoutCheckDeferred, LayoutChecks, check_layout
 
 BACKEND = types.SimpleNamespace(url="http://127.0.0.1:1")  # only its url is logged
 DEFERRED: list[BaseException] = [

@@ -9,8 +9,8 @@ import pytest
 
 from proxy.config import Config
 from proxy.errors import BadRequest
-from proxy.server import limits
-from proxy.server.front import parse_json
+from proxy.server.http import limits
+from proxy.server.http.front import parse_json
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Read-only pass-through requests take turns per server (proxy/server/runtime.py)."""
+"""Read-only pass-through requests take turns per server (proxy/server/ops/runtime.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from proxy.errors import Unavailable
-from proxy.server.runtime import PassthroughTurns
+from proxy.server.ops.runtime import PassthroughTurns
 
 
 def test_at_most_limit_run_at_once_per_server_and_a_waiter_past_the_deadline_gets_503() -> None:

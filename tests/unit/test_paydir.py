@@ -11,7 +11,7 @@ import pytest
 
 from proxy.cli.serve import _payload_dir
 from proxy.errors import ConfigError
-from proxy.server.paydir import check_private_dir, make_private_dir, remove_payloads
+from proxy.server.dataplane.paydir import check_private_dir, make_private_dir, remove_payloads
 
 pytestmark = pytest.mark.unit
 

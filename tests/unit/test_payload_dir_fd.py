@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from proxy.errors import ConfigError
-from proxy.server.paydir import private_dir_fd
-from proxy.server.payfile import PayloadFile
+from proxy.server.dataplane.paydir import private_dir_fd
+from proxy.server.dataplane.payfile import PayloadFile
 
 
 def test_a_directory_replaced_by_a_link_after_it_was_opened_is_not_written_through(tmp_path: Path) -> None:
@@ -56,7 +56,7 @@ def test_a_server_holding_another_directory_under_our_name_gets_no_payload_files
     """caps' dir_id (device:inode of the directory the server holds open) must be the one our
     mover holds: the same name is not enough (it may have been swapped between the two opens)."""
     from proxy.config import parse_backend
-    from proxy.server.startup import _payload_dir
+    from proxy.server.ops.connect import _payload_dir
 
     ours = tmp_path / "payloads"
     ours.mkdir(mode=0o700)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.server.recorder import Recorder
+from proxy.server.http.recorder import Recorder
 
 pytestmark = pytest.mark.unit
 

@@ -16,7 +16,7 @@ from proxy.core.routing import (
     worth_waiting,
 )
 from proxy.errors import BadRequest, NotFound
-from proxy.server.models import ModelEntry, compat_ns, models_listing, pick_model, with_model
+from proxy.server.ops.models import ModelEntry, compat_ns, models_listing, pick_model, with_model
 
 pytestmark = pytest.mark.unit
 

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from proxy.native.launch import NO_CORS_ARGS, ServerProcess, ServerSpec
-from proxy.server.backend import ServerClient
+from proxy.server.dataplane.backend import ServerClient
 
 pytestmark = pytest.mark.unit
 

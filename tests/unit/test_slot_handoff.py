@@ -26,7 +26,7 @@ from proxy.core.payload import KvSegment
 from proxy.core.planner import Route
 from proxy.errors import FallbackCause, KvMoveError
 from proxy.server.coordinator import Coordinator, Lease, ServerState
-from proxy.server.kvctl import Slots
+from proxy.server.dataplane.kvctl import Slots
 from tests.unit.test_coordinator import LAYOUT, FakeServer, check, coordinator, rows, server, toks
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""proxy/server/wire.py: the one line splitter of the streams and the one JSON-or-error reading
+"""proxy/server/dataplane/wire.py: the one line splitter of the streams and the one JSON-or-error reading
 of a server's body."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.server.anthropic import convert_error
-from proxy.server.wire import LineSplitter, json_or_error
+from proxy.server.api.anthropic import convert_error
+from proxy.server.dataplane.wire import LineSplitter, json_or_error
 
 pytestmark = pytest.mark.unit
 

@@ -5,9 +5,13 @@ Every mutation is one synchronous method, so no half-changed structure survives 
 use is pinned before an ``await`` and unpinned in ``finally``. Plans are made on pure
 data, the I/O is done, and state is committed only after the server confirmed.
 
-By job: ``leases`` (who gets which slot, the FIFO queue, the fan-out wait), ``moves``
-(a plan's KV moves, saving after the answer), ``decisions`` (typed records, metrics,
-the log line), ``scan`` (each request's common prefixes, computed once), ``state``.
+By job: ``leases`` (who gets which slot, the FIFO queue), ``fanout`` (the wait for a request
+in flight holding a longer prefix), ``waves`` (a wave's prefix step), ``moves`` (a plan's KV
+moves), ``saves`` (saving after the answer), ``decisions`` (typed records, metrics, the log
+line), ``scan`` (each request's common prefixes, computed once), ``state``.
+
+Above ``tiers``, ``dataplane`` and ``metrics``, which it may import (servers and movers
+mostly through the Protocols of ``dataplane.ports``); nothing of ``http``, ``ops`` or ``api``.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from proxy.server.coordinator.moves import KvMoves
 from proxy.server.coordinator.saves import KvSaves, SaveHooks
 from proxy.server.coordinator.scan import scan as scan_prefixes
 from proxy.server.coordinator.state import EMPTY, Lease, ServerState
-from proxy.server.disk import DiskTier
 from proxy.server.metrics import Metrics
+from proxy.server.tiers.disk import DiskTier
 
 log = logging.getLogger("radix")
 

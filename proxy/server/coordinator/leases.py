@@ -3,7 +3,7 @@
 A request gets a slot at once when nobody is queued and a plan exists, else it waits in a
 FIFO queue that every release serves from the front. Planning and leasing are one
 synchronous step, so a slot is never given twice. A request that shares a much longer
-prefix with a request still in flight waits for it first (``_blocker``).
+prefix with a request still in flight waits for it first (``_blocker``, ``fanout.py``).
 
 Every wait is bounded: the queue holds at most ``max_queue`` requests (429 past it), a
 queued request gets a slot within ``queue_timeout_s`` or a 503, and the wait for a request
@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
-import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -32,22 +31,17 @@ from proxy.core.admission import check_reservations
 from proxy.core.checkpoints import CheckpointStore
 from proxy.core.planner import Plan, PlanInput, Route, SlotView
 from proxy.core.planner import plan as choose_plan
-from proxy.core.prefix import common_prefix
 from proxy.core.radix import RadixTree
 from proxy.core.routing import (
     CostModel,
     ServerLoad,
     choose_server,
-    compute_s,
-    slowdown,
-    time_to_answer_s,
-    worth_waiting,
 )
 from proxy.errors import BadRequest, RejectReason, TooManyRequests, Unavailable
 from proxy.server.coordinator.decisions import divergence
+from proxy.server.coordinator.fanout import PrefixWaits
 from proxy.server.coordinator.scan import PrefixScan, ServerScan, scan
 from proxy.server.coordinator.state import EMPTY, Lease, ServerState, SlotState
-from proxy.server.coordinator.waves import patience_s
 
 
 @dataclass
@@ -78,7 +72,7 @@ def session_key(session: str) -> str:
     return hashlib.blake2b(session.encode(), digest_size=16).hexdigest() if session else ""
 
 
-class Leases:
+class Leases(PrefixWaits):
     def __init__(
         self,
         config: Config,
@@ -187,107 +181,6 @@ class Leases:
         elif not waiter.future.done():
             waiter.future.cancel()
 
-    async def _wait_for_shared_prefix(
-        self, tokens: np.ndarray, ns: str, scanned: PrefixScan | None = None
-    ) -> PrefixScan:
-        """Wait for a request in flight that holds a much longer prefix of this one than
-        anything available now, then reuse it instead of computing it again: a session's
-        next turn waits the few milliseconds its previous turn needs to save; requests that
-        arrive together with a common prefix compute it once (the others wait for the first
-        one's answer, then restore it) when that wait is shorter than computing it side by
-        side (``_worth_waiting``); and with sharing on (fan-out), k requests sharing a prefix
-        on a cold server compute it once. Returns the scan of the state the wait ended in."""
-        start = time.monotonic()
-        while True:
-            found = (
-                scanned
-                if scanned is not None
-                else scan(tokens, self.servers, self.tree, ns, self.checkpoints)
-            )
-            scanned = None  # after a wait the state may have changed: scan again
-            hit = self._blocker(found)
-            if hit is None:
-                return found
-            blocker, patience, split = hit
-            left = start + patience - time.monotonic()
-            if left <= 0:
-                return found
-            self.waiting_for_prefix += 1
-            blocker.split_waiters += split
-            try:
-                await asyncio.wait_for(blocker.wake.wait(), left)
-            except TimeoutError:
-                pass
-            finally:
-                self.waiting_for_prefix -= 1
-                blocker.split_waiters -= split
-
-    def _blocker(self, found: PrefixScan) -> tuple[Lease, float, bool] | None:
-        """The request in flight to wait for, and for how long at most (from the start of the
-        wait): ``fanout_wait_s`` for one finishing or with sharing on; for one still computing
-        it, twice what computing the prefix would take at the speed the blocker shows (a blocker
-        slower than its estimate means the server is: computing it now would be as slow), within
-        ``queue_timeout_s``."""
-        tokens = found.tokens
-        if len(tokens) == 0:
-            return None
-        gain = self.config.min_restore_tokens
-        available = found.best_available()
-        best, hit, split = 0, None, False
-        for lease in itertools.chain(self.inflight.values(), self.saving.values()):
-            if lease.ns != found.ns:
-                continue
-            shared = min(common_prefix(lease.tokens, tokens), len(tokens) - 1)
-            if shared <= best:
-                continue
-            if lease.finishing or self.config.kv_share:
-                best, hit, split = shared, (lease, self.config.fanout_wait_s), False
-            elif lease.splittable and self._worth_splitting(lease, shared, available):
-                # A wave's head not sent yet: it computes the shared part alone first, sooner
-                # than its whole answer (waves.py).
-                patience = patience_s(lease, shared, self.cost_model, self.config.queue_timeout_s)
-                best, hit, split = shared, (lease, patience), True
-            elif (compute_s := self._worth_waiting(lease, shared - available)) is not None:
-                best, hit, split = shared, (lease, min(2 * compute_s, self.config.queue_timeout_s)), False
-        if hit is None or best < gain or best < available + gain:
-            return None
-        if split:
-            hit[0].split_to = max(hit[0].split_to, best)
-        return (*hit, split)
-
-    def _worth_splitting(self, head: Lease, shared: int, available: int) -> bool:
-        """Whether waiting for ``head`` to compute the ``shared`` prefix alone (its prefix step)
-        and then restoring it beats computing it side by side now (on the least busy server
-        of the model, as ``_worth_waiting`` weighs it)."""
-        server = head.server
-        gain = shared - available
-        if not server.moves or gain <= 0:
-            return False
-        step_s = compute_s(max(0, shared - head.plan.predicted_cached), 0, server.rates, self.cost_model)
-        restore_bytes = gain * server.mover.bytes_per_token
-        running = self._least_running(server)
-        return worth_waiting(gain, step_s, restore_bytes, running, server.rates, self.cost_model)
-
-    def _worth_waiting(self, lease: Lease, gain: int) -> float | None:
-        """The seconds computing this request's ``gain`` more prefix tokens now, side by side
-        with it, would take, when waiting for its answer (its KV is saved right after) is
-        shorter; else None. Estimated from the server's measured rates; an answer of unknown
-        length is never waited for."""
-        if gain <= 0 or lease.n_predict <= 0:
-            return None
-        server = lease.server
-        computed = len(lease.tokens) - lease.plan.predicted_cached
-        elapsed = time.monotonic() - lease.started
-        wait_s = time_to_answer_s(computed, lease.n_predict, elapsed, server.rates)
-        restore_bytes = gain * server.mover.bytes_per_token
-        running = self._least_running(server)
-        if not worth_waiting(gain, wait_s, restore_bytes, running, server.rates, self.cost_model):
-            return None
-        # A blocker slower than its estimate shows the server's real speed now: computing the
-        # prefix would be as slow, so the patience grows with it (within --queue-timeout).
-        slower = slowdown(computed, lease.n_predict, elapsed, server.rates)
-        return compute_s(gain, running, server.rates, self.cost_model) * slower
-
     def _plan_and_lease(self, request_id: str, found: PrefixScan, want: _Want = _Want()) -> Lease | None:
         """Pick server, slot and route on pure data, and mark the slot busy (synchronous).
         Each server's planner gives its best plan (one with a host restore also its plan
@@ -385,19 +278,6 @@ class Leases:
             healthy=server.healthy,
             affinity=bool(want.session) and self._affinity.get(want.session) == server.name,
         )
-
-    def _least_running(self, server: ServerState) -> int:
-        """The load a prefix computed now would run beside: that of the least busy server of
-        ``server``'s model (another may be idle: then it is computed there, at full speed,
-        rather than waited for)."""
-        peers = [s for s in self.servers if s.healthy and s.model == server.model]
-        return min((self._running(s) for s in peers), default=self._running(server))
-
-    def _running(self, server: ServerState) -> int:
-        """Requests computing on the server now. A slot still busy saving a finished answer (an
-        export of tens of milliseconds) is not load: counting it would send the next wave of
-        requests to whichever server happened to finish saving first."""
-        return sum(1 for lease in self.inflight.values() if lease.server is server and not lease.finishing)
 
     def _plan_input(self, sv: ServerScan, found: PrefixScan) -> PlanInput:
         server = sv.server

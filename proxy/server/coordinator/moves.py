@@ -21,9 +21,9 @@ from proxy.core.planner import Route
 from proxy.core.radix import RadixTree
 from proxy.core.routing import CostModel
 from proxy.errors import FallbackCause, KvMoveError, RadixError, RejectReason, Unavailable
-from proxy.server.backend import TRANSPORT_ERRORS
 from proxy.server.coordinator.state import EMPTY, Lease
 from proxy.server.coordinator.waves import hold_for_wave, prefix_step
+from proxy.server.dataplane.backend import TRANSPORT_ERRORS
 from proxy.server.metrics import Metrics
 
 # What a save may meet that is not a bug: a move the server refused, a server gone.

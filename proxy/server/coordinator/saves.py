@@ -41,8 +41,8 @@ from proxy.core.checkpoints import CheckpointStore
 from proxy.core.prefix import common_prefix
 from proxy.core.radix import RadixTree
 from proxy.errors import FallbackCause, KvMoveError, RadixError
-from proxy.server.backend import TRANSPORT_ERRORS
 from proxy.server.coordinator.state import EMPTY, Lease
+from proxy.server.dataplane.backend import TRANSPORT_ERRORS
 from proxy.server.metrics import Metrics
 
 # What a save may meet that is not a bug: a move the server refused, a server gone.

@@ -19,10 +19,10 @@ from proxy.core.planner import Plan, Route
 from proxy.core.radix import HostMatch, RadixTree
 from proxy.core.routing import MeasuredRates
 from proxy.errors import FallbackCause
-from proxy.server.backend import ServerClient
-from proxy.server.kvctl import Caps
-from proxy.server.ports import KvServer, Mover
-from proxy.server.sharing import Sharing
+from proxy.server.dataplane.backend import ServerClient
+from proxy.server.dataplane.kvctl import Caps
+from proxy.server.dataplane.ports import KvServer, Mover
+from proxy.server.dataplane.sharing import Sharing
 
 EMPTY = np.zeros(0, dtype=np.int32)
 

@@ -20,8 +20,8 @@ import logging
 from proxy.core.radix import RadixTree
 from proxy.core.routing import CostModel, compute_s
 from proxy.errors import RadixError
-from proxy.server.backend import TRANSPORT_ERRORS
 from proxy.server.coordinator.state import EMPTY, Lease
+from proxy.server.dataplane.backend import TRANSPORT_ERRORS
 from proxy.server.metrics import Metrics
 
 log = logging.getLogger("radix")

@@ -1,0 +1,8 @@
+"""The host cache's tiers below the RAM tree: the disk tier (docs/disk-tier.md).
+
+``disk`` (demotion queue, checked promotion, the startup scan) and ``disk_files`` (its file
+work on the tier's threads). A remote tier belongs here too.
+
+Below ``coordinator``, which demotes to and promotes from it: it may import ``dataplane``
+(the arena's blocks) and ``metrics``, never the coordinator or anything above.
+"""
