@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
@@ -25,6 +26,10 @@ WORDS = [
     "harbor",
     "valley",
 ]
+
+
+class CalibrationError(Exception):
+    """The server refused or did not answer a calibration prompt."""
 
 
 @dataclass(frozen=True)
@@ -50,8 +55,17 @@ def measure(url: str, words: int, n_predict: int, seed: int = 0, timeout_s: floa
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        t = json.load(resp)["timings"]
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            t = json.load(resp)["timings"]
+    except urllib.error.HTTPError as e:
+        # The server says why (a prompt over the slot's context, most often): show that.
+        raise CalibrationError(
+            f"{url} answered {e.code} to a {words}-word prompt: {e.read()[:300]!r}"
+            " (a slot holds ctx-size / parallel tokens: smaller --words fit)"
+        ) from None
+    except OSError as e:
+        raise CalibrationError(f"{url} did not answer: {e}") from None
     return Sample(int(t["prompt_n"]), t["prompt_ms"] / 1e3, int(t["predicted_n"]), t["predicted_ms"] / 1e3)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from proxy.config import Config
-from proxy.sim.calibrate import fit_prefill, measure
+from proxy.sim.calibrate import CalibrationError, fit_prefill, measure
 from proxy.sim.engine import SimConfig, Simulator
 from proxy.sim.model import Calibration
 from proxy.sim.policies import POLICIES
@@ -163,7 +163,10 @@ def calibrate(url: str, words: str, n_predict: int) -> None:
     sizes = _ints(words)
     if len(sizes) != 2:
         raise click.BadParameter("give two prompt sizes")
-    samples = [measure(url, w, n_predict) for w in sizes]
+    try:
+        samples = [measure(url, w, n_predict) for w in sizes]
+    except CalibrationError as e:
+        raise click.ClickException(str(e)) from None
     for s in samples:
         click.echo(
             f"prompt {s.prompt_n} tokens in {s.prompt_s:.3f} s ({s.prompt_n / s.prompt_s:.1f} tok/s); "

@@ -231,3 +231,19 @@ def test_resident_sharing_attaches_and_keeps_the_index_valid() -> None:
     for tree in sim_.trees:
         assert tree is not None
         tree.check_invariants()
+
+
+def test_calibrate_without_a_server_is_a_clear_error_not_a_traceback() -> None:
+    import socket
+
+    from click.testing import CliRunner
+
+    from proxy.sim.cli import sim
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = CliRunner().invoke(sim, ["calibrate", "--url", f"http://127.0.0.1:{port}"])
+    assert result.exit_code == 1
+    assert "did not answer" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
