@@ -36,10 +36,12 @@ print(pristine_source(), vocab_path())
 EOF
 )
 CACHE=$(dirname "$(dirname "$SRC")")
+TOP=src/$(basename "$SRC")
+# Anchored at the source's top: tools/mtmd/models/ is compiled, the top-level models/ is not.
 tar -C "$CACHE" -cJf "$DIR/src.tar.xz" \
-    --exclude='*/docs' --exclude='*/models' --exclude='*/media' --exclude='*/benches' \
-    --exclude='*/tests' --exclude='*/examples' --exclude='*/.github' --exclude='*/tools/server/webui' \
-    "src/$(basename "$SRC")"
+    --exclude="$TOP/docs" --exclude="$TOP/models" --exclude="$TOP/media" --exclude="$TOP/benches" \
+    --exclude="$TOP/tests" --exclude="$TOP/examples" --exclude="$TOP/.github" \
+    --exclude="$TOP/tools/server/webui" "$TOP"
 cp "$VOCAB" "$DIR/vocab.gguf"
 # shellcheck disable=SC2086  # WHEELS is a list of names
 "$PY" -m pip download -q --disable-pip-version-check --only-binary=:all: --no-deps \

@@ -216,9 +216,17 @@ carry() {
     mkdir -p "$cache/models" "$OUT/site"
     [ -d "$cache/$CARRY_SRC" ] || tar -C "$cache" -xJf "$CARRY/src.tar.xz" || return 1
     cp "$CARRY/vocab.gguf" "$cache/$CARRY_VOCAB" || return 1
-    if ls "$CARRY"/wheels/*.whl >/dev/null 2>&1; then
+    # A wheel whose module the interpreter already imports is skipped (it may be built for
+    # another Python: carry.sh packs for the GPU image's); the others must install.
+    local whl mod need=()
+    for whl in "$CARRY"/wheels/*.whl; do
+        [ -f "$whl" ] || continue
+        mod=$(basename "$whl"); mod=${mod%%-*}
+        "$PYTHON" -c "import $mod" 2>/dev/null || need+=("$whl")
+    done
+    if [ ${#need[@]} -gt 0 ]; then
         "$PYTHON" -m pip install -q --disable-pip-version-check --no-index --no-deps \
-            --target "$OUT/site" "$CARRY"/wheels/*.whl || return 1
+            --target "$OUT/site" "${need[@]}" || return 1
         export PYTHONPATH=$OUT/site${PYTHONPATH:+:$PYTHONPATH}
     fi
     log "carry: unpacked into $cache"
@@ -231,6 +239,11 @@ models() {
     run model-small "${RADIXCTL[@]}" model make "$SHAPE_SMALL" || return 1
     run model-large "${RADIXCTL[@]}" model make "$SHAPE_LARGE" || return 1
     # The limit a host restore is read against: pinned host <-> device copies of 512 MiB.
+    # (CUDA only: a BACKEND=cpu rehearsal has no device to copy to.)
+    if [ "${BACKEND:-cuda}" != cuda ]; then
+        log "pcie: skipped (BACKEND=${BACKEND})"
+        return 0
+    fi
     run pcie "$PY" "$ROOT/deploy/gpu/pcie_probe.py" --mib 512 --out "$OUT/pcie.json"
 }
 

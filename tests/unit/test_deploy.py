@@ -206,3 +206,18 @@ def test_envoy_hashes_the_same_key_on_a_ring() -> None:
     # Matched on the normalized path, or /%72adix/routes would pass the block.
     assert hcm["normalize_path"] is True and hcm["merge_slashes"] is True
     assert hcm["path_with_escaped_slashes_action"] == "REJECT_REQUEST"
+
+
+def test_every_shell_script_with_a_shebang_is_executable_in_git() -> None:
+    """Docs run them as `deploy/gpu/carry.sh`: a script committed 100644 fails on a clean clone.
+    Scripts without a shebang are sourced (deploy/docker/ca-env.sh) and stay 100644."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    staged = subprocess.run(
+        ["git", "ls-files", "-s", "--", "*.sh"], cwd=root, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    modes = {line.split("\t")[1]: line.split()[0] for line in staged}
+    modes = {path: mode for path, mode in modes.items() if (root / path).read_bytes().startswith(b"#!")}
+    assert modes, "no shell scripts found by git"
+    assert {path: mode for path, mode in modes.items() if mode != "100755"} == {}
