@@ -61,7 +61,7 @@ def measure(url: str, words: int, n_predict: int, seed: int = 0, timeout_s: floa
     except urllib.error.HTTPError as e:
         # The server says why (a prompt over the slot's context, most often): show that.
         raise CalibrationError(
-            f"{url} answered {e.code} to a {words}-word prompt: {e.read()[:300]!r}"
+            f"{url} answered {e.code} to a {words}-word prompt: {e.read(300)!r}"
             " (a slot holds ctx-size / parallel tokens: smaller --words fit)"
         ) from None
     except OSError as e:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -211,8 +212,6 @@ def test_envoy_hashes_the_same_key_on_a_ring() -> None:
 def test_every_shell_script_with_a_shebang_is_executable_in_git() -> None:
     """Docs run them as `deploy/gpu/carry.sh`: a script committed 100644 fails on a clean clone.
     Scripts without a shebang are sourced (deploy/docker/ca-env.sh) and stay 100644."""
-    import subprocess
-
     root = Path(__file__).resolve().parents[2]
     staged = subprocess.run(
         ["git", "ls-files", "-s", "--", "*.sh"], cwd=root, capture_output=True, text=True, check=True

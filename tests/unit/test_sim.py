@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 from collections import Counter
 
 import numpy as np
@@ -234,12 +235,6 @@ def test_resident_sharing_attaches_and_keeps_the_index_valid() -> None:
 
 
 def test_calibrate_without_a_server_is_a_clear_error_not_a_traceback() -> None:
-    import socket
-
-    from click.testing import CliRunner
-
-    from proxy.sim.cli import sim
-
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
