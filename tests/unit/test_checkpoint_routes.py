@@ -59,7 +59,7 @@ class RecurrentServer(FakeServer):
         self.exported.append((slot, n))
         return CheckpointReply(size=4, n_tokens=n, data=b"CK%02d" % (n % 100), t_ms=None)
 
-    async def restore(self, slot: int, tokens: np.ndarray, data: bytes) -> RestoreReply:
+    async def restore(self, slot: int, tokens: np.ndarray, data: bytes, lora: Any = None) -> RestoreReply:
         if self.fail_restore:
             self.held[slot], self.ckpts[slot] = [], ()
             raise KvMoveError(FallbackCause.IMPORT, "the checkpoint payload is corrupt")

@@ -64,7 +64,7 @@ class FakeServer:
         self.erased_cells: list[int] = []  # what each erased slot held (sharing_server)
         self.new_instances = 0  # as a mover: told the server is a new process
 
-    async def prefill(self, slot: int, tokens: np.ndarray) -> tuple[int, float]:
+    async def prefill(self, slot: int, tokens: np.ndarray, lora: Any = None) -> tuple[int, float]:
         """The slot computes the tokens on top of the prefix it shares with them."""
         self.prefills.append((slot, len(tokens)))
         held = self.held[slot]
@@ -98,13 +98,13 @@ class FakeServer:
     async def publish(self, slot: int, owner: int, n: int, expect_sha256: str) -> SeqInfo:
         raise AssertionError("no owners here")
 
-    async def attach(self, owner: int, slot: int, m: int, expect_sha256: str) -> SeqInfo:
+    async def attach(self, owner: int, slot: int, m: int, expect_sha256: str, lora: Any = None) -> SeqInfo:
         raise AssertionError("no owners here")
 
     async def checkpoint(self, slot: int, tokens: np.ndarray) -> CheckpointReply:
         raise AssertionError("KV models here: no whole-state checkpoints")
 
-    async def restore(self, slot: int, tokens: np.ndarray, data: bytes) -> RestoreReply:
+    async def restore(self, slot: int, tokens: np.ndarray, data: bytes, lora: Any = None) -> RestoreReply:
         raise AssertionError("KV models here: no whole-state checkpoints")
 
     def new_instance(self) -> None:
@@ -135,6 +135,7 @@ class FakeServer:
         tokens: Sequence[int],
         segments: Sequence[KvSegment],
         hold: contextlib.AbstractAsyncContextManager[Any] | None = None,
+        lora: Any = None,
     ) -> None:
         async with hold or contextlib.nullcontext():
             self.imports.append((slot, p0, len(tokens)))

@@ -18,6 +18,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from proxy.config import Config
+from proxy.core.adapters import request_adapters, server_scales, with_adapters
 from proxy.errors import BackendError, BadRequest, NotFound, RequestTimeout, TooLarge
 from proxy.server.api.shapes import check_prompt_count
 from proxy.server.coordinator import Lease, RestoreAbandoned
@@ -173,7 +174,8 @@ async def _steered(
     api = api or ("chat" if "chat" in request.path else "completions")
     runtime.metrics.api_requests.labels(api).inc()
     arrived = time.monotonic()
-    ns = with_model(model.ns, cache_namespace(config, body, request.headers))
+    adapters = request_adapters(body, server_scales(model.compat))
+    ns = with_adapters(with_model(model.ns, cache_namespace(config, body, request.headers)), adapters)
     session = request.headers.get(SESSION_HEADER, "")
     if not config.cache_info:
         hide_cache_info_request(body)
@@ -181,7 +183,13 @@ async def _steered(
     for attempt in (1, 2):
         body = dict(original)  # each attempt sets its own slot and cache_prompt
         lease = await coord.acquire(
-            _request_id(), tokens, ns, model=model.name, session=session, n_predict=_n_predict(body)
+            _request_id(),
+            tokens,
+            ns,
+            model=model.name,
+            session=session,
+            n_predict=_n_predict(body),
+            adapters=adapters,
         )
         outcome = Outcome()
         instance = lease.server.client.instance  # the process this attempt is sent to

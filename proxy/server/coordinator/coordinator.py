@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from proxy.config import Config
+from proxy.core.adapters import NO_ADAPTERS, Adapters
 from proxy.core.checkpoints import CheckpointStore
 from proxy.core.radix import RadixTree
 from proxy.errors import FallbackCause, RadixError
@@ -65,6 +66,7 @@ class Coordinator:
         model: str = "",
         session: str = "",
         n_predict: int = 0,
+        adapters: Adapters = NO_ADAPTERS,
     ) -> Lease:
         """A slot for the request, with its plan (may wait: see ``Leases.acquire``). A match
         the disk tier carries further than anything in RAM or a slot is read into the host
@@ -84,7 +86,14 @@ class Coordinator:
                     # the request is planned without the disk's KV (a prefill), never failed.
                     log.warning("disk tier: promotion for %s skipped: %s", request_id, exc)
         return await self.leases.acquire(
-            request_id, tokens, ns, model=model, session=session, n_predict=n_predict, scanned=found
+            request_id,
+            tokens,
+            ns,
+            model=model,
+            session=session,
+            n_predict=n_predict,
+            scanned=found,
+            adapters=adapters,
         )
 
     async def restore(self, lease: Lease, n_predict: int) -> None:

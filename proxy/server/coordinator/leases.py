@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from proxy.config import Config
+from proxy.core.adapters import NO_ADAPTERS, Adapters
 from proxy.core.admission import check_reservations
 from proxy.core.checkpoints import CheckpointStore
 from proxy.core.planner import Plan, PlanInput, Route, SlotView
@@ -61,6 +62,7 @@ class _Want:
     model: str = ""  # "" (unit tests): any server
     session: str = ""
     n_predict: int = 0
+    adapters: Adapters = NO_ADAPTERS  # the request's LoRA scales (in its namespace already)
 
 
 AFFINITY_MAX = 65536  # sessions remembered for the affinity tie-break (least recent forgotten)
@@ -121,12 +123,13 @@ class Leases(PrefixWaits):
         session: str = "",
         n_predict: int = 0,
         scanned: PrefixScan | None = None,
+        adapters: Adapters = NO_ADAPTERS,
     ) -> Lease:
         """A leased slot and its plan; waits in a fair FIFO queue while every slot is busy.
         ``ns``: the request's cache-isolation namespace (see ``RadixTree``); ``model``: only
         servers of this model ("" = any); ``session``: the affinity tie-break; ``scanned``: the
         request's prefix scan when the caller just took it (no ``await`` since)."""
-        want = _Want(model, session_key(session), n_predict)
+        want = _Want(model, session_key(session), n_predict, adapters)
         limit = min((s.n_ctx_slot for s in self.servers if not model or s.model == model), default=0)
         if len(tokens) >= limit:
             raise BadRequest(
@@ -241,6 +244,7 @@ class Leases(PrefixWaits):
             checkpoint=checkpoint,
             route=plan.route,
             ns=found.ns,
+            adapters=want.adapters,
             epoch=server.epoch,
             erase_first=slot.ns != found.ns
             and (slot.ns is None or len(slot.tokens) > 0 or slot.unrecorded > 0),

@@ -158,7 +158,9 @@ class KvMoves:
                 return
             async with self._locked(lease):
                 if server.sharing is not None and plan.owner_id is not None:
-                    await server.sharing.attach(plan.owner_id, slot.slot_id, plan.reuse_len)
+                    await server.sharing.attach(
+                        plan.owner_id, slot.slot_id, plan.reuse_len, lease.adapters.as_json()
+                    )
                     slot.tokens = lease.tokens[: plan.reuse_len].copy()
                 if lease.host is not None:
                     await self._import_host(lease)
@@ -321,7 +323,14 @@ class KvMoves:
         inline = 0 if mover.shm_dir else self.tree.reserve(mover.bytes_per_token * (p1 - p0))
         started = time.monotonic()
         try:
-            await mover.import_(lease.slot.slot_id, p0, lease.tokens[:p1].tolist(), segments, hold=hold)
+            await mover.import_(
+                lease.slot.slot_id,
+                p0,
+                lease.tokens[:p1].tolist(),
+                segments,
+                hold=hold,
+                lora=lease.adapters.as_json(),
+            )
         finally:
             self.tree.release(inline)
             lease.import_s += time.monotonic() - started
@@ -336,7 +345,9 @@ class KvMoves:
         assert cp is not None
         started = time.monotonic()
         try:
-            await lease.server.backend.restore(lease.slot.slot_id, cp.tokens, cp.data)
+            await lease.server.backend.restore(
+                lease.slot.slot_id, cp.tokens, cp.data, lease.adapters.as_json()
+            )
         finally:
             lease.import_s += time.monotonic() - started
             lease.checkpoint = None

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from proxy.core.adapters import NO_ADAPTERS, Adapters
 from proxy.core.admission import CellNeed
 from proxy.core.checkpoints import Checkpoint
 from proxy.core.infill import InfillParams
@@ -277,6 +278,7 @@ class Lease:
     why: Divergence  # where cached prefixes stopped matching, at plan time
     checkpoint: Checkpoint | None = None  # a whole-state checkpoint to restore (route H, moves off)
     ns: str = ""  # cache-isolation namespace of the request
+    adapters: Adapters = NO_ADAPTERS  # its LoRA scales: every move into the slot names them
     epoch: int = 0  # the server's epoch when leased
     reserved_cells: int = 0  # its part of server.reserved_cells, returned on release
     answer_cells: int = 0  # of which for the answer (the rest is the prompt's)

@@ -110,7 +110,9 @@ async def _step(lease: Lease, tree: RadixTree, p: int, min_tokens: int) -> None:
     server, slot = lease.server, lease.slot
     prefix = lease.tokens[:p]
     if lease.plan.predicted_cached < p:
-        lease.prefix_step_tokens, lease.prefix_step_ms = await server.backend.prefill(slot.slot_id, prefix)
+        lease.prefix_step_tokens, lease.prefix_step_ms = await server.backend.prefill(
+            slot.slot_id, prefix, lease.adapters.as_json()
+        )
         # The server generated one token and did not compute it: the slot holds the prefix.
         slot.confirmed(prefix.copy())
     match = tree.match(prefix, touch=False, ns=lease.ns)

@@ -325,9 +325,19 @@ class ServerClient:
         reply = await self.kv_post(KvRoute.PUBLISH, body, cause=FallbackCause.PUBLISH)
         return SeqInfo.parse(reply, KvRoute.PUBLISH, FallbackCause.PUBLISH)
 
-    async def attach(self, owner: int, slot: int, m: int, expect_sha256: str) -> SeqInfo:
-        """The slot now holds the owner's ``[0, m)`` (shared cells); the slot's entry."""
-        body = {"owner": owner, "slot": slot, "m": m, "expect_sha256": expect_sha256}
+    async def attach(
+        self,
+        owner: int,
+        slot: int,
+        m: int,
+        expect_sha256: str,
+        lora: Sequence[Mapping[str, Any]] | None = None,
+    ) -> SeqInfo:
+        """The slot now holds the owner's ``[0, m)`` (shared cells); the slot's entry. ``lora``:
+        the adapters its KV was computed with (None: the server's own), which the slot takes."""
+        body: dict[str, Any] = {"owner": owner, "slot": slot, "m": m, "expect_sha256": expect_sha256}
+        if lora is not None:
+            body["lora"] = list(lora)
         reply = await self.kv_post(KvRoute.ATTACH, body, cause=FallbackCause.ATTACH)
         return SeqInfo.parse(reply, KvRoute.ATTACH, FallbackCause.ATTACH)
 
@@ -339,7 +349,9 @@ class ServerClient:
         reply = await self.kv_post(KvRoute.CHECKPOINT, body, cause=FallbackCause.EXPORT)
         return CheckpointReply.parse(reply)
 
-    async def prefill(self, slot: int, tokens: np.ndarray) -> tuple[int, float]:
+    async def prefill(
+        self, slot: int, tokens: np.ndarray, lora: Sequence[Mapping[str, Any]] | None = None
+    ) -> tuple[int, float]:
         """Compute ``tokens`` into ``slot`` (one token generated, not computed: the slot then
         holds exactly them); the server's prompt_n and prompt_ms. No deadline of its own: the
         caller bounds it (a long prompt on a busy CPU server takes minutes)."""
@@ -350,16 +362,22 @@ class ServerClient:
             "cache_prompt": True,
             "temperature": 0.0,
         }
+        if lora is not None:
+            body["lora"] = list(lora)
         reply = await self.post_json("/completion", body, timeout=aiohttp.ClientTimeout(total=None))
         timings = reply.get("timings") if isinstance(reply, dict) else None
         if not isinstance(timings, dict):
             return 0, 0.0
         return int(timings.get("prompt_n", 0) or 0), float(timings.get("prompt_ms", 0.0) or 0.0)
 
-    async def restore(self, slot: int, tokens: np.ndarray, data: bytes) -> RestoreReply:
+    async def restore(
+        self, slot: int, tokens: np.ndarray, data: bytes, lora: Sequence[Mapping[str, Any]] | None = None
+    ) -> RestoreReply:
         """Write a checkpoint of exactly ``tokens`` into an idle slot (the server checks it is
         theirs); on any failure the server cleared the slot."""
-        body = {"slot": slot, "tokens": tokens.tolist(), "segments": [{"data": data}]}
+        body: dict[str, Any] = {"slot": slot, "tokens": tokens.tolist(), "segments": [{"data": data}]}
+        if lora is not None:
+            body["lora"] = list(lora)
         reply = await self.kv_post(
             KvRoute.RESTORE, body, cause=FallbackCause.IMPORT, timeout_s=move_timeout_s(len(data))
         )

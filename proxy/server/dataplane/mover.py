@@ -33,7 +33,7 @@ import logging
 import mmap
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -259,8 +259,10 @@ class KvMover:
         tokens: Sequence[int],
         segments: Sequence[KvSegment],
         hold: contextlib.AbstractAsyncContextManager[Any] | None = None,
+        lora: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         """Write ``segments`` (covering ``[p0, len(tokens))``) into an idle slot; the server verifies.
+        ``lora``: the adapters the KV was computed with (None: the server's own), which the slot takes.
 
         ``hold`` (the server's move lock) is held only around the server's part: the payload
         is written before it is taken."""
@@ -279,6 +281,8 @@ class KvMover:
             "tokens": [int(t) for t in tokens],
             "compat": self.compat,
         }
+        if lora is not None:
+            body["lora"] = list(lora)
         arena = self._usable_arena()
         if arena is not None and await self._import_from_arena(arena, body, segments, hold):
             self.metrics.kv_move_seconds.labels("import").inc(time.perf_counter() - started)

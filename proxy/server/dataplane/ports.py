@@ -9,7 +9,7 @@ these. The HTTP pass-through (completions, tokenize, ...) needs the real client:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,15 +36,26 @@ class KvServer(Protocol):
 
     async def publish(self, slot: int, owner: int, n: int, expect_sha256: str) -> SeqInfo: ...
 
-    async def attach(self, owner: int, slot: int, m: int, expect_sha256: str) -> SeqInfo: ...
+    async def attach(
+        self,
+        owner: int,
+        slot: int,
+        m: int,
+        expect_sha256: str,
+        lora: Sequence[Mapping[str, Any]] | None = None,
+    ) -> SeqInfo: ...
 
     async def checkpoint(self, slot: int, tokens: np.ndarray) -> CheckpointReply: ...
 
-    async def restore(self, slot: int, tokens: np.ndarray, data: bytes) -> RestoreReply: ...
+    async def restore(
+        self, slot: int, tokens: np.ndarray, data: bytes, lora: Sequence[Mapping[str, Any]] | None = None
+    ) -> RestoreReply: ...
 
     # Compute ``tokens`` into the slot (a completion of one token, cache on): the server's own
     # prompt_n and prompt_ms. A wave's prefix step (coordinator/waves.py).
-    async def prefill(self, slot: int, tokens: np.ndarray) -> tuple[int, float]: ...
+    async def prefill(
+        self, slot: int, tokens: np.ndarray, lora: Sequence[Mapping[str, Any]] | None = None
+    ) -> tuple[int, float]: ...
 
 
 class Mover(Protocol):
@@ -80,6 +91,7 @@ class Mover(Protocol):
         tokens: Sequence[int],
         segments: Sequence[KvSegment],
         hold: contextlib.AbstractAsyncContextManager[Any] | None = None,
+        lora: Sequence[Mapping[str, Any]] | None = None,
     ) -> None: ...
 
     def new_instance(self) -> None: ...  # the server is a new process: what it never answered is gone

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -37,12 +38,14 @@ class Sharing:
         self.last_cells = await self.backend.cells()
         return self.last_cells
 
-    async def attach(self, owner_id: int, slot_id: int, m: int) -> None:
+    async def attach(
+        self, owner_id: int, slot_id: int, m: int, lora: Sequence[Mapping[str, Any]] | None = None
+    ) -> None:
         entry = self.index.entries.get(owner_id)
         if entry is None or m > entry.n:
             raise KvMoveError(FallbackCause.ATTACH, f"owner {owner_id} is not known to hold {m} tokens")
         # Bound to the tokens the index files under this owner: the server refuses (409) if it holds others.
-        await self.backend.attach(owner_id, slot_id, m, tokens_sha256(entry.tokens[:m]))
+        await self.backend.attach(owner_id, slot_id, m, tokens_sha256(entry.tokens[:m]), lora)
         self.index.attached(owner_id, slot_id, m, time.monotonic())
 
     async def publish_prefixes(
