@@ -1,7 +1,7 @@
 """The remote tier's connection: the store's URL and password, and its asyncio client.
 
 redis-py's ``redis.asyncio`` (pure Python, maintained with Redis's protocol and spoken by
-Valkey, which forked Redis 7.2 and keeps its protocol), with its own retries off: every call
+Valkey, which forked Redis 7.2 and keeps its protocol), with one retry at most (a pooled connection the store closed): every call
 is bounded by the tier's deadline and a failure falls back at once (docs/scale-out.md).
 """
 
@@ -71,14 +71,14 @@ def read_password(path: Path) -> str:
 
 
 def make_client(address: StoreAddress, password: str | None, timeout_s: float) -> aioredis.Redis:
-    """The client: connect and socket timeouts at the tier's deadline, no retries of its own,
+    """The client: connect and socket timeouts at the tier's deadline, one retry at most,
     at most MAX_CONNECTIONS connections, bytes in and out."""
     client: aioredis.Redis = aioredis.Redis.from_url(
         address.url,
         password=password,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),
+        retry=Retry(NoBackoff(), 1),  # once, for a connection the store closed; within the deadline
         retry_on_timeout=False,
         max_connections=MAX_CONNECTIONS,
         decode_responses=False,
