@@ -331,12 +331,23 @@ class RemoteTier:
         try:
             async with asyncio.timeout(self.settings.timeout_s):
                 values = await self.client.mget([r.key for r in refs])
-                got = sum(len(v) for v in values if v is not None)
-                self.rate.observe(got, time.monotonic() - t0)
-                if any(v is None for v in values):
-                    self.metrics.fallbacks.labels(RemoteFallback.MISSING).inc()
-                    return None
-                return await self._io(self._checked, refs, values, ns, p0, into)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self.metrics.fallbacks.labels(_cause(exc)).inc()
+            self._failed(exc, "read")
+            values = None
+        if values is not None:
+            self.rate.observe(sum(len(v) for v in values if v is not None), time.monotonic() - t0)
+            if any(v is None for v in values):
+                self.metrics.fallbacks.labels(RemoteFallback.MISSING).inc()
+                values = None
+        if values is None:
+            if into is not None:
+                into[0].clear()  # the blocks are free now (no thread writes them)
+            return None
+        try:
+            # Local work bounded by the bytes read (priced above), not by the store's deadline:
+            # a check cut short would leave its thread writing blocks given to another move.
+            return await self._io(self._checked, refs, values, ns, p0, into)
         except DiskEntryError as exc:
             self.metrics.fallbacks.labels(RemoteFallback.REFUSED).inc()
             self.metrics.refused.labels(exc.cause).inc()
@@ -344,11 +355,6 @@ class RemoteTier:
             if exc.name:
                 self._forget(exc.name)
                 await self._delete(exc.name)
-        except (RedisError, OSError, TimeoutError) as exc:
-            self.metrics.fallbacks.labels(_cause(exc)).inc()
-            self._failed(exc, "read")
-        if into is not None:
-            into[0].clear()
         return None
 
     def _checked(
@@ -360,6 +366,21 @@ class RemoteTier:
         into: tuple[list[ArenaBlock], list[tuple[int, int]]] | None,
     ) -> list[KvSegment]:
         """Every chunk verified (on the tier's threads), then its rows from `p0` on."""
+        try:
+            return self._rows(refs, values, ns, p0, into)
+        except BaseException:
+            if into is not None:
+                into[0].clear()  # the blocks are free now, not when the traceback goes
+            raise
+
+    def _rows(
+        self,
+        refs: list[ChunkRef],
+        values: list[Any],
+        ns: str,
+        p0: int,
+        into: tuple[list[ArenaBlock], list[tuple[int, int]]] | None,
+    ) -> list[KvSegment]:
         parts = []
         for ref, raw in zip(refs, values, strict=True):
             try:
