@@ -25,6 +25,7 @@ import pytest
 import redis
 
 from proxy.native.launch import ServerProcess, free_port
+from proxy.server.ops.admin import tiers as tiers_of
 from tests.helpers import ProxyThread, Reply, ServerFactory, assert_same_answer, chat_body, post, proxy_config
 from tests.integration.test_proxy import convo, document
 
@@ -161,6 +162,8 @@ def test_a_prompt_computed_behind_one_proxy_is_restored_behind_the_other(
     assert got.body["timings"]["cache_n"] >= 4 * CHUNK, got.body["timings"]
     assert metric(two, "radix_remote_promotions_total") == 1
     assert metric(two, "radix_remote_promoted_tokens_total") >= 4 * CHUNK
+    stats = two.call(lambda rt: tiers_of(rt)["remote"])
+    assert stats["up"] and stats["promotions"] == 1 and stats["where"].endswith(f":{store.port}/0")
     assert_same_answer(got, reference(stock_server, messages))
     checked(one)
     checked(two)
