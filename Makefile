@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint unit integration native model venv clean-cache help browser nginx grafana-schema
+.PHONY: run test lint unit integration native model venv clean-cache help browser nginx valkey grafana-schema
 
 help:
 	@echo "make run    build what is missing (patched llama-server, default model) and serve the proxy"
@@ -43,6 +43,16 @@ nginx:
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light; } || \
 	echo "skip: nginx not installed (the multi-proxy tests will skip)"
 
+# The remote-tier test (docs/scale-out.md) runs a real Valkey, or Redis where the distribution
+# has no valkey-server (Debian 12 ships redis-server 7.0; same protocol): installed here when
+# missing (as root, with apt-get); elsewhere those tests say they skipped and why.
+valkey:
+	@command -v valkey-server >/dev/null || command -v redis-server >/dev/null || \
+	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -q && \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q valkey-server || \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }; } || \
+	echo "skip: neither valkey-server nor redis-server installed (the remote-tier tests will skip)"
+
 # The Grafana dashboard schema of the version deploy/docker-compose.yml pins, from the npm
 # registry (deploy/grafana/schema/install.sh: pinned and hashed, installed once under the cache),
 # for tests/unit/test_grafana_dashboard.py; that test runs the same install itself. Prints a
@@ -61,10 +71,10 @@ lint: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest -m unit -q
 
-integration: native model browser nginx
+integration: native model browser nginx valkey
 	$(BIN)/python -m pytest -m integration
 
-test: lint native model browser nginx grafana-schema
+test: lint native model browser nginx valkey grafana-schema
 	$(BIN)/python -m pytest
 
 clean-cache:

@@ -57,6 +57,20 @@ class Config:
     cache_disk_timeout_s: float = 30.0
     # The disk entries' MAC key (outside the directory). None: <cache_disk>.key, made on first use.
     cache_disk_key_file: Path | None = None
+    # Remote tier under RAM and disk, shared by a fleet of proxies (docs/scale-out.md):
+    # valkey://, redis:// or rediss:// (TLS) HOST:PORT[/DB]; None: off. Its entries' MAC key is
+    # required (the same file on every proxy of the fleet); the store's password from a file.
+    # Chunks waiting to be written are bounded in MiB; every store call has a deadline; after a
+    # failure the store is not asked for backoff seconds; entries expire after ttl (0: never,
+    # the store's maxmemory-policy evicts).
+    cache_remote: str | None = None
+    cache_remote_key_file: Path | None = None
+    cache_remote_password_file: Path | None = None
+    cache_remote_queue_mib: int = 256
+    cache_remote_timeout_s: float = 2.0
+    cache_remote_backoff_s: float = 5.0
+    cache_remote_ttl_s: int = 0
+    cache_remote_prefix: str = "radix"
     # Payload files live here when the server shares the host (normally under /dev/shm).
     shm_dir: Path | None = None
     # The host tree's KV in one shared-memory arena of --cache-ram bytes in --shm-dir, made and

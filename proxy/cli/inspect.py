@@ -148,7 +148,7 @@ def _preview_text(p: dict[str, str] | None, width: int = 48) -> str:
 
 
 def tier_lines(tiers: dict[str, Any] | None) -> list[tuple[str, str]]:
-    """One line per tier of the host cache (RAM, and disk with --cache-disk)."""
+    """One line per tier of the host cache (RAM, disk with --cache-disk, remote with --cache-remote)."""
     if not tiers:
         return []
     r, d = tiers["ram"], tiers.get("disk")
@@ -158,8 +158,9 @@ def tier_lines(tiers: dict[str, Any] | None) -> list[tuple[str, str]]:
             f"{r['entries']} nodes, {r['tokens']} tokens, {human_bytes(r['bytes'])} of {human_bytes(r['budget_bytes'])}",
         )
     ]
+    remote = remote_line(tiers.get("remote"))
     if d is None:
-        return out + [("tier disk", "off (--cache-disk)")]
+        return out + [("tier disk", "off (--cache-disk)")] + remote
     problems = {
         **d.get("demotion_failures", {}),
         **{f"dropped {c}": n for c, n in d.get("dropped", {}).items()},
@@ -174,7 +175,22 @@ def tier_lines(tiers: dict[str, Any] | None) -> list[tuple[str, str]]:
             + ("; " + ", ".join(f"{k} {v}" for k, v in problems.items()) if problems else ""),
         )
     )
-    return out
+    return out + remote
+
+
+def remote_line(r: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The remote tier's line (--cache-remote), none without it."""
+    if not r:
+        return []
+    problems = {**r.get("fallbacks", {}), **{f"write {c}": n for c, n in r.get("write_dropped", {}).items()}}
+    return [
+        (
+            "tier remote",
+            f"{r['where']} {'up' if r.get('up') else 'down'}; lookups {r['lookups']}, promotions "
+            f"{r['promotions']} ({r['promoted_tokens']} tokens), writes {r['writes']}"
+            + ("; " + ", ".join(f"{k} {v}" for k, v in problems.items()) if problems else ""),
+        )
+    ]
 
 
 def format_tree(data: dict[str, Any]) -> str:

@@ -94,6 +94,34 @@ cache_disk_key_file_option = click.option(
     help="The disk tier's MAC key, outside its directory (a 0600 file of ours; made with 32 "
     "random bytes if missing). Default: <cache-disk>.key.",
 )
+cache_remote_option = click.option(
+    "--cache-remote",
+    envvar="RADIX_CACHE_REMOTE",
+    help="Remote tier shared by many proxies: valkey://HOST:PORT[/DB] (also redis://, rediss:// "
+    "with TLS). Needs --cache-remote-key-file. Unset: local tiers only.",
+)
+cache_remote_key_file_option = click.option(
+    "--cache-remote-key-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="RADIX_CACHE_REMOTE_KEY_FILE",
+    help="The remote entries' MAC key, the same file on every proxy that shares the store (a 0600 "
+    "file of ours; made with 32 random bytes if missing).",
+)
+cache_remote_password_file_option = click.option(
+    "--cache-remote-password-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="RADIX_CACHE_REMOTE_PASSWORD_FILE",
+    help="The store's AUTH password (a 0600 file of ours); a password in the URL is refused.",
+)
+cache_remote_timeout_option = click.option(
+    "--cache-remote-timeout",
+    "cache_remote_timeout_s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=Config.cache_remote_timeout_s,
+    show_default=True,
+    envvar="RADIX_CACHE_REMOTE_TIMEOUT",
+    help="Deadline of one remote store call, seconds; past it the request goes on without the store.",
+)
 shm_dir_option = click.option(
     "--shm-dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -535,6 +563,10 @@ PROXY_OPTIONS = [
     cache_disk_option,
     cache_disk_size_option,
     cache_disk_key_file_option,
+    cache_remote_option,
+    cache_remote_key_file_option,
+    cache_remote_password_file_option,
+    cache_remote_timeout_option,
     shm_dir_option,
     kv_arena_option,
     kv_arena_chunk_option,

@@ -132,6 +132,9 @@ async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
         written = True
         if disk is not None:  # what RAM holds goes to disk too, so a restart is warm
             written = await disk.close(runtime.coordinator.tree, app[CONFIG].cache_disk_timeout_s)
+        remote = runtime.coordinator.remote
+        if remote is not None:  # its queue holds copies: bounded by its deadline, then dropped
+            await remote.close(app[CONFIG].cache_remote_timeout_s)
         if runtime.arena is not None:  # after the disk tier wrote what the tree held from it
             runtime.coordinator.tree.clear()  # its segments view the arena: let them go first
             runtime.arena.close(give_back=written)  # a write still running must not read zeros

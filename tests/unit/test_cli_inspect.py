@@ -308,3 +308,23 @@ def test_tier_lines_show_ram_and_disk() -> None:
         {"stats": tree_stats(), "dedup_ratio": 1.0, "top": [], "tiers": {"ram": ram, "disk": disk}}
     )
     assert "tier disk: 7 entries" in tree
+
+
+def test_tier_lines_show_the_remote_tier_when_it_is_on() -> None:
+    ram = {"entries": 1, "tokens": 10, "bytes": 100, "budget_bytes": 1000}
+    remote = {
+        "where": "redis://h:6379/0",
+        "up": False,
+        "lookups": 3,
+        "promotions": 1,
+        "promoted_tokens": 512,
+        "writes": 4,
+        "fallbacks": {"timeout": 2},
+        "write_dropped": {"queue_full": 1},
+    }
+    lines = tier_lines({"ram": ram, "disk": None, "remote": remote})
+    assert [k for k, _ in lines] == ["tier ram", "tier disk", "tier remote"]
+    text = lines[2][1]
+    assert "redis://h:6379/0 down" in text and "promotions 1 (512 tokens)" in text
+    assert "timeout 2" in text and "write queue_full 1" in text
+    assert [k for k, _ in tier_lines({"ram": ram, "disk": None})] == ["tier ram", "tier disk"]

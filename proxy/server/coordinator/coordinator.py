@@ -21,10 +21,12 @@ from proxy.server.coordinator.decisions import Decision, DecisionLog
 from proxy.server.coordinator.leases import Leases
 from proxy.server.coordinator.moves import KvMoves
 from proxy.server.coordinator.saves import KvSaves, SaveHooks
+from proxy.server.coordinator.scan import PrefixScan
 from proxy.server.coordinator.scan import scan as scan_prefixes
 from proxy.server.coordinator.state import EMPTY, Lease, ServerState
 from proxy.server.metrics import Metrics
 from proxy.server.tiers.disk import DiskTier
+from proxy.server.tiers.remote import RemoteTier
 
 log = logging.getLogger("radix")
 
@@ -56,6 +58,7 @@ class Coordinator:
         self.saves = KvSaves(config, tree, metrics, self.checkpoints)
         self.log = DecisionLog(metrics)
         self.disk: DiskTier | None = None  # set by startup with --cache-disk
+        self.remote: RemoteTier | None = None  # set by startup with --cache-remote
 
     async def acquire(
         self,
@@ -85,6 +88,8 @@ class Coordinator:
                     # The tree changed under the read (an admin clear) or refused the segment:
                     # the request is planned without the disk's KV (a prefill), never failed.
                     log.warning("disk tier: promotion for %s skipped: %s", request_id, exc)
+        if self.remote is not None:
+            found = await self._from_remote(request_id, tokens, ns, found)
         return await self.leases.acquire(
             request_id,
             tokens,
@@ -95,6 +100,23 @@ class Coordinator:
             scanned=found,
             adapters=adapters,
         )
+
+    async def _from_remote(
+        self, request_id: str, tokens: np.ndarray, ns: str, found: PrefixScan | None
+    ) -> PrefixScan | None:
+        """The remote tier, under RAM and disk: a match the store carries further than the
+        local tiers and the slots is read into the host tree (docs/scale-out.md). Returns the
+        scan the lease may plan on (None after any await: the slots may have changed)."""
+        assert self.remote is not None
+        floor = (
+            found or scan_prefixes(tokens, self.servers, self.tree, ns, self.checkpoints)
+        ).best_available()
+        prefill = min(s.rates.prefill_s_per_token for s in self.servers)
+        try:
+            await self.remote.promote(self.tree, tokens, ns, floor, prefill)
+        except (RadixError, ValueError) as exc:
+            log.warning("remote tier: promotion for %s skipped: %s", request_id, exc)
+        return None
 
     async def restore(self, lease: Lease, n_predict: int) -> None:
         await self.moves.restore(lease, n_predict)
@@ -122,6 +144,8 @@ class Coordinator:
         try:
             async with asyncio.timeout(self.config.finish_timeout_s):
                 await self.saves.save(lease, hooks)
+            if self.remote is not None:  # what the tree now holds of the prompt, for the fleet
+                self.remote.publish(self.tree, lease.tokens, lease.ns)
         except TimeoutError:
             self.metrics.fallbacks.labels(FallbackCause.TIMEOUT).inc()
             if not lease.handed_on:

@@ -33,6 +33,7 @@ from proxy.server.metrics.labels import (
     REJECT_REASONS,
     ROUTES,
 )
+from proxy.server.metrics.remote import RemoteMetrics
 from proxy.server.metrics.tiers import DiskMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
@@ -60,6 +61,7 @@ class Metrics:
         self.servers = servers
         self.started = time.time()
         self.disk = DiskMetrics(registry)  # the disk tier's families (docs/disk-tier.md)
+        self.remote = RemoteMetrics(registry)  # the remote tier's families (docs/scale-out.md)
         ns = "radix"
         # ---- per request (coordinator.record_decision) ----------------------------------
         self.requests = Counter(

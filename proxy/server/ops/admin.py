@@ -31,6 +31,7 @@ from aiohttp import web
 from proxy.errors import BadRequest, Forbidden, RadixError, Unauthorized
 from proxy.server.coordinator import Decision
 from proxy.server.metrics import DEMOTE_FAILURES, DIRECTIONS, DROP_CAUSES, FALLBACK_CAUSES, ROUTES
+from proxy.server.metrics.remote import REMOTE_FALLBACKS, WRITE_DROPS
 from proxy.server.ops.observe import refresh_pool_gauges, server_json, set_resident
 from proxy.server.ops.runtime import RUNTIME, Runtime
 
@@ -201,7 +202,8 @@ async def _tree(request: web.Request, runtime: Runtime) -> dict[str, Any]:
 
 
 def tiers(runtime: Runtime) -> dict[str, Any]:
-    """Each tier of the host cache: RAM (the tree) and, with --cache-disk, the disk."""
+    """Each tier of the host cache: RAM (the tree), with --cache-disk the disk, with
+    --cache-remote the shared store (``remote``, absent without it)."""
     t, disk, m = runtime.coordinator.tree.stats(), runtime.coordinator.disk, runtime.metrics
     out: dict[str, Any] = {
         "ram": {
@@ -229,6 +231,22 @@ def tiers(runtime: Runtime) -> dict[str, Any]:
             },
             "dropped": {
                 c: int(n) for c in DROP_CAUSES if (n := m.value("radix_disk_dropped_total", cause=c))
+            },
+        }
+    remote = runtime.coordinator.remote
+    if remote is not None:
+        out["remote"] = {
+            "where": remote.where,
+            "up": not remote.down,
+            "lookups": int(m.value("radix_remote_lookups_total")),
+            "promotions": int(m.value("radix_remote_promotions_total")),
+            "promoted_tokens": int(m.value("radix_remote_promoted_tokens_total")),
+            "writes": int(m.value("radix_remote_writes_total")),
+            "fallbacks": {
+                c: int(n) for c in REMOTE_FALLBACKS if (n := m.value("radix_remote_fallbacks_total", cause=c))
+            },
+            "write_dropped": {
+                c: int(n) for c in WRITE_DROPS if (n := m.value("radix_remote_write_dropped_total", cause=c))
             },
         }
     return out

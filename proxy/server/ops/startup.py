@@ -23,6 +23,7 @@ from proxy.server.http.recorder import Recorder
 from proxy.server.metrics import Metrics
 from proxy.server.ops.connect import _connect, _listing, _n_vocab, _Unreachable
 from proxy.server.ops.models import ModelEntry
+from proxy.server.ops.remote_tier import open_remote_tier
 from proxy.server.ops.runtime import Runtime
 from proxy.server.tiers.disk import DiskTier, compat_key
 from proxy.tokenizer import CORPUS, probe
@@ -82,6 +83,8 @@ async def _build_runtime(
                 fix="run one proxy per model with a disk tier, or leave --cache-disk unset",
             )
         coordinator.disk = await _disk_tier(config, servers[0], tree, metrics, arena)
+    if config.cache_remote is not None:
+        coordinator.remote = await open_remote_tier(config, servers, metrics, arena)
     runtime = Runtime(config, session, coordinator, metrics, recorder)
     runtime.arena = arena
     runtime.pending = pending
@@ -227,10 +230,13 @@ async def connect_pending(runtime: Runtime) -> None:
         if entry is not None and server.mover.compat != entry.compat:
             log.error("%s (%s) runs another model or KV layout than %r; kept out", name, url, server.model)
             continue
-        if entry is None and coordinator.disk is not None:
+        if entry is None and (coordinator.disk is not None or coordinator.remote is not None):
             # The disk tier holds one model's KV layout (the one checked at startup).
             log.error(
-                "%s (%s) serves another model %r; kept out: --cache-disk serves one", name, url, server.model
+                "%s (%s) serves another model %r; kept out: a disk or remote tier serves one",
+                name,
+                url,
+                server.model,
             )
             continue
         if entry is None:  # the first server of its model to answer: the model is served from now on

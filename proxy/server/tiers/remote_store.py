@@ -1,0 +1,86 @@
+"""The remote tier's connection: the store's URL and password, and its asyncio client.
+
+redis-py's ``redis.asyncio`` (pure Python, maintained with Redis's protocol and spoken by
+Valkey, which forked Redis 7.2 and keeps its protocol), with one retry at most (a pooled connection the store closed): every call
+is bounded by the tier's deadline and a failure falls back at once (docs/scale-out.md).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from redis import asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from proxy.errors import ConfigError
+
+SCHEMES = {"valkey": "redis", "valkeys": "rediss", "redis": "redis", "rediss": "rediss"}
+MAX_CONNECTIONS = 16  # past it a call fails at once (counted), it does not queue
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    url: str  # as redis-py takes it (redis:// or rediss://), without a password
+    where: str  # host:port/db, for logs
+
+
+def parse_store_url(url: str) -> StoreAddress:
+    """``valkey://HOST:PORT[/DB]`` (also ``valkeys://``, ``redis://``, ``rediss://``) checked and
+    rewritten for redis-py. A password in the URL is refused: it would show in process lists
+    and logs (``--cache-remote-password-file``)."""
+    parts = urlsplit(url.strip())
+    scheme = SCHEMES.get(parts.scheme.lower())
+    fix = "--cache-remote valkey://HOST:PORT[/DB] (or redis://, rediss:// for TLS)"
+    if scheme is None or not parts.hostname:
+        raise ConfigError(f"--cache-remote {url!r}: not a valkey://, redis:// or rediss:// URL", fix=fix)
+    if parts.password is not None:
+        raise ConfigError(
+            "--cache-remote: a password in the URL is refused", fix="--cache-remote-password-file FILE"
+        )
+    db = parts.path.strip("/") or "0"
+    if not db.isdigit():
+        raise ConfigError(f"--cache-remote {url!r}: the database must be a number", fix=fix)
+    try:
+        port = parts.port or 6379
+    except ValueError as exc:
+        raise ConfigError(f"--cache-remote {url!r}: {exc}", fix=fix) from exc
+    user = f"{parts.username}@" if parts.username else ""
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    netloc = f"{user}{host}:{port}"
+    return StoreAddress(
+        urlunsplit((scheme, netloc, f"/{db}", parts.query, "")), f"{scheme}://{host}:{port}/{db}"
+    )
+
+
+def read_password(path: Path) -> str:
+    """The store's password: a regular file of ours that others cannot read (one line)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise ConfigError(
+                f"the store's password file {path} must be a regular file of ours, mode 600",
+                fix=f"chmod 600 {path}",
+            )
+        return f.read(4096).decode().strip()
+
+
+def make_client(address: StoreAddress, password: str | None, timeout_s: float) -> aioredis.Redis:
+    """The client: connect and socket timeouts at the tier's deadline, one retry at most,
+    at most MAX_CONNECTIONS connections, bytes in and out."""
+    client: aioredis.Redis = aioredis.Redis.from_url(
+        address.url,
+        password=password,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 1),  # once, for a connection the store closed; within the deadline
+        retry_on_timeout=False,
+        max_connections=MAX_CONNECTIONS,
+        decode_responses=False,
+    )
+    return client
