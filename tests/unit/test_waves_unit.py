@@ -67,7 +67,7 @@ async def test_a_wave_computes_its_shared_prefix_once() -> None:
 
 
 async def test_a_failed_prefix_step_wakes_the_wave_to_compute_it_themselves() -> None:
-    async def refused(slot: int, tokens: np.ndarray) -> tuple[int, float]:
+    async def refused(slot: int, tokens: np.ndarray, lora: object = None) -> tuple[int, float]:
         raise KvMoveError(FallbackCause.TRANSPORT, "the server went away")
 
     # An answer of unknown length: after the step the head is never waited for again.
@@ -135,7 +135,7 @@ async def test_the_head_is_sent_after_the_restores_of_the_waiters_it_woke() -> N
 async def test_a_server_going_down_during_the_step_abandons_the_head() -> None:
     from proxy.server.coordinator import RestoreAbandoned
 
-    async def hangs(slot: int, tokens: np.ndarray) -> tuple[int, float]:
+    async def hangs(slot: int, tokens: np.ndarray, lora: object = None) -> tuple[int, float]:
         await asyncio.sleep(60)
         return 0, 0.0
 
