@@ -5,7 +5,7 @@ anything is leased or sent: a malformed entry, or an adapter the server does not
 in the API's own error shape, and the next request is served as usual. The effective scales are
 the namespace part of the cache key (proxy/core/adapters.py, tests/unit/test_adapters.py). Reuse
 under adapters is not tested end to end: the pinned llama-server (stock too) crashes on its first
-decode with the adapters tests/tinymodels.py writes (see CHANGELOG, issue 46).
+decode with the random adapters `tiny_lora` wrote (tests/tinymodels.py at commit 770481f; CHANGELOG, issue 46).
 """
 
 from __future__ import annotations
