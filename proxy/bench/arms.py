@@ -77,6 +77,8 @@ class ArmDef:
     proxy: bool = False  # run the proxy in front
     overrides: dict[str, Any] = field(default_factory=dict)  # merged into every request body
     proxy_args: tuple[str, ...] = ()  # extra `radixctl serve` arguments
+    fleet: bool = False  # one proxy per server, the proxies behind the round-robin balancer (fleet.py)
+    shared_tier: bool = False  # the fleet's proxies share a Valkey tier (--cache-remote)
 
 
 ARMS: dict[str, ArmDef] = {
@@ -147,6 +149,24 @@ ARMS: dict[str, ArmDef] = {
         "patched llama-server + proxy with resident sharing, idle slots keep their KV (A/S/H)",
         proxy=True,
         proxy_args=("--cache-kv-share", "on", "--cache-idle-release", "off"),
+    ),
+    "fleet": ArmDef(
+        "fleet",
+        "patched",
+        (),
+        "one proxy per patched server (--servers N), the proxies behind a round-robin balancer, "
+        "each with its own host cache",
+        proxy=True,
+        fleet=True,
+    ),
+    "fleet-shared": ArmDef(
+        "fleet-shared",
+        "patched",
+        (),
+        "the same fleet, its proxies sharing one Valkey tier (--cache-remote, a local valkey-server)",
+        proxy=True,
+        fleet=True,
+        shared_tier=True,
     ),
     "proxy-hs-rel": ArmDef(
         "proxy-hs-rel",
@@ -346,6 +366,7 @@ def _start_proxy(
     arm: ArmDef,
     log_path: Path,
     kvctl_key: str | None = None,
+    extra_args: tuple[str, ...] = (),
 ) -> subprocess.Popen[bytes]:
     check_port_free("127.0.0.1", port, "proxy")
     # The child reads no RADIX_* settings of ours except where the cache lives, and the server's
@@ -372,6 +393,7 @@ def _start_proxy(
         "--cache-ram",
         str(settings.proxy_cache_mib),
         *arm.proxy_args,
+        *extra_args,
     ]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(

@@ -60,7 +60,10 @@ CAPACITY_OPTIONS = (
 )
 
 _SIZE_OPTIONS: dict[str, tuple[str, str]] = {
-    "prompt_tokens": ("--prompt-tokens", "Approximate prompt size in tokens."),
+    "prompt_tokens": (
+        "--prompt-tokens",
+        "Approximate prompt size in tokens (cluster: each session's document).",
+    ),
     "rounds": ("--rounds", "Rounds."),
     "prompts": (
         "--prompts",
@@ -76,11 +79,12 @@ _SIZE_OPTIONS: dict[str, tuple[str, str]] = {
     ),
     "fillers": ("--fillers", "Prompts sent at once to evict the first one from every slot."),
     "pairs": ("--pairs", "Front/server request pairs."),
-    "sessions": ("--sessions", "Sessions per scenario."),
+    "sessions": ("--sessions", "Sessions (agents: per scenario)."),
     "system_tokens": ("--system-tokens", "Approximate system prompt size in tokens."),
     "users": ("--users", "Users, each with a conversation of its own."),
     "question_tokens": ("--question-tokens", "Approximate size of each question in tokens."),
     "interval_ms": ("--interval-ms", "Milliseconds between two questions (over all users; open loop)."),
+    "think_ms": ("--think-ms", "Milliseconds a session waits after an answer before its next question."),
     "max_tokens": ("--max-tokens", "Tokens generated per request."),
     "seed": ("--seed", "Seed of the generated text."),
 }
@@ -106,6 +110,9 @@ HELP = {
     "coding-agent": "A coding agent through the Anthropic Messages API (or --api chat): one long system prompt "
     "and the same tool schemas on every request, concurrent sessions whose tool loops return code and "
     "test output, and a sub-agent branching off each session's history.",
+    "cluster": "Sessions on a private document each, under one system prompt, behind a round-robin "
+    "balancer in front of N proxies (one server each): a session's rounds move between the proxies, "
+    "which restore its history from the shared Valkey tier (fleet-shared) or prefill it again (fleet).",
     "multi-round": "Many users of one chat service: a shared system prompt, a private history growing by one "
     "question and a short answer per round, questions arriving at a fixed rate (open loop).",
 }
@@ -122,6 +129,7 @@ def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: P
     """Each arm in turn: start it, replay the workload, collect its figures, stop it."""
     from proxy.bench.arms import ARMS, arm_binary, start_arm
     from proxy.bench.cluster import start_cluster_arm
+    from proxy.bench.fleet import start_fleet_arm
     from proxy.bench.limit import tokenized_limit
     from proxy.bench.report import build_report, write_report
     from proxy.traffic.runner import run_workload, write_results
@@ -131,7 +139,13 @@ def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: P
     limit: dict[str, Any] | None = None
     for name in arm_names:
         say(f"arm {name}: {ARMS[name].description}")
-        start = start_cluster_arm if settings.n_servers > 1 else start_arm
+        start = (
+            start_fleet_arm
+            if ARMS[name].fleet
+            else start_cluster_arm
+            if settings.n_servers > 1
+            else start_arm
+        )
         with start(name, settings, binaries[name]) as arm:
             results = asyncio.run(
                 run_workload(
@@ -231,7 +245,7 @@ def run_workload_command(
     search = {
         k: sizes.pop(k) for k in ("step", "upper_factor", "probe_timeout_s", "min_together") if k in sizes
     }
-    n_servers = int(sizes.pop("n_servers", None) or 1)
+    n_servers = int(sizes.pop("n_servers", None) or DEFAULT_SERVERS.get(name, 1))
     if n_servers < 1:
         raise ConfigError("--servers must be at least 1", fix="pass e.g. --servers 2")
     tier, tier_sizes = sizes.pop("tier", "ram"), sizes.pop("tier_sizes", None)
@@ -323,14 +337,17 @@ def _workload_options(name: str) -> list[Callable[[Any], Any]]:
 
 
 # Workloads that run on N servers per arm (proxy: one proxy over N; stock: a round-robin balancer).
-CLUSTER_WORKLOADS = ("agents", "prefix-tiers")
+CLUSTER_WORKLOADS = ("agents", "prefix-tiers", "multi-round", "coding-agent", "cluster")
+#: Servers per arm where ``--servers`` is not given (``cluster``: a fleet of two proxies).
+DEFAULT_SERVERS = {"cluster": 2}
 SERVERS_OPTION = click.option(
     "--servers",
     "n_servers",
     type=int,
     default=None,
-    help="Servers per arm: N patched servers behind the proxy against N stock servers behind a "
-    "round-robin balancer [default: 1].",
+    help="Servers per arm: N patched servers behind the proxy (or, on the fleet arms, a proxy each "
+    "behind a round-robin balancer) against N stock servers behind that balancer "
+    "[default: 1; cluster: 2].",
 )
 
 

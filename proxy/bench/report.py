@@ -14,6 +14,7 @@ from typing import Any
 from proxy.bench.limit import arm_limit, render_limit
 from proxy.bench.markdown import fmt_mib, fmt_n, fmt_s, fmt_x, md_table
 from proxy.bench.report_capacity import render_capacity_markdown
+from proxy.bench.report_fleet import render_fleet
 from proxy.bench.report_kvctl import render_kvctl_markdown
 from proxy.bench.stats import percentile
 from proxy.bench.waits import route_waits, waits_markdown
@@ -328,6 +329,7 @@ def render_markdown(report: dict[str, Any], chart_note: str = "") -> str:
             f"Host cache optimum seen by `{name}` (its distinct tokens x KV bytes per token): {fmt_mib(best)}.",
         ]
     lines += render_limit(report)
+    lines += render_fleet(report)
     groups = list(dict.fromkeys(g for a in arms.values() for g in a["groups"]))
     if len(groups) > 1:
         group_min = (report.get("limit") or {}).get("min_prefill_by_group") or {}

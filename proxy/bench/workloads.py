@@ -16,6 +16,7 @@ from typing import Any
 
 from proxy.bench.agents import agents
 from proxy.bench.coding import coding_agent
+from proxy.bench.fleetload import cluster
 from proxy.bench.multiround import multi_round
 from proxy.traffic.spec import BenchRequest, Workload
 from proxy.traffic.text import prose, seeded, words_for
@@ -371,6 +372,7 @@ DEFAULT_ARMS: dict[str, tuple[str, ...]] = {
     "fanout": ("legacy", "proxy", "proxy-hs"),
     "coding-agent": ("legacy", "proxy"),
     "multi-round": ("legacy", "proxy"),
+    "cluster": ("legacy", "fleet", "fleet-shared"),
 }
 
 GENERATORS: dict[str, Callable[..., Workload]] = {
@@ -383,6 +385,7 @@ GENERATORS: dict[str, Callable[..., Workload]] = {
     "fanout": fanout,
     "coding-agent": coding_agent,
     "multi-round": multi_round,
+    "cluster": cluster,
 }
 
 

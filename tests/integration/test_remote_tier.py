@@ -11,10 +11,7 @@ References come from the stock server with ``cache_prompt: false``.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -24,65 +21,27 @@ from typing import Any
 import pytest
 import redis
 
-from proxy.native.launch import ServerProcess, free_port
+from proxy.native.launch import ServerProcess
+from proxy.native.store import StoreProcess, store_binary
 from proxy.server.ops.admin import tiers as tiers_of
 from tests.helpers import ProxyThread, Reply, ServerFactory, assert_same_answer, chat_body, post, proxy_config
 from tests.integration.test_proxy import convo, document
 
-STORE_BIN = shutil.which("valkey-server") or shutil.which("redis-server")
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(
-        STORE_BIN is None,
+        store_binary() is None,
         reason="neither valkey-server nor redis-server is installed (make valkey; Debian: apt-get install redis-server)",
     ),
 ]
 CHUNK = 64  # tokens per chunk (--kv-arena-chunk): the suite's prompts are a few hundred tokens
 
 
-class Store:
-    """A valkey-server (or redis-server) on a free port, no persistence, in a temporary directory."""
-
-    def __init__(self, directory: Path) -> None:
-        self.dir = directory
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        assert STORE_BIN is not None
-        args = [
-            STORE_BIN,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ]
-        log = open(self.dir / "store.log", "ab")  # noqa: SIM115 (kept open for the process)
-        self.proc = subprocess.Popen([*args, "--dir", str(self.dir)], stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, (self.dir / "store.log").read_text(errors="replace")[-2000:]
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", self.port)) == 0 and self.client().ping():
-                    return
-            time.sleep(0.05)
-        pytest.fail("the store did not open its port")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
+class Store(StoreProcess):
+    """The store of proxy/native/store.py, with a client for the tests' own reads and writes."""
 
     def client(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=10)
-
-    @property
-    def url(self) -> str:
-        return f"valkey://127.0.0.1:{self.port}/0"
 
 
 @pytest.fixture(scope="module")
