@@ -29,7 +29,7 @@ def services(name: str = "docker-compose.yml") -> dict[str, Any]:
 def test_every_service_that_opens_the_model_waits_for_models_init() -> None:
     found = services()
     readers = [n for n, s in found.items() if MODEL_MOUNT in s.get("volumes", [])]
-    assert {"llama-server", "llama-server-2", "proxy"} <= set(readers)
+    assert {"llama-server", "llama-server-2", "llama-server-3", "proxy", "proxy-2"} <= set(readers)
     for name in readers:
         assert found[name]["depends_on"]["models-init"] == {"condition": "service_completed_successfully"}, (
             name
@@ -48,7 +48,8 @@ def test_every_service_that_opens_the_model_waits_for_models_init() -> None:
 @pytest.mark.parametrize("variant", ["compose.cuda.yml", "compose.cann.yml"])
 def test_accelerator_variants_fill_the_volume_from_the_servers_image(variant: str) -> None:
     found = services(variant)
-    assert found["models-init"]["image"] == found["llama-server"]["image"] == found["llama-server-2"]["image"]
+    servers = ("llama-server", "llama-server-2", "llama-server-3")
+    assert {found[n]["image"] for n in servers} == {found["models-init"]["image"]}
     assert found["models-init"]["build"] == found["llama-server"]["build"]
     assert "devices" not in found["models-init"] and "deploy" not in found["models-init"]
 
@@ -127,9 +128,9 @@ def test_the_arm64_variant_puts_every_server_and_the_proxy_on_arm64() -> None:
     server_users = {
         n for n, s in base.items() if s.get("image", "").startswith("llama-radix-proxy/llama-server:")
     }
-    assert server_users == {"models-init", "llama-server", "llama-server-2"}
-    assert set(found) == server_users | {"proxy"}
+    assert server_users == {"models-init", "llama-server", "llama-server-2", "llama-server-3"}
+    assert set(found) == server_users | {"proxy", "proxy-2"}
     assert all(s["platform"] == "linux/arm64" for s in found.values())
     images = {found[n]["image"] for n in server_users}
     assert len(images) == 1 and images.pop() == base["llama-server"]["image"] + "-arm64"
-    assert found["proxy"]["image"] != base["proxy"]["image"]
+    assert found["proxy"]["image"] == found["proxy-2"]["image"] != base["proxy"]["image"]
