@@ -16,9 +16,8 @@ from typing import Any
 
 import pytest
 
-from proxy.native.launch import ServerProcess
-from tests.helpers import ProxyThread, Reply, ServerFactory, assert_same_answer, chat_body, post, proxy_config
-from tests.integration.test_architectures import KV_CONFIGS, _fallbacks
+from tests.helpers import ProxyThread, ServerFactory, assert_same_answer, proxy_config
+from tests.integration.test_architectures import KV_CONFIGS, _ask, _fallbacks, _from_scratch
 from tests.integration.test_proxy import convo, document
 from tests.tinymodels import tiny_model
 
@@ -26,19 +25,6 @@ pytestmark = pytest.mark.integration
 
 FAMILY = "llama-h128"
 KVS = ("f16", "q8_0-fa")
-
-
-def _ask(proxy: ProxyThread, messages: list[dict[str, str]]) -> Reply:
-    reply = post(f"{proxy.url}/v1/chat/completions", chat_body(messages, 16))
-    assert reply.status == 200, reply.body
-    proxy.settle()
-    return reply
-
-
-def _from_scratch(stock: ServerProcess, messages: list[dict[str, str]]) -> Reply:
-    reply = post(f"{stock.url}/v1/chat/completions", chat_body(messages, 16, cache_prompt=False))
-    assert reply.status == 200, reply.body
-    return reply
 
 
 def _acceptance(timings: dict[str, Any]) -> float:
