@@ -314,6 +314,25 @@ def legacy_cache_bytes(log_path: Path) -> int | None:
     return round(float(found[-1][1]) * 1024 * 1024) if found else None
 
 
+def arm_server_spec(
+    settings: ArmSettings, arm: ArmDef, binary: Path, port: int, shm: Path | None, kvctl_key: str | None
+) -> ServerSpec:
+    """One llama-server of the arm: its settings, and with a proxy the /kvctl flags, payload dir and key."""
+    return ServerSpec(
+        binary=binary,
+        model=settings.model,
+        port=port,
+        n_parallel=settings.n_parallel,
+        ctx_size=settings.ctx_size,
+        threads=settings.threads,
+        kvctl=arm.proxy,
+        kvctl_dir=shm,
+        kvctl_key=kvctl_key,
+        proxy_flags=arm.proxy,
+        extra_args=settings.server_args(arm),
+    )
+
+
 @contextlib.contextmanager
 def start_arm(name: str, settings: ArmSettings, binary: Path | None = None) -> Iterator[RunningArm]:
     """Start the arm's server (and proxy); stop everything on the way out, whatever happens."""
@@ -323,19 +342,7 @@ def start_arm(name: str, settings: ArmSettings, binary: Path | None = None) -> I
     port = free_port()
     shm = shm_base() / f"radix-bench-{os.getpid()}-{port}" if arm.proxy else None
     # A fresh /kvctl key per patched server: in a key file for the server, in the environment for the proxy.
-    spec = ServerSpec(
-        binary=binary,
-        model=settings.model,
-        port=port,
-        n_parallel=settings.n_parallel,
-        ctx_size=settings.ctx_size,
-        threads=settings.threads,
-        kvctl=arm.proxy,
-        kvctl_dir=shm,
-        kvctl_key=secrets.token_urlsafe(32) if arm.proxy else None,
-        proxy_flags=arm.proxy,
-        extra_args=settings.server_args(arm),
-    )
+    spec = arm_server_spec(settings, arm, binary, port, shm, secrets.token_urlsafe(32) if arm.proxy else None)
     server = ServerProcess(spec, settings.log_dir / f"server-{name}.log")
     proxy_proc: subprocess.Popen[bytes] | None = None
     try:

@@ -32,11 +32,12 @@ from proxy.bench.arms import (
     _stop,
     _tail,
     arm_binary,
+    arm_server_spec,
     legacy_cache_bytes,
     shm_base,
 )
 from proxy.errors import ConfigError
-from proxy.native.launch import ServerProcess, ServerSpec, check_port_free, free_port
+from proxy.native.launch import ServerProcess, check_port_free, free_port
 
 
 @dataclass
@@ -65,19 +66,7 @@ def start_cluster_arm(name: str, settings: ArmSettings, binary: Path | None = No
     front: subprocess.Popen[bytes] | None = None
     try:
         for i in range(settings.n_servers):
-            spec = ServerSpec(
-                binary=binary,
-                model=settings.model,
-                port=free_port(),
-                n_parallel=settings.n_parallel,
-                ctx_size=settings.ctx_size,
-                threads=settings.threads,
-                kvctl=arm.proxy,
-                kvctl_dir=shm,
-                kvctl_key=key,
-                proxy_flags=arm.proxy,
-                extra_args=settings.server_args(arm),
-            )
+            spec = arm_server_spec(settings, arm, binary, free_port(), shm, key)
             servers.append(ServerProcess(spec, settings.log_dir / f"server-{name}-{i}.log"))
             servers[-1].start(timeout=300)
         urls = tuple(s.url for s in servers)

@@ -31,13 +31,15 @@ from proxy.bench.arms import (
     _start_proxy,
     _stop,
     arm_binary,
+    arm_server_spec,
     binary_info,
     shm_base,
 )
 from proxy.bench.cluster import _start_balancer
 from proxy.errors import ConfigError
-from proxy.native.launch import ServerProcess, ServerSpec, free_port
+from proxy.native.launch import ServerProcess, free_port
 from proxy.native.store import StoreProcess
+from proxy.server.tiers.disk_files import load_secret
 
 #: The store's memory cap: far above what a bench writes, so nothing is evicted mid-run.
 STORE_MAXMEMORY_MIB = 8192
@@ -91,13 +93,6 @@ def store_figures(store: StoreProcess) -> dict[str, Any]:
         return {"error": str(exc)}
 
 
-def _write_key(path: Path) -> None:
-    """The fleet's MAC key: 32 random bytes in a 0600 file every proxy of the arm reads."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(secrets.token_bytes(32))
-
-
 @contextlib.contextmanager
 def start_fleet_arm(name: str, settings: ArmSettings, binary: Path | None = None) -> Iterator[FleetArm]:
     """N servers with a proxy each, the balancer in front (and the store); everything stopped on the way out."""
@@ -115,25 +110,13 @@ def start_fleet_arm(name: str, settings: ArmSettings, binary: Path | None = None
         shared: tuple[str, ...] = ()
         if arm.shared_tier:
             store = StoreProcess(base / "store", maxmemory_mib=STORE_MAXMEMORY_MIB).start()
-            _write_key(base / "remote.key")
+            load_secret(base / "remote.key")  # made there: 32 random bytes, 0600, read by every proxy
             shared = ("--cache-remote", store.url, "--cache-remote-key-file", str(base / "remote.key"))
         proxy_urls: list[str] = []
         proxy_logs: list[Path] = []
         for i in range(settings.n_servers):
             shm = base / f"host-{i}"  # each proxy's own arena and payload files, shared with its server only
-            spec = ServerSpec(
-                binary=binary,
-                model=settings.model,
-                port=free_port(),
-                n_parallel=settings.n_parallel,
-                ctx_size=settings.ctx_size,
-                threads=settings.threads,
-                kvctl=True,
-                kvctl_dir=shm,
-                kvctl_key=secrets.token_urlsafe(32),
-                proxy_flags=True,
-                extra_args=settings.server_args(arm),
-            )
+            spec = arm_server_spec(settings, arm, binary, free_port(), shm, secrets.token_urlsafe(32))
             servers.append(ServerProcess(spec, settings.log_dir / f"server-{name}-{i}.log"))
             servers[-1].start(timeout=300)
             port = free_port()
