@@ -39,6 +39,7 @@ from proxy.server.metrics import ARENA_PATHS, Metrics
 from proxy.traffic.text import prose, seeded
 
 DEFAULT_SIZES = (512, 2048, 8192)
+PARALLEL_SLOTS = (1, 2)  # slot 0 holds the prefill, slot 3 serves the probe
 PREFILL_READ_S = 3600.0
 
 
@@ -94,8 +95,31 @@ async def _prefill(backend: ServerClient, tokens: list[int]) -> None:
 
 
 def kvctl_ctx_size(sizes: tuple[int, ...]) -> int:
-    """KV pool for slot 0 and slot 1 both holding the largest size, plus the probe."""
-    return 2 * max(sizes) + 1024
+    """KV pool for slot 0 and the parallel imports' slots all holding the largest size, plus
+    the probe."""
+    return (1 + len(PARALLEL_SLOTS)) * max(sizes) + 1024
+
+
+async def _parallel_imports(
+    mover: KvMover, tokens: list[int], segment: Any, reps: int, one_ms: float, size: int
+) -> dict[str, Any]:
+    """The same payload imported into PARALLEL_SLOTS at once, as the proxy's restores into
+    different slots run (movelock.py), against one import after the other (``one_ms`` each):
+    the server's main loop copies them in turn, while each one's HTTP-thread checks overlap."""
+    walls = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        await asyncio.gather(*(mover.import_(slot, 0, tokens, segment) for slot in PARALLEL_SLOTS))
+        walls.append(1000 * (time.perf_counter() - started))
+    wall = statistics.median(walls)
+    serial = len(PARALLEL_SLOTS) * one_ms
+    return {
+        "slots": len(PARALLEL_SLOTS),
+        "wall_ms_p50": wall,
+        "serial_ms": serial,
+        "speedup": serial / wall,
+        "mb_s": len(PARALLEL_SLOTS) * size / (wall / 1000) / 1e6,
+    }
 
 
 async def _tokens(backend: ServerClient, n: int) -> list[int]:
@@ -232,12 +256,19 @@ async def run_kvctl_bench(
                         "device_mb_s": size / (statistics.median(loops) / 1000) / 1e6 if loops else None,
                         "probe_ms": probes[0] if probes else None,
                     }
+                assert segment is not None
+                row["parallel_import"] = await _parallel_imports(
+                    mover, held[:n], segment, reps, row["import"]["total_ms_p50"], size
+                )
                 row["memcpy_mb_s"] = memcpy_mb_s(size, max(5, reps))
                 rows.append(row)
                 say(
                     f"{n} tokens ({size / 2**20:.1f} MiB): export {row['export']['total_ms_p50']:.1f} ms "
                     f"({row['export']['mb_s']:.0f} MB/s), import {row['import']['total_ms_p50']:.1f} ms "
-                    f"({row['import']['mb_s']:.0f} MB/s), memcpy {row['memcpy_mb_s']:.0f} MB/s"
+                    f"({row['import']['mb_s']:.0f} MB/s), {len(PARALLEL_SLOTS)} imports at once "
+                    f"{row['parallel_import']['wall_ms_p50']:.1f} ms "
+                    f"({row['parallel_import']['speedup']:.2f}x one after the other), "
+                    f"memcpy {row['memcpy_mb_s']:.0f} MB/s"
                 )
         finally:
             if home is not None:

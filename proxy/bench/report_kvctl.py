@@ -72,4 +72,28 @@ def render_kvctl_markdown(report: dict[str, Any]) -> str:
         ],
         rows,
     )
+    parallel = [s for s in report["sizes"] if s.get("parallel_import")]
+    if parallel:
+        lines += [
+            "",
+            "Imports into different slots at once (as the proxy's restores into different slots run): "
+            "the server's main loop copies them in turn; each one's checks on an HTTP thread, its "
+            "payload's mapping and its round trip overlap the others'.",
+            "",
+        ]
+        lines += md_table(
+            ["tokens", "slots", "wall ms p50", "one after the other ms", "speedup", "MB/s", "memcpy MB/s"],
+            [
+                [
+                    str(s["tokens"]),
+                    str(s["parallel_import"]["slots"]),
+                    fmt_n(s["parallel_import"]["wall_ms_p50"], "{:.1f}"),
+                    fmt_n(s["parallel_import"]["serial_ms"], "{:.1f}"),
+                    fmt_n(s["parallel_import"]["speedup"], "{:.2f}x"),
+                    fmt_n(s["parallel_import"]["mb_s"], "{:.0f}"),
+                    fmt_n(s["memcpy_mb_s"], "{:.0f}"),
+                ]
+                for s in parallel
+            ],
+        )
     return "\n".join(lines) + "\n"

@@ -28,3 +28,7 @@ def test_inline_moves_skip_a_payload_over_the_inline_limit(tmp_path: Path, patch
     assert report["transport"] == "inline msgpack"
     assert [s["tokens"] for s in report["sizes"]] == [64]
     assert all(report["sizes"][0][op]["mb_s"] > 0 for op in ("export", "import"))
+    # The same payload imported into two other slots at once: both answered, timed together.
+    parallel = report["sizes"][0]["parallel_import"]
+    assert parallel["slots"] == 2 and parallel["wall_ms_p50"] > 0 and parallel["speedup"] > 0
+    assert "Imports into different slots at once" in (out / "report.md").read_text()

@@ -410,6 +410,43 @@ async def test_a_host_restore_imports_and_unpins() -> None:
     check(coord)
 
 
+async def test_host_restores_into_different_slots_of_one_server_run_together() -> None:
+    s0 = server("s0", n_slots=2)
+    coord = coordinator(s0)
+    for start in (0, 3000):
+        prompt = toks(start, 100)
+        coord.tree.insert(prompt, KvSegment.from_rows(0, LAYOUT, rows(prompt.tolist())))
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+    plain_import = fake.import_
+    inside: set[int] = set()
+    both_inside = asyncio.Event()
+    go = asyncio.Event()
+
+    async def import_(slot: int, *args: Any, hold: Any = None, **kw: Any) -> None:
+        async with hold or contextlib.nullcontext():  # the server's part, under the move lock
+            inside.add(slot)
+            if len(inside) == 2:
+                both_inside.set()
+            await go.wait()
+        await plain_import(slot, *args, **kw)
+
+    fake.import_ = import_  # type: ignore[method-assign]
+    a = await coord.acquire("a", np.concatenate([toks(0, 100), toks(7000, 10)]))
+    b = await coord.acquire("b", np.concatenate([toks(3000, 100), toks(8000, 10)]))
+    assert (a.route, b.route) == (Route.H, Route.H) and a.slot is not b.slot
+    restores = asyncio.gather(coord.restore(a, 16), coord.restore(b, 16))
+    # Each in its server's part at once: one slot's hold does not keep the other slot waiting.
+    await asyncio.wait_for(both_inside.wait(), 5)
+    assert s0.move_lock.slots_held() == {a.slot.slot_id, b.slot.slot_id}
+    go.set()
+    await asyncio.wait_for(restores, 5)
+    assert sorted(fake.imports) == [(0, 0, 100), (1, 0, 100)]
+    assert not s0.move_lock.locked()
+    coord.release(a)
+    coord.release(b)
+    check(coord)
+
+
 async def test_a_server_with_moves_off_gets_no_host_restore_and_keeps_its_slots_kv() -> None:
     """Moves off (a sliding window, a recurrent state): the slot's own prefix and prefills only;
     nothing is exported, saved or released, even with idle release on and the tree holding more."""
@@ -1079,7 +1116,7 @@ async def test_a_slot_saving_its_answer_is_not_counted_as_load() -> None:
 
 
 async def test_move_lock_serves_restores_before_queued_saves() -> None:
-    from proxy.server.coordinator.state import MoveLock
+    from proxy.server.coordinator.movelock import MoveLock
 
     lock = MoveLock()
     order: list[str] = []
@@ -1107,7 +1144,7 @@ async def test_move_lock_serves_restores_before_queued_saves() -> None:
 
 
 async def test_move_lock_passes_on_when_a_waiter_is_cancelled_after_the_handover() -> None:
-    from proxy.server.coordinator.state import MoveLock
+    from proxy.server.coordinator.movelock import MoveLock
 
     lock = MoveLock()
     await lock.acquire()

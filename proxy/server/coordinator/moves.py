@@ -1,6 +1,8 @@
 """Executing a plan's KV moves: restore before the answer, save and share after it.
 
-Moves to one server are serialized by its ``move_lock``. State (a slot's tokens, the
+Moves into one slot are serialized by its server's ``move_lock``, and a move that touches
+the whole pool (room checks and erases, owner sequences) holds all of it; moves into
+different slots run together (movelock.py). State (a slot's tokens, the
 tree) is committed only after the server confirmed the move; a failed restore clears the
 slot's tokens (the server already dropped what it wrote) and the request is prefilled.
 """
@@ -21,6 +23,7 @@ from proxy.core.planner import Route
 from proxy.core.radix import RadixTree
 from proxy.core.routing import CostModel
 from proxy.errors import FallbackCause, KvMoveError, RadixError, RejectReason, Unavailable
+from proxy.server.coordinator.movelock import WHOLE
 from proxy.server.coordinator.state import EMPTY, Lease
 from proxy.server.coordinator.waves import hold_for_wave, prefix_step
 from proxy.server.dataplane.backend import TRANSPORT_ERRORS
@@ -127,10 +130,11 @@ class KvMoves:
         )
 
     @contextlib.asynccontextmanager
-    async def _locked(self, lease: Lease) -> AsyncIterator[None]:
-        """The server's move lock for a restore step: ahead of queued saves, the wait timed."""
+    async def _locked(self, lease: Lease, whole: bool = False) -> AsyncIterator[None]:
+        """The server's move lock for a restore step, ahead of queued saves, the wait timed:
+        the lease's own slot, or with ``whole`` the whole server (its pool, its owners)."""
         waited = time.monotonic()
-        async with lease.server.move_lock.first():
+        async with lease.server.move_lock.first(WHOLE if whole else lease.slot.slot_id):
             lease.lock_wait_s += time.monotonic() - waited
             yield
 
@@ -156,7 +160,7 @@ class KvMoves:
                 async with lease.server.move_lock.restoring():
                     await self._import_host(lease, hold=self._locked(lease))
                 return
-            async with self._locked(lease):
+            async with self._locked(lease, whole=True):  # reads an owner sequence
                 if server.sharing is not None and plan.owner_id is not None:
                     await server.sharing.attach(
                         plan.owner_id, slot.slot_id, plan.reuse_len, lease.adapters.as_json()
@@ -193,7 +197,7 @@ class KvMoves:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.queue_timeout_s
         while True:
-            async with self._locked(lease):
+            async with self._locked(lease, whole=True):  # measures the pool, erases other slots
                 if await self._make_room(lease, need.total - tail + server.reserved_cells):
                     server.admit(lease, need)  # no await since the check: nobody counted these cells
                     return

@@ -205,7 +205,7 @@ class KvSaves:
             if self.checkpoints.find(lease.ns, server.compat_id, tokens) is not None:
                 continue
             try:
-                async with server.move_lock:
+                async with server.move_lock.held(slot.slot_id):
                     data = (await server.backend.checkpoint(slot.slot_id, tokens)).data
             except KvMoveError as exc:
                 if exc.cause in (FallbackCause.TRANSPORT, FallbackCause.TIMEOUT, FallbackCause.INSTANCE):
@@ -272,7 +272,7 @@ class KvSaves:
         lengths = [n for n in (len(lease.tokens), lease.plan.host_to) if 0 < n <= held]
         if not lengths or lease.fallback:
             return
-        async with lease.server.move_lock:
+        async with lease.server.move_lock:  # the whole server: owner sequences
             await sharing.publish_prefixes(lease.slot.slot_id, tokens, lengths, lease.ns)
 
 

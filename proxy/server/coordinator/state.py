@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,103 +17,13 @@ from proxy.core.planner import Plan, Route
 from proxy.core.radix import HostMatch, RadixTree
 from proxy.core.routing import MeasuredRates
 from proxy.errors import FallbackCause
+from proxy.server.coordinator.movelock import MoveLock
 from proxy.server.dataplane.backend import ServerClient
 from proxy.server.dataplane.kvctl import Caps
 from proxy.server.dataplane.ports import KvServer, Mover
 from proxy.server.dataplane.sharing import Sharing
 
 EMPTY = np.zeros(0, dtype=np.int32)
-
-
-class MoveLock:
-    """One server's KV-move lock: ``async with lock`` like ``asyncio.Lock`` (first come, first
-    served), except that holders taken with ``lock.first()`` (restores: a request's first
-    token waits on them) go before every queued plain holder (saves after an answer, which
-    only keep their own slot busy a little longer)."""
-
-    def __init__(self) -> None:
-        self._held = False
-        self._first: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._plain: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._restores = 0  # restore steps holding or waiting for the lock
-        self._no_restores = asyncio.Event()
-        self._no_restores.set()
-
-    def locked(self) -> bool:
-        return self._held
-
-    async def acquire(self, first: bool = False) -> None:
-        if not self._held:
-            self._held = True
-            return
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        (self._first if first else self._plain).append(waiter)
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():  # handed over, then cancelled: pass it on
-                self.release()
-            raise
-
-    def release(self) -> None:
-        """Hand the lock to the next waiter (restores first), or free it."""
-        for queue in (self._first, self._plain):
-            while queue:
-                waiter = queue.popleft()
-                if not waiter.done():  # skip waiters cancelled while queued
-                    waiter.set_result(None)  # the lock stays held: handed over, no barging
-                    return
-        self._held = False
-
-    async def __aenter__(self) -> None:
-        await self.acquire()
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.release()
-
-    @contextlib.asynccontextmanager
-    async def first(self) -> AsyncIterator[None]:
-        async with self.restoring():
-            await self.acquire(first=True)
-            try:
-                yield
-            finally:
-                self.release()
-
-    @contextlib.asynccontextmanager
-    async def restoring(self) -> AsyncIterator[None]:
-        """A restore step under way, holding the lock or not yet (its payload being written):
-        ``restores_done`` waits for it."""
-        self._restores += 1
-        self._no_restores.clear()
-        try:
-            yield
-        finally:
-            self._restores -= 1
-            if not self._restores:
-                self._no_restores.set()
-
-    def planned(self) -> None:
-        """A restore was planned (its request not at its restore yet): requests sent now
-        wait for it as for one under way (``restores_done``). Ended by ``unplanned``."""
-        self._restores += 1
-        self._no_restores.clear()
-
-    def unplanned(self) -> None:
-        self._restores -= 1
-        if not self._restores:
-            self._no_restores.set()
-
-    async def restores_done(self, timeout_s: float) -> None:
-        """Wait (at most ``timeout_s``) until no restore holds or waits for the lock. A
-        /kvctl move waits for the server's main loop, which a prompt being computed keeps
-        busy: a request sent while another's restore is pending makes that restore wait for
-        its whole prefill, where sending it a moment later lets both prefills run together."""
-        if self._no_restores.is_set():
-            return
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await self._no_restores.wait()
 
 
 @dataclass
