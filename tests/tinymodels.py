@@ -427,3 +427,57 @@ def _weights(rng: np.random.Generator, name: str, shape: Shape, fam: Family) -> 
     else:
         std = fam.scale / np.sqrt(shape[0])
     return (rng.standard_normal(np_shape, dtype=np.float32) * std).astype(np.float16)
+
+
+# The layer matrices a tiny LoRA adapter changes: the attention's (so the KV itself differs under
+# the adapter) and the FFN's output.
+_LORA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_down")
+
+
+def tiny_lora(name: str, seed: int = 1, rank: int = 4) -> Path:
+    """A random LoRA adapter (GGUF, f32) for the tiny model `name`, written once into the cache:
+    `lora_a` and `lora_b` of rank `rank` on each layer's attention and FFN output, strong enough
+    that greedy answers under the adapter differ from the base model's."""
+    fam = FAMILIES[name]
+    spec = {"family": fam.spec(), "seed": seed, "rank": rank}
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode() + Path(__file__).read_bytes()).hexdigest()[
+        :12
+    ]
+    final = cache_root() / "tiny-models" / f"{name}-lora{seed}-{key}.gguf"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(final.parent / f".{final.name}.lock"):
+        if not final.exists():
+            with staging_dir(final) as tmp:
+                _write_lora(fam, tmp / final.name, seed, rank)
+                os.replace(tmp / final.name, final)
+    return final
+
+
+def _write_lora(fam: Family, out: Path, seed: int, rank: int) -> None:
+    gguf = gguf_module()
+    writer = gguf.GGUFWriter(str(out), fam.arch)
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(rank))  # scale = alpha / rank = 1 at scale 1
+    rng = np.random.default_rng(seed)
+    assert fam.tensors is not None
+    for il in range(fam.n_layer):
+        for tname, shape in fam.tensors(fam, il).items():
+            if tname.split(".")[2] not in _LORA_TARGETS:
+                continue
+            n_in, n_out = shape
+            # ggml shapes: W is (n_in, n_out); lora_a (n_in, rank), lora_b (rank, n_out). numpy's
+            # are reversed. B @ A is about 8x the weights' own scale (std 1/sqrt(n_in)): the token
+            # embeddings dominate the residual stream of these tiny models, and a weaker adapter
+            # left most greedy answers unchanged at scale 1.
+            # (f32: numpy's float64 scalars would make them F64, which ggml's CPU matmul cannot run:
+            # llama.cpp loads such an adapter and crashes on the first decode, stock too)
+            a = (rng.standard_normal((rank, n_in)) / np.sqrt(n_in)).astype(np.float32)
+            b = (rng.standard_normal((n_out, rank)) * (8.0 / np.sqrt(rank))).astype(np.float32)
+            base = tname.removesuffix(".weight")
+            writer.add_tensor(f"{base}.weight.lora_a", a)
+            writer.add_tensor(f"{base}.weight.lora_b", b)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -201,6 +201,8 @@ def up_forever(
             f"proxy ready. OpenAI base URL: {base}   (tokenizer: {runtime.tokenizer_note}, "
             f"chat template: {runtime.template_note})"
         )
+        for line in moves_off_lines(runtime):
+            say(line)
         say(
             "try:\n  curl " + base + "/chat/completions -H 'Content-Type: application/json' \\\n"
             '    -d \'{"messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 32}\''
@@ -222,6 +224,21 @@ def up_forever(
         say("stopping llama-server")
         server.stop()
         _remove_payload_dir(shm_dir)
+
+
+def moves_off_lines(runtime: Runtime) -> list[str]:
+    """One line per server served without KV moves: why, and which routes it still gets."""
+    lines = []
+    for server in runtime.coordinator.servers:
+        if not server.moves_off:
+            continue
+        routes = (
+            "routes A, prefill and H from whole-state checkpoints"
+            if server.checkpoints
+            else "routes A and prefill only"
+        )
+        lines.append(f"{server.name}: served without KV moves ({routes}): {'; '.join(server.moves_off)}")
+    return lines
 
 
 def _start_server(server: ServerProcess) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import ProxyThread, ServerFactory, assert_same_answer, proxy_config
+from tests.integration import test_kvctl as kvctl
 from tests.integration.test_architectures import KV_CONFIGS, _ask, _fallbacks, _from_scratch
 from tests.integration.test_proxy import convo, document
 from tests.tinymodels import tiny_model
@@ -71,3 +72,55 @@ def test_a_draft_model_is_served_with_moves(
         proxy.stop()
         patched.stop()
         stock.stop()
+
+
+def test_a_failed_draft_recompute_clears_the_slot_and_the_next_request_is_right(
+    start_server: ServerFactory, fault_bin: Path, stock_bin: Path
+) -> None:
+    """The draft model's recompute after an import fails (fault "draft", patch 0023): a 503 that
+    says so, the slot emptied (target and draft KV both), and the next request on that slot is a
+    full prefill answered as stock's, with drafts accepted as on stock."""
+    model = tiny_model(FAMILY)
+    args = ("--model-draft", str(model), "--spec-type", "draft-simple", "--spec-draft-n-max", "4")
+    server = kvctl.keyed(
+        start_server(fault_bin, model=model, n_parallel=2, ctx_size=2048, threads=1, extra_args=args)
+    )
+    stock = start_server(stock_bin, model=model, ctx_size=2048, threads=1, kvctl=False, extra_args=args)
+    url = server.url
+    c = kvctl.caps(url)
+    assert c["fault_injection"] is True and c["moves"] is True
+    kvctl.complete(url, kvctl.PROMPT, slot=0)
+    info = kvctl.slot_info(url, 0)
+    tokens, n = info["tokens"], info["n_tokens"]
+    blob = kvctl.export(url, 0, n)
+    kvctl.erase(url, 0)
+
+    body = kvctl.import_body(c["compat"], 0, 0, n, tokens, [blob], fault="draft")
+    msg = kvctl.assert_error(
+        kvctl.call(url, "POST", "/kvctl/import", body), 503, "unavailable_error", "draft"
+    )
+    assert "slot was cleared" in msg
+    info = kvctl.slot_info(url, 0)
+    assert (info["n_tokens"], info["n_cells"]) == (0, 0), info
+    assert kvctl.cells(url)["used"] == 0
+
+    # The same import without the fault: the slot holds [0, n) again and the draft is in step.
+    kvctl.import_(url, c["compat"], 0, 0, n, tokens, [blob])
+    request = tokens + [
+        int(t) for t in kvctl.ok(url, "POST", "/tokenize", {"content": kvctl.SUFFIX})["tokens"]
+    ]
+    got = kvctl.complete(url, request, slot=0, n=24)
+    assert got.cache_n >= n - 1, got.raw["timings"]
+    ref = kvctl.complete(stock.url, request, slot=None, cache=False, n=24)
+    kvctl.assert_same_or_near_tie(got, ref)
+    rate, ref_rate = _acceptance(got.raw["timings"]), _acceptance(ref.raw["timings"])
+    assert rate >= 0.8 * ref_rate and rate > 0.5, (got.raw["timings"], ref.raw["timings"])
+
+    # After a failed one, the next request on the slot is a full prefill with the right answer.
+    kvctl.erase(url, 0)
+    failed = kvctl.call(url, "POST", "/kvctl/import", body)
+    assert failed.status == 503
+    after = kvctl.complete(url, request, slot=0, n=24)
+    assert after.cache_n == 0, after.raw["timings"]
+    kvctl.assert_same_or_near_tie(after, ref)
+    assert _acceptance(after.raw["timings"]) >= 0.8 * ref_rate

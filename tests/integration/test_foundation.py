@@ -24,6 +24,7 @@ from proxy.native.fetch import pip_download
 from proxy.native.launch import ServerProcess, check_port_free, free_port
 from proxy.native.pins import LLAMA_CPP, SMOLLM2
 from tests.helpers import post
+from tests.tinymodels import tiny_model
 
 
 def chat(url: str, content: str, max_tokens: int = 16, **extra: object) -> dict:
@@ -160,28 +161,12 @@ def test_up_says_in_one_line_why_the_server_refused_and_leaves_no_payload_dir(
     assert not list(base.glob(f"radix-{os.getuid()}-{port}*"))  # made for the run, removed with it
 
 
-def test_up_serves_through_the_proxy_and_stops_cleanly(patched_bin: Path, model_path: Path) -> None:
-    """What `make run` does: build/fetch (cached here), serve, answer, stop on SIGTERM."""
+def _up_and_ask(*args: str) -> tuple[str, int]:
+    """`radixctl up ARGS` until healthy, one chat answered (route prefill), stopped by SIGTERM:
+    its output, and the server port it used (nothing listens there any more)."""
     port, server_port = free_port(), free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "proxy.cli",
-            "up",
-            "--port",
-            str(port),
-            "--server-port",
-            str(server_port),
-            "-t",
-            "2",
-            "-c",
-            "4096",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    cmd = [sys.executable, "-m", "proxy.cli", "up", "--port", str(port), "--server-port", str(server_port)]
+    proc = subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
@@ -203,8 +188,23 @@ def test_up_serves_through_the_proxy_and_stops_cleanly(patched_bin: Path, model_
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert f"http://127.0.0.1:{port}/v1" in out and "curl" in out
+    return out, server_port
+
+
+def test_up_serves_through_the_proxy_and_stops_cleanly(patched_bin: Path, model_path: Path) -> None:
+    """What `make run` does: build/fetch (cached here), serve, answer, stop on SIGTERM."""
+    out, server_port = _up_and_ask("-t", "2", "-c", "4096")
+    assert "served without KV moves" not in out
     # The server child is gone: nothing listens on its port any more.
     check_port_free("127.0.0.1", server_port, "llama-server")
+
+
+def test_up_says_in_one_line_why_a_model_is_served_without_moves(patched_bin: Path) -> None:
+    """A sliding-window model at the server's default window-sized cache (docs/architectures.md)."""
+    out, _ = _up_and_ask("--model", str(tiny_model("gemma3")), "-t", "1", "-c", "2048")
+    lines = [ln for ln in out.splitlines() if "served without KV moves" in ln]
+    assert len(lines) == 1, out
+    assert "routes A and prefill only" in lines[0] and "sliding-window attention" in lines[0], lines
 
 
 def _patch_body(text: str) -> str:

@@ -554,6 +554,23 @@ def _bad_magic(b: BadCtx) -> Case:
 
 
 BAD_CASES: dict[str, Callable[[BadCtx], Case]] = {
+    # the server loaded no adapter: a move may not name one
+    "import-lora-unknown": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(lora=[{"id": 0, "scale": 1.0}]),
+        400,
+        "invalid_request_error",
+        ("lora", "at most 0 adapters"),
+    ),
+    "import-lora-not-a-list": lambda b: (
+        "POST",
+        "/kvctl/import",
+        b.imp(lora={"id": 0}),
+        400,
+        "invalid_request_error",
+        ("lora",),
+    ),
     "import-slot-negative": lambda b: (
         "POST",
         "/kvctl/import",
@@ -1123,22 +1140,30 @@ def test_startup_refusal_names_every_reason(patched_bin: Path, model_path: Path,
 
 # --- 8. requests refused while kvctl is on -----------------------------------------------------
 
-REFUSED = {
-    "completion-n_cache_reuse": ("/completion", {"prompt": CANARY, "n_predict": 2, "n_cache_reuse": 8}),
-    "completion-lora": ("/completion", {"prompt": CANARY, "n_predict": 2, "lora": [{"id": 0, "scale": 1.0}]}),
+REFUSED = {  # the request, and what the 400 names
+    "completion-n_cache_reuse": (
+        "/completion",
+        {"prompt": CANARY, "n_predict": 2, "n_cache_reuse": 8},
+        ("n_cache_reuse", "--kvctl"),
+    ),
+    # per-request adapters are served (patch 0023), but only ones the server loaded (it has none)
+    "completion-lora-unknown": (
+        "/completion",
+        {"prompt": CANARY, "n_predict": 2, "lora": [{"id": 0, "scale": 1.0}]},
+        ("lora", "adapter 0 does not exist"),
+    ),
     "chat-n_cache_reuse": (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": CANARY}], "max_tokens": 2, "n_cache_reuse": 8},
+        ("n_cache_reuse", "--kvctl"),
     ),
 }
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
-def test_cache_reuse_and_lora_are_refused(moved: Moved, case: str) -> None:
-    path, body = REFUSED[case]
-    assert_error(
-        call(moved.url, "POST", path, body), 400, "invalid_request_error", "n_cache_reuse", "lora", "--kvctl"
-    )
+def test_cache_reuse_and_unknown_adapters_are_refused(moved: Moved, case: str) -> None:
+    path, body, needles = REFUSED[case]
+    assert_error(call(moved.url, "POST", path, body), 400, "invalid_request_error", *needles)
     plain = {k: v for k, v in body.items() if k not in ("n_cache_reuse", "lora")}
     assert call(moved.url, "POST", path, plain).status == 200
 

@@ -3,9 +3,8 @@
 The proxy checks the field against the server's adapters (from its compatibility key) before
 anything is leased or sent: a malformed entry, or an adapter the server does not have, is a 400
 in the API's own error shape, and the next request is served as usual. The effective scales are
-the namespace part of the cache key (proxy/core/adapters.py, tests/unit/test_adapters.py). Reuse
-under adapters is not tested end to end: the pinned llama-server (stock too) crashes on its first
-decode with the random adapters `tiny_lora` wrote (tests/tinymodels.py at commit 770481f; CHANGELOG, issue 46).
+the namespace part of the cache key (proxy/core/adapters.py, tests/unit/test_adapters.py); reuse
+under adapters, on a server that loaded two, is in test_lora.py.
 """
 
 from __future__ import annotations
@@ -24,9 +23,7 @@ FAMILY = "llama-h128"
 
 @pytest.fixture(scope="module")
 def plain_proxy(start_server: ServerFactory, patched_bin: Path) -> Iterator[ProxyThread]:
-    # No adapters: llama-server of the pinned commit (stock too) crashes on its first decode with
-    # the LoRA adapters tests/tinymodels.py writes, so the reuse under adapters is not tested
-    # end to end here (proxy/core/adapters.py and the patch's path are; see the CHANGELOG).
+    # No adapters: every "lora" naming one is refused by the proxy before the server sees it.
     patched = start_server(patched_bin, model=tiny_model(FAMILY), ctx_size=4096, threads=1)
     proxy = ProxyThread(proxy_config(patched)).start()
     yield proxy

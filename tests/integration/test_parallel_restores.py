@@ -57,8 +57,10 @@ def _hold_imports_together(rt: Runtime, inside_max: list[int]) -> None:
             finally:
                 inside[0] -= 1
 
-    async def import_(*args: Any, hold: Any = None, **kw: Any) -> Any:
-        return await plain(*args, hold=together(hold), **kw)
+    async def import_(
+        slot: int, p0: int, tokens: Any, segments: Any, hold: Any = None, lora: Any = None
+    ) -> None:
+        await plain(slot, p0, tokens, segments, hold=together(hold), lora=lora)
 
     mover.import_ = import_  # type: ignore[method-assign]
 
