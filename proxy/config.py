@@ -66,6 +66,9 @@ class Config:
     cache_remote: str | None = None
     cache_remote_key_file: Path | None = None
     cache_remote_password_file: Path | None = None
+    # TLS (rediss://): the CA certificates (PEM) the store's certificate must chain to; None:
+    # the system's CAs. The host name is always checked against the certificate.
+    cache_remote_ca_file: Path | None = None
     cache_remote_queue_mib: int = 256
     cache_remote_timeout_s: float = 2.0
     cache_remote_backoff_s: float = 5.0

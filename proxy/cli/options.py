@@ -113,6 +113,13 @@ cache_remote_password_file_option = click.option(
     envvar="RADIX_CACHE_REMOTE_PASSWORD_FILE",
     help="The store's AUTH password (a 0600 file of ours); a password in the URL is refused.",
 )
+cache_remote_ca_file_option = click.option(
+    "--cache-remote-ca-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="RADIX_CACHE_REMOTE_CA_FILE",
+    help="With rediss://: the CA certificates (PEM) the store's certificate must chain to "
+    "(default: the system's CAs); the host name is checked against it either way.",
+)
 cache_remote_timeout_option = click.option(
     "--cache-remote-timeout",
     "cache_remote_timeout_s",
@@ -566,6 +573,7 @@ PROXY_OPTIONS = [
     cache_remote_option,
     cache_remote_key_file_option,
     cache_remote_password_file_option,
+    cache_remote_ca_file_option,
     cache_remote_timeout_option,
     shm_dir_option,
     kv_arena_option,

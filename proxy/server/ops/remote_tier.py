@@ -13,7 +13,7 @@ from proxy.server.metrics import Metrics
 from proxy.server.tiers.disk import compat_key
 from proxy.server.tiers.disk_files import load_secret
 from proxy.server.tiers.remote import RemoteSettings, RemoteTier
-from proxy.server.tiers.remote_store import make_client, parse_store_url, read_password
+from proxy.server.tiers.remote_store import check_ca_file, make_client, parse_store_url, read_password
 
 
 async def open_remote_tier(
@@ -39,6 +39,8 @@ async def open_remote_tier(
             fix="--cache-remote-key-file FILE (the same 0600 file on every proxy; made if missing)",
         )
     address = parse_store_url(config.cache_remote)
+    if config.cache_remote_ca_file is not None:
+        check_ca_file(address, config.cache_remote_ca_file)
     try:
         secret = load_secret(config.cache_remote_key_file)
         password = (
@@ -58,7 +60,7 @@ async def open_remote_tier(
     )
     layout = server.mover.layout
     tier = RemoteTier(
-        make_client(address, password, config.cache_remote_timeout_s),
+        make_client(address, password, config.cache_remote_timeout_s, config.cache_remote_ca_file),
         compat_key(server.mover.compat),
         secret,
         layout,

@@ -8,6 +8,7 @@ is bounded by the tier's deadline and a failure falls back at once (docs/scale-o
 from __future__ import annotations
 
 import os
+import ssl
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,10 @@ MAX_CONNECTIONS = 16  # past it a call fails at once (counted), it does not queu
 class StoreAddress:
     url: str  # as redis-py takes it (redis:// or rediss://), without a password
     where: str  # host:port/db, for logs
+
+    @property
+    def tls(self) -> bool:
+        return self.url.startswith("rediss://")
 
 
 def parse_store_url(url: str) -> StoreAddress:
@@ -70,12 +75,38 @@ def read_password(path: Path) -> str:
         return f.read(4096).decode().strip()
 
 
-def make_client(address: StoreAddress, password: str | None, timeout_s: float) -> aioredis.Redis:
+def check_ca_file(address: StoreAddress, path: Path) -> None:
+    """A CA file only for TLS, and one that loads as PEM certificates: a bad one is a startup
+    error, not a store that fails every call."""
+    if not address.tls:
+        raise ConfigError(
+            f"--cache-remote-ca-file is for TLS, but {address.where} is not rediss:// or valkeys://",
+            fix="--cache-remote rediss://HOST:PORT, or leave --cache-remote-ca-file unset",
+        )
+    try:
+        ssl.create_default_context(cafile=str(path))
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"--cache-remote-ca-file {path}: not readable as PEM CA certificates: {exc}",
+            fix="a PEM file of the CA certificates the store's certificate chains to",
+        ) from exc
+
+
+def make_client(
+    address: StoreAddress, password: str | None, timeout_s: float, ca_file: Path | None = None
+) -> aioredis.Redis:
     """The client: connect and socket timeouts at the tier's deadline, one retry at most,
-    at most MAX_CONNECTIONS connections, bytes in and out."""
+    at most MAX_CONNECTIONS connections, bytes in and out. With TLS the store's certificate
+    must chain to ``ca_file`` (None: the system's CAs) and name its host."""
+    tls: dict[str, object] = {}
+    if address.tls:
+        tls = {"ssl_cert_reqs": "required", "ssl_check_hostname": True}
+        if ca_file is not None:
+            tls["ssl_ca_certs"] = str(ca_file)
     client: aioredis.Redis = aioredis.Redis.from_url(
         address.url,
         password=password,
+        **tls,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         retry=Retry(NoBackoff(), 1),  # once, for a connection the store closed; within the deadline

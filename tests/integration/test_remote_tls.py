@@ -1,0 +1,147 @@
+"""The remote tier over TLS (``rediss://``, ``--cache-remote-ca-file``) on a real Valkey (or
+Redis) with a certificate of a CA made here (openssl), and two proxies, each in front of its
+own patched llama-server with the default model.
+
+With the CA file, a prompt computed behind proxy 1 is written to the store over TLS and
+restored behind proxy 2 (route H) with the answer a full prefill gives. Without it the store's
+certificate does not verify against the system's CAs: every request is still answered right
+(prefill), the failures are counted, and nothing reaches the store. A certificate for another
+host name fails the same way even with the CA file.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from proxy.native.launch import ServerProcess, free_port
+from proxy.native.store import StoreProcess, store_binary
+from proxy.server.ops.admin import tiers as tiers_of
+from tests.helpers import ProxyThread, ServerFactory, assert_same_answer, proxy_config
+from tests.integration.test_proxy import convo, document
+from tests.integration.test_remote_tier import CHUNK, ask, reference
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(store_binary() is None, reason="no valkey-server or redis-server (make valkey)"),
+]
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_certs(d: Path, name: str, san: str) -> Path:
+    """A CA (ca.pem) once, and a certificate ``name``.pem / ``name``.key it signed for ``san``."""
+    if not (d / "ca.pem").exists():
+        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+                 "-days", "2", "-subj", "/CN=radix test CA", cwd=d)  # fmt: skip
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+             "-subj", f"/CN={name}", cwd=d)  # fmt: skip
+    (d / f"{name}.ext").write_text(f"subjectAltName={san}\n")
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+             "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d)  # fmt: skip
+    return d / f"{name}.pem"
+
+
+class TlsStore(StoreProcess):
+    """The store on a plain loopback port (the tests' own client and the readiness ping) and a
+    TLS port with the certificate ``cert`` (clients are not asked for certificates)."""
+
+    def __init__(self, directory: Path, cert: Path) -> None:
+        super().__init__(directory)
+        self.cert = cert
+        self.tls_port = free_port()
+
+    @property
+    def tls_url(self) -> str:
+        return f"rediss://127.0.0.1:{self.tls_port}/0"
+
+    def argv(self) -> list[str]:
+        tls = ["--tls-port", str(self.tls_port), "--tls-cert-file", str(self.cert)]
+        tls += ["--tls-key-file", str(self.cert.with_suffix(".key")), "--tls-auth-clients", "no"]
+        return super().argv() + tls
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=10)
+
+
+@pytest.fixture(scope="module")
+def workdir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="radix-tls-") as tmp:
+        os.chmod(tmp, 0o700)
+        yield Path(tmp)
+
+
+@pytest.fixture(scope="module")
+def servers(start_server: ServerFactory, patched_bin: Path) -> list[ServerProcess]:
+    return [start_server(patched_bin, n_parallel=2) for _ in range(2)]
+
+
+def _proxy(server: ServerProcess, url: str, workdir: Path, ca: Path | None) -> ProxyThread:
+    over = {
+        "cache_remote": url,
+        "cache_remote_key_file": workdir / "remote.key",
+        "cache_remote_ca_file": ca,
+        "cache_remote_timeout_s": 2.0,
+        "cache_remote_backoff_s": 0.5,
+        "kv_arena_chunk": CHUNK,
+    }
+    return ProxyThread(proxy_config(server, **over)).start()
+
+
+def _remote(proxy: ProxyThread) -> dict[str, object]:
+    return dict(proxy.call(lambda rt: tiers_of(rt)["remote"]))
+
+
+def test_the_tier_over_tls_with_a_ca_file_is_shared(
+    servers: list[ServerProcess], stock_server: ServerProcess, workdir: Path
+) -> None:
+    certs = workdir / "certs"
+    certs.mkdir()
+    store = TlsStore(workdir / "store", make_certs(certs, "store", "IP:127.0.0.1")).start()
+    proxies = [_proxy(s, store.tls_url, workdir, certs / "ca.pem") for s in servers]
+    try:
+        messages = convo(document(61, 160), "What is the first word?")
+        first = ask(proxies[0], messages)
+        assert first.headers["X-Radix-Route"] == "prefill"
+        assert store.client().dbsize() > 0  # written over TLS
+        second = ask(proxies[1], messages)
+        assert second.headers["X-Radix-Route"] == "H", second.headers
+        assert int(second.headers["X-Radix-Cached-Tokens"]) >= CHUNK
+        assert_same_answer(second, reference(stock_server, messages))
+    finally:
+        for p in proxies:
+            p.stop()
+        store.stop()
+
+
+@pytest.mark.parametrize("case", ["no-ca-file", "wrong-host"])
+def test_a_store_whose_certificate_does_not_verify_is_not_used(
+    servers: list[ServerProcess], stock_server: ServerProcess, workdir: Path, case: str
+) -> None:
+    certs = workdir / f"certs-{case}"
+    certs.mkdir()
+    san = "DNS:cache.example.org" if case == "wrong-host" else "IP:127.0.0.1"
+    store = TlsStore(workdir / f"store-{case}", make_certs(certs, "store", san)).start()
+    ca = certs / "ca.pem" if case == "wrong-host" else None
+    proxy = _proxy(servers[0], store.tls_url, workdir, ca)
+    try:
+        for i in range(2):
+            messages = convo(document(70 + i, 160), "What is the first word?")
+            reply = ask(proxy, messages)
+            assert reply.headers["X-Radix-Route"] == "prefill"
+            assert_same_answer(reply, reference(stock_server, messages))
+        assert store.client().dbsize() == 0  # nothing reached the store
+        remote = _remote(proxy)
+        assert remote["writes"] == 0 and remote["promotions"] == 0, remote
+        assert remote["fallbacks"] or remote["write_dropped"], remote  # the failures are counted
+    finally:
+        proxy.stop()
+        store.stop()
