@@ -105,7 +105,8 @@ def test_the_tier_over_tls_with_a_ca_file_is_shared(
 ) -> None:
     certs = workdir / "certs"
     certs.mkdir()
-    store = TlsStore(workdir / "store", make_certs(certs, "store", "IP:127.0.0.1")).start()
+    store = TlsStore(workdir / "store", make_certs(certs, "store", "IP:127.0.0.1"))
+    store.start()
     proxies = [_proxy(s, store.tls_url, workdir, certs / "ca.pem") for s in servers]
     try:
         messages = convo(document(61, 160), "What is the first word?")
@@ -129,7 +130,8 @@ def test_a_store_whose_certificate_does_not_verify_is_not_used(
     certs = workdir / f"certs-{case}"
     certs.mkdir()
     san = "DNS:cache.example.org" if case == "wrong-host" else "IP:127.0.0.1"
-    store = TlsStore(workdir / f"store-{case}", make_certs(certs, "store", san)).start()
+    store = TlsStore(workdir / f"store-{case}", make_certs(certs, "store", san))
+    store.start()
     ca = certs / "ca.pem" if case == "wrong-host" else None
     proxy = _proxy(servers[0], store.tls_url, workdir, ca)
     try:

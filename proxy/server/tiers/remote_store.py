@@ -12,6 +12,7 @@ import ssl
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from redis import asyncio as aioredis
@@ -98,7 +99,7 @@ def make_client(
     """The client: connect and socket timeouts at the tier's deadline, one retry at most,
     at most MAX_CONNECTIONS connections, bytes in and out. With TLS the store's certificate
     must chain to ``ca_file`` (None: the system's CAs) and name its host."""
-    tls: dict[str, object] = {}
+    tls: dict[str, Any] = {}
     if address.tls:
         tls = {"ssl_cert_reqs": "required", "ssl_check_hostname": True}
         if ca_file is not None:
