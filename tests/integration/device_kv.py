@@ -192,6 +192,9 @@ def test_kv_lives_on_the_device(
     assert buffers and all(b["device"] == device.name for b in buffers), buffers
     assert all(device.name.startswith(b["backend"]) and b["backend"] for b in buffers), buffers
     assert not any(b["host"] for b in buffers), buffers
+    # Patch 0024: CUDA pins the payload files the server keeps mapped (the arena); Vulkan's
+    # backend has no registration of host memory.
+    assert caps["memory"]["pinned_payloads"] is device.name.startswith("CUDA"), caps["memory"]
 
     # Not through start_server, which would refuse it.
     control = _start_unchecked(kv_server, device, ("--no-kv-offload",))

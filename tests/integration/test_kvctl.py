@@ -1468,6 +1468,8 @@ def test_caps_say_where_the_kv_lives(kv_server: ServerProcess) -> None:
     assert (
         parsed.kv_devices == ("CPU",) and parsed.kv_backends == ("CPU",) and parsed.kv_where_unknown() is None
     )
+    # Patch 0024: nothing to pin for KV in host memory.
+    assert reply["memory"]["pinned_payloads"] is False and parsed.pinned_payloads is False
 
 
 def test_instance_id(start_server: ServerFactory, patched_bin: Path, moved: Moved) -> None:

@@ -18,14 +18,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
 from proxy.native.launch import ServerProcess, free_port
-from proxy.native.store import StoreProcess, store_binary
+from proxy.native.store import store_binary
 from proxy.server.ops.admin import tiers as tiers_of
 from tests.helpers import ProxyThread, ServerFactory, assert_same_answer, proxy_config
 from tests.integration.test_proxy import convo, document
-from tests.integration.test_remote_tier import CHUNK, ask, reference
+from tests.integration.test_remote_tier import CHUNK, Store, ask, reference
 
 pytestmark = [
     pytest.mark.integration,
@@ -50,7 +49,7 @@ def make_certs(d: Path, name: str, san: str) -> Path:
     return d / f"{name}.pem"
 
 
-class TlsStore(StoreProcess):
+class TlsStore(Store):
     """The store on a plain loopback port (the tests' own client and the readiness ping) and a
     TLS port with the certificate ``cert`` (clients are not asked for certificates)."""
 
@@ -67,9 +66,6 @@ class TlsStore(StoreProcess):
         tls = ["--tls-port", str(self.tls_port), "--tls-cert-file", str(self.cert)]
         tls += ["--tls-key-file", str(self.cert.with_suffix(".key")), "--tls-auth-clients", "no"]
         return super().argv() + tls
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=10)
 
 
 @pytest.fixture(scope="module")

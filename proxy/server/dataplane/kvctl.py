@@ -203,6 +203,9 @@ class Caps:
     # Patch 0020: exports in chunks at the caller's offsets (the arena); an older server would
     # write a whole blob at offset 0 of the arena instead, so it gets payload files.
     export_chunks: bool = False
+    # Patch 0024: the server pins the payload files it keeps mapped (the arena) for the device
+    # that holds the KV, so copies between them run at the bus's speed.
+    pinned_payloads: bool = False
 
     @property
     def kv_devices(self) -> tuple[str, ...]:
@@ -269,6 +272,7 @@ class Caps:
             checkpoints_off=ckpt.strs("off"),
             kv_buffers=kv_buffers,
             export_chunks=r.flag("export_chunks", default=False),
+            pinned_payloads=memory.flag("pinned_payloads", default=False),
         )
 
 

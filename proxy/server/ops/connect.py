@@ -148,7 +148,7 @@ async def _connect(
     sharing = await _sharing(config, name, backend, caps) if config.kv_share and not moves_off else None
     model = spec.model or await _server_model_name(backend)
     log.info(
-        "%s: %s, model %r, %d slots, %d cells, KV on %s (%s), payloads %s%s",
+        "%s: %s, model %r, %d slots, %d cells, KV on %s (%s), payloads %s%s%s",
         name,
         url,
         model,
@@ -157,6 +157,7 @@ async def _connect(
         ",".join(caps.kv_devices) or "an unknown device",
         ",".join(caps.kv_backends) or "unknown backend",
         _payload_path(mover, shm),
+        " (pinned for the device)" if caps.pinned_payloads else "",
         ", resident sharing on" if sharing else "",
     )
     if moves_off and checkpoints:
