@@ -55,10 +55,11 @@ class ArmSettings:
     stock_cache_mib: int | None = None  # replaces the stock arms' --cache-ram (None: as the arm says)
     n_servers: int = 1  # servers per arm: behind the proxy, or behind a round-robin balancer (cluster.py)
     gpu_layers: int = 0  # -ngl of every server (99: every layer and the KV cache on the GPU)
+    extra_args: tuple[str, ...] = ()  # --server-arg: for every arm's servers (a draft model, adapters)
 
     def common_args(self) -> tuple[str, ...]:
         offload = ("-ngl", str(self.gpu_layers)) if self.gpu_layers else ()
-        return ("-b", str(self.batch_size), "-ub", str(self.ubatch_size), *offload)
+        return ("-b", str(self.batch_size), "-ub", str(self.ubatch_size), *offload, *self.extra_args)
 
     def server_args(self, arm: ArmDef) -> tuple[str, ...]:
         """The arm's llama-server arguments, with ``--cache-ram`` replaced if ``stock_cache_mib`` says so."""

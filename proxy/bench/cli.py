@@ -236,6 +236,7 @@ def run_workload_command(
     ubatch_size: int,
     build_backend: str,
     gpu_layers: int,
+    server_args: tuple[str, ...] = (),
     **sizes: Any,
 ) -> None:
     """``radixctl bench NAME``: write the request list, then (unless ``dry_run``) run it on each arm."""
@@ -254,7 +255,16 @@ def run_workload_command(
 
         out = out_dir or default_out("restore-disk")
         settings = arm_settings(
-            out, model_arg, n_parallel, ctx_size, threads, batch_size, ubatch_size, build_backend, gpu_layers
+            out,
+            model_arg,
+            n_parallel,
+            ctx_size,
+            threads,
+            batch_size,
+            ubatch_size,
+            build_backend,
+            gpu_layers,
+            server_args,
         )
         arm_names = tuple(a.strip() for a in (arms or "disk,ram,legacy,prefill").split(",") if a.strip())
         run_disk_restore(settings, parse_sizes(tier_sizes or "1024,2048,4096,8192"), out, arm_names)
@@ -273,7 +283,16 @@ def run_workload_command(
     if dry_run:
         return
     settings = arm_settings(
-        out, model_arg, n_parallel, ctx_size, threads, batch_size, ubatch_size, build_backend, gpu_layers
+        out,
+        model_arg,
+        n_parallel,
+        ctx_size,
+        threads,
+        batch_size,
+        ubatch_size,
+        build_backend,
+        gpu_layers,
+        server_args,
     )
     if n_servers > 1:
         import dataclasses

@@ -59,6 +59,15 @@ gpu_layers_option = click.option(
     "Build the server for the GPU with --build-backend.",
 )
 
+server_args_option = click.option(
+    "--server-arg",
+    "server_args",
+    multiple=True,
+    help="Extra llama-server argument for every arm's servers, stock and patched alike (repeatable; "
+    "e.g. --server-arg=--model-draft --server-arg=DRAFT.gguf --server-arg=--spec-type "
+    "--server-arg=draft-simple: the report then gives each arm's draft acceptance).",
+)
+
 #: In the order ``--help`` lists them.
 ARM_OPTIONS: tuple[Callable[[Any], Any], ...] = (
     out_option,
@@ -70,6 +79,7 @@ ARM_OPTIONS: tuple[Callable[[Any], Any], ...] = (
     ubatch_size_option,
     build_backend_option,
     gpu_layers_option,
+    server_args_option,
 )
 
 
@@ -83,6 +93,7 @@ def arm_settings(
     ubatch_size: int,
     build_backend: str,
     gpu_layers: int = 0,
+    server_args: tuple[str, ...] = (),
 ) -> Any:
     import os
 
@@ -99,4 +110,5 @@ def arm_settings(
         ubatch_size=ubatch_size,
         build_backend=build_backend,
         gpu_layers=gpu_layers,
+        extra_args=tuple(server_args),
     )

@@ -16,6 +16,7 @@ from proxy.bench.markdown import fmt_mib, fmt_n, fmt_s, fmt_x, md_table
 from proxy.bench.report_capacity import render_capacity_markdown
 from proxy.bench.report_fleet import render_fleet
 from proxy.bench.report_kvctl import render_kvctl_markdown
+from proxy.bench.report_spec import render_speculation
 from proxy.bench.stats import percentile
 from proxy.bench.waits import route_waits, waits_markdown
 from proxy.traffic.runner import RequestResult
@@ -71,6 +72,8 @@ def summarize(results: Sequence[RequestResult]) -> dict[str, Any]:
         "cache_n": _sum([r.cache_n for r in ok]),
         "prompt_n": _sum([r.prompt_n for r in ok]),
         "generated_tokens": generated,
+        "draft_n": _sum([r.draft_n for r in ok]),
+        "draft_n_accepted": _sum([r.draft_n_accepted for r in ok]),
     }
 
 
@@ -328,6 +331,7 @@ def render_markdown(report: dict[str, Any], chart_note: str = "") -> str:
             "",
             f"Host cache optimum seen by `{name}` (its distinct tokens x KV bytes per token): {fmt_mib(best)}.",
         ]
+    lines += render_speculation(arms)
     lines += render_limit(report)
     lines += render_fleet(report)
     groups = list(dict.fromkeys(g for a in arms.values() for g in a["groups"]))

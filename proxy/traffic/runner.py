@@ -56,6 +56,9 @@ class RequestResult:
     waits_ms: dict[str, float] | None = None
     # X-Radix-Prefix-Step's tokens: computed before the answer for its wave, counted in prompt_n
     prefix_step_n: int | None = None
+    # speculative decoding (a server with a draft model): tokens drafted and accepted (timings)
+    draft_n: int | None = None
+    draft_n_accepted: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -236,6 +239,8 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any], r
         result.cache_n = _int(timings.get("cache_n"))
         result.prompt_n = _int(timings.get("prompt_n"))
         result.predicted_n = _int(timings.get("predicted_n"))
+        result.draft_n = _int(timings.get("draft_n"))
+        result.draft_n_accepted = _int(timings.get("draft_n_accepted"))
         prompt_ms = timings.get("prompt_ms")
         result.prompt_ms = float(prompt_ms) if isinstance(prompt_ms, int | float) else None
     add_prefix_step(result, step)
