@@ -434,12 +434,13 @@ def _weights(rng: np.random.Generator, name: str, shape: Shape, fam: Family) -> 
 _LORA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_down")
 
 
-def tiny_lora(name: str, seed: int = 1, rank: int = 4) -> Path:
+def tiny_lora(name: str, seed: int = 1, rank: int = 4, alora_tokens: tuple[int, ...] = ()) -> Path:
     """A random LoRA adapter (GGUF, f32) for the tiny model `name`, written once into the cache:
     `lora_a` and `lora_b` of rank `rank` on each layer's attention and FFN output, strong enough
-    that greedy answers under the adapter differ from the base model's."""
+    that greedy answers under the adapter differ from the base model's. With `alora_tokens`, an
+    aLoRA adapter: it applies from where those tokens (its invocation sequence) start."""
     fam = FAMILIES[name]
-    spec = {"family": fam.spec(), "seed": seed, "rank": rank}
+    spec = {"family": fam.spec(), "seed": seed, "rank": rank, "alora": list(alora_tokens)}
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode() + Path(__file__).read_bytes()).hexdigest()[
         :12
     ]
@@ -448,17 +449,24 @@ def tiny_lora(name: str, seed: int = 1, rank: int = 4) -> Path:
     with file_lock(final.parent / f".{final.name}.lock"):
         if not final.exists():
             with staging_dir(final) as tmp:
-                _write_lora(fam, tmp / final.name, seed, rank)
+                _write_lora(fam, tmp / final.name, seed, rank, alora_tokens)
                 os.replace(tmp / final.name, final)
     return final
 
 
-def _write_lora(fam: Family, out: Path, seed: int, rank: int) -> None:
+def _write_lora(fam: Family, out: Path, seed: int, rank: int, alora_tokens: tuple[int, ...]) -> None:
     gguf = gguf_module()
     writer = gguf.GGUFWriter(str(out), fam.arch)
     writer.add_string("general.type", "adapter")
     writer.add_string("adapter.type", "lora")
     writer.add_float32("adapter.lora.alpha", float(rank))  # scale = alpha / rank = 1 at scale 1
+    if alora_tokens:
+        writer.add_key_value(
+            "adapter.alora.invocation_tokens",
+            list(alora_tokens),
+            gguf.GGUFValueType.ARRAY,
+            sub_type=gguf.GGUFValueType.UINT32,
+        )
     rng = np.random.default_rng(seed)
     assert fam.tensors is not None
     for il in range(fam.n_layer):

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from proxy.errors import ConfigError
 from proxy.native.launch import ServerProcess
 from tests.helpers import ProxyThread, Reply, ServerFactory, assert_same_answer, chat_body, post, proxy_config
 from tests.integration.test_architectures import KV_CONFIGS, _fallbacks
@@ -149,3 +150,26 @@ def test_a_bad_lora_field_is_a_400_and_changes_nothing(
         f"{proxy.url}/v1/chat/completions", chat_body([{"role": "user", "content": "hi"}], 4, lora=LORA1)
     )
     assert ok.status == 200, ok.body
+
+
+def test_an_alora_adapter_is_refused_per_request_and_applied_to_every_request(
+    start_server: ServerFactory, patched_bin: Path
+) -> None:
+    """aLoRA (an adapter whose KV depends on where its invocation string starts): loaded at scale
+    0 the server starts, and a request naming it at another scale is a 400 before anything runs;
+    applied to every request (scale 1) the server refuses --kvctl at startup, saying why."""
+    model, alora = tiny_model(FAMILY), tiny_lora(FAMILY, seed=3, alora_tokens=(1, 2, 3))
+    server = start_server(
+        patched_bin, model=model, ctx_size=2048, threads=1, extra_args=("--lora-scaled", f"{alora}:0")
+    )
+    try:
+        body = {"prompt": "hello", "n_predict": 2, "lora": [{"id": 0, "scale": 1.0}]}
+        reply = post(f"{server.url}/completion", body)
+        assert reply.status == 400, reply.body
+        assert "aLoRA" in reply.body["error"]["message"], reply.body
+        assert post(f"{server.url}/completion", {"prompt": "hello", "n_predict": 2}).status == 200
+    finally:
+        server.stop()
+    with pytest.raises(ConfigError) as info:
+        start_server(patched_bin, model=model, ctx_size=2048, threads=1, extra_args=("--lora", str(alora)))
+    assert "aLoRA adapter applied to every request" in str(info.value), info.value
