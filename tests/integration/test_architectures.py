@@ -202,11 +202,10 @@ def test_unmovable_memory_is_served_with_moves_off(
             assert health["status"] == "ok" and entry["kv_moves"] == "off", health
             assert entry["kv_moves_off"] == caps["moves_off"]
             assert proxy.call(lambda rt: rt.metrics.server_moves.labels("s0")._value.get()) == 0
-            # Recurrent and hybrid memory: whole-state checkpoints instead (test_checkpoints.py);
-            # a window-sized SWA cache gets none.
-            recurrent = UNMOVABLE[family] in ("recurrent", "hybrid")
-            assert caps["checkpoints"]["on"] is recurrent, caps["checkpoints"]
-            assert entry.get("kv_checkpoints") == ("on" if recurrent else None), entry
+            # Recurrent, hybrid and window-sized SWA memory: whole-state checkpoints instead
+            # (test_checkpoints.py).
+            assert caps["checkpoints"]["on"] is True, caps["checkpoints"]
+            assert entry.get("kv_checkpoints") == "on", entry
 
             first, second = _two_turns(proxy, stock, seed=11)
             # Never a host restore or an attach; the second turn reuses the slot's own memory

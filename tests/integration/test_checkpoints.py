@@ -1,6 +1,8 @@
-"""Whole-state checkpoints of recurrent and hybrid models (patch 0017), against real servers.
+"""Whole-state checkpoints of recurrent, hybrid and window-sized SWA models (patches 0017,
+0025), against real servers.
 
-A recurrent state cannot be cut at a position, so these models' KV moves are off. The server
+A recurrent state cannot be cut at a position, and a window-sized SWA cache holds only the
+window of a sequence's last position, so these models' KV moves are off. The server
 takes context checkpoints of its recurrent state while it computes a prompt; the proxy keeps
 the whole state at those positions in host memory after each answer and restores it into any
 slot later (route H), which stock llama-server cannot do once another conversation took the
@@ -23,7 +25,9 @@ from tests.integration.test_architectures import KV_CONFIGS, _ask, _fallbacks, _
 from tests.integration.test_proxy import convo, document
 from tests.tinymodels import tiny_model
 
-FAMILIES = ("lfm2", "mamba2")  # hybrid (short conv + attention), recurrent
+# Hybrid (short conv + attention), recurrent, and a sliding window of 32 at the server's default
+# window-sized cache (gemma3: every other layer), whose state holds only the window.
+FAMILIES = ("lfm2", "mamba2", "gemma3")
 
 
 @pytest.fixture(scope="module", params=[(f, kv) for f in FAMILIES for kv in KV_CONFIGS], ids="-".join)
@@ -216,5 +220,73 @@ def test_the_startup_probe_fits_a_small_batch(start_server: ServerFactory, patch
     try:
         caps = _kvctl(server, "caps").body
         assert caps["checkpoints"]["on"] is True, caps["checkpoints"]
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("kv", sorted(KV_CONFIGS))
+@pytest.mark.parametrize("length", [24, 200])  # within the window of 32, and far past it
+def test_a_restored_window_continues_where_it_was_taken(
+    length: int, kv: str, start_server: ServerFactory, patched_bin: Path
+) -> None:
+    """A window-sized SWA cache (tiny gemma3, window 32, no --swa-full): a checkpoint's state
+    holds only the window of its last position. Restored into another slot, the slot takes it as
+    the context checkpoint the server took (patch 0025), so the server's own reuse rule, which
+    wants older cells than a bare window holds, goes on from it: the next prompt computes only its
+    new tokens and the checkpoint's last one, as from scratch. Without the slot's checkpoint the
+    server's rule finds nothing to go on from and computes everything."""
+    server = start_server(
+        patched_bin,
+        model=tiny_model("gemma3"),
+        ctx_size=4096,
+        threads=1,
+        n_parallel=2,
+        extra_args=KV_CONFIGS[kv],
+    )
+    rnd = random.Random(length)
+    window = 32
+
+    def complete(prompt: list[int], slot: int, cache: bool = True) -> tuple[list[tuple[int, float]], int]:
+        body = {
+            "prompt": prompt,
+            "n_predict": 1,
+            "id_slot": slot,
+            "cache_prompt": cache,
+            "temperature": 0,
+            "n_probs": 3,
+        }
+        reply = post(f"{server.url}/completion", body)
+        assert reply.status == 200, reply.body
+        top = reply.body["completion_probabilities"][0]["top_logprobs"]
+        return [(t["id"], t["logprob"]) for t in top], int(reply.body["timings"]["cache_n"])
+
+    try:
+        caps = _kvctl(server, "caps").body
+        assert caps["moves"] is False and caps["checkpoints"]["on"] is True, caps
+        a = [rnd.randrange(10, 1000) for _ in range(length)]
+        complete(a, 0)
+        slot0 = _kvctl(server, "slots?tokens=1").body["slots"][0]
+        assert slot0["checkpoints"], slot0
+        n = max(slot0["checkpoints"])
+        cp = _kvctl(server, "checkpoint", {"slot": 0, "n": n, "expect_sha256": tokens_sha256(a[:n])})
+        assert cp.status == 200, cp.body
+        done = _kvctl(
+            server, "restore", {"slot": 1, "tokens": a[:n], "segments": [{"data": cp.body["data"]}]}
+        )
+        assert done.status == 200, done.body
+        slot1 = _kvctl(server, "slots?tokens=1").body["slots"][1]
+        assert slot1["tokens"] == a[:n] and slot1["checkpoints"] == [n], slot1
+        if length > window:
+            assert slot1["pos_min"] == n - window, slot1  # the state holds only the window
+
+        d = a[:n] + [rnd.randrange(10, 1000) for _ in range(10)]
+        restored, cached = complete(d, 1)
+        scratch, _ = complete(d, 1, cache=False)
+        assert cached == n - 1, (n, cached)  # the restored state, less the token computed again
+        assert restored[0][0] == scratch[0][0], (restored, scratch)
+        assert max(abs(x[1] - y[1]) for x, y in zip(restored, scratch, strict=True)) < 5e-3, (
+            restored,
+            scratch,
+        )
     finally:
         server.stop()

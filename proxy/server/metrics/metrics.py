@@ -242,7 +242,7 @@ class Metrics:
         self.tree_loads = Counter(f"{ns}_host_loads", "Host restores into a slot", registry=registry)
         self.checkpoint_saves = Counter(
             f"{ns}_checkpoint_saves",
-            "Whole-state checkpoints (recurrent and hybrid models) kept in host memory",
+            "Whole-state checkpoints (recurrent, hybrid and window-sized SWA models) kept in host memory",
             registry=registry,
         )
         self.checkpoint_restores = Counter(
@@ -330,7 +330,7 @@ class Metrics:
         )
         self.server_checkpoints = Gauge(
             f"{ns}_server_checkpoints",
-            "1 when the server's moves are off but whole-state checkpoints of its recurrent or hybrid "
+            "1 when the server's moves are off but whole-state checkpoints of its recurrent, hybrid or window "
             "memory are on (host restores at the positions it took them)",
             ["server"],
             registry=registry,

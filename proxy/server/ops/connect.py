@@ -196,8 +196,8 @@ async def _connect(
 
 
 def _checkpoints_off(caps: Caps) -> str:
-    """Why a recurrent or hybrid model gets no whole-state checkpoints, for the log line."""
-    if caps.memory_kind not in ("recurrent", "hybrid"):
+    """Why a recurrent, hybrid or window-sized SWA model gets no whole-state checkpoints, for the log line."""
+    if caps.memory_kind not in ("recurrent", "hybrid", "kv_swa"):
         return ""
     return "; whole-state checkpoints are off: " + "; ".join(caps.checkpoints_off)
 
