@@ -69,6 +69,10 @@ class Config:
     # TLS (rediss://): the CA certificates (PEM) the store's certificate must chain to; None:
     # the system's CAs. The host name is always checked against the certificate.
     cache_remote_ca_file: Path | None = None
+    # TLS: the certificate (PEM chain) shown to a store that asks for one (tls-auth-clients), and
+    # its private key, a 0600 file of ours (None: in the certificate's file).
+    cache_remote_client_cert_file: Path | None = None
+    cache_remote_client_key_file: Path | None = None
     cache_remote_queue_mib: int = 256
     cache_remote_timeout_s: float = 2.0
     cache_remote_backoff_s: float = 5.0

@@ -120,6 +120,19 @@ cache_remote_ca_file_option = click.option(
     help="With rediss://: the CA certificates (PEM) the store's certificate must chain to "
     "(default: the system's CAs); the host name is checked against it either way.",
 )
+cache_remote_client_cert_file_option = click.option(
+    "--cache-remote-client-cert-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="RADIX_CACHE_REMOTE_CLIENT_CERT_FILE",
+    help="With rediss://: the certificate (PEM chain) shown to a store that asks for one "
+    "(tls-auth-clients); its key in --cache-remote-client-key-file or in this file.",
+)
+cache_remote_client_key_file_option = click.option(
+    "--cache-remote-client-key-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="RADIX_CACHE_REMOTE_CLIENT_KEY_FILE",
+    help="The client certificate's private key (PEM, no passphrase; a 0600 file of ours).",
+)
 cache_remote_timeout_option = click.option(
     "--cache-remote-timeout",
     "cache_remote_timeout_s",
@@ -574,6 +587,8 @@ PROXY_OPTIONS = [
     cache_remote_key_file_option,
     cache_remote_password_file_option,
     cache_remote_ca_file_option,
+    cache_remote_client_cert_file_option,
+    cache_remote_client_key_file_option,
     cache_remote_timeout_option,
     shm_dir_option,
     kv_arena_option,

@@ -51,11 +51,13 @@ def make_certs(d: Path, name: str, san: str) -> Path:
 
 class TlsStore(Store):
     """The store on a plain loopback port (the tests' own client and the readiness ping) and a
-    TLS port with the certificate ``cert`` (clients are not asked for certificates)."""
+    TLS port with the certificate ``cert``; with ``auth_clients`` TLS clients must show a
+    certificate of the same CA (tls-auth-clients yes)."""
 
-    def __init__(self, directory: Path, cert: Path) -> None:
+    def __init__(self, directory: Path, cert: Path, auth_clients: bool = False) -> None:
         super().__init__(directory)
         self.cert = cert
+        self.auth_clients = auth_clients
         self.tls_port = free_port()
 
     @property
@@ -64,7 +66,9 @@ class TlsStore(Store):
 
     def argv(self) -> list[str]:
         tls = ["--tls-port", str(self.tls_port), "--tls-cert-file", str(self.cert)]
-        tls += ["--tls-key-file", str(self.cert.with_suffix(".key")), "--tls-auth-clients", "no"]
+        tls += ["--tls-key-file", str(self.cert.with_suffix(".key"))]
+        tls += ["--tls-auth-clients", "yes" if self.auth_clients else "no"]
+        tls += ["--tls-ca-cert-file", str(self.cert.parent / "ca.pem")]
         return super().argv() + tls
 
 
@@ -80,11 +84,15 @@ def servers(start_server: ServerFactory, patched_bin: Path) -> list[ServerProces
     return [start_server(patched_bin, n_parallel=2) for _ in range(2)]
 
 
-def _proxy(server: ServerProcess, url: str, workdir: Path, ca: Path | None) -> ProxyThread:
+def _proxy(
+    server: ServerProcess, url: str, workdir: Path, ca: Path | None, client: Path | None = None
+) -> ProxyThread:
     over = {
         "cache_remote": url,
         "cache_remote_key_file": workdir / "remote.key",
         "cache_remote_ca_file": ca,
+        "cache_remote_client_cert_file": client,
+        "cache_remote_client_key_file": client.with_suffix(".key") if client else None,
         "cache_remote_timeout_s": 2.0,
         "cache_remote_backoff_s": 0.5,
         "kv_arena_chunk": CHUNK,
@@ -142,4 +150,43 @@ def test_a_store_whose_certificate_does_not_verify_is_not_used(
         assert remote["fallbacks"] or remote["write_dropped"], remote  # the failures are counted
     finally:
         proxy.stop()
+        store.stop()
+
+
+def test_a_store_that_asks_for_client_certificates_is_shared_by_proxies_that_show_one(
+    servers: list[ServerProcess], stock_server: ServerProcess, workdir: Path
+) -> None:
+    """tls-auth-clients yes: proxies with a certificate of the store's CA share the tier (route
+    H behind the second); a proxy without one gets nothing from the store and answers right."""
+    certs = workdir / "certs-mtls"
+    certs.mkdir()
+    store = TlsStore(workdir / "store-mtls", make_certs(certs, "store", "IP:127.0.0.1"), auth_clients=True)
+    client = make_certs(certs, "proxy", "DNS:proxy.internal")
+    os.chmod(client.with_suffix(".key"), 0o600)
+    store.start()
+    proxies = [_proxy(s, store.tls_url, workdir, certs / "ca.pem", client) for s in servers]
+    try:
+        messages = convo(document(81, 160), "What is the first word?")
+        first = ask(proxies[0], messages)
+        assert first.headers["X-Radix-Route"] == "prefill"
+        assert store.client().dbsize() > 0  # written over TLS with the client's certificate
+        second = ask(proxies[1], messages)
+        assert second.headers["X-Radix-Route"] == "H", second.headers
+        assert_same_answer(second, reference(stock_server, messages))
+    finally:
+        for p in proxies:
+            p.stop()
+    anonymous = _proxy(servers[0], store.tls_url, workdir, certs / "ca.pem")
+    try:
+        keys = store.client().dbsize()
+        messages = convo(document(82, 160), "What is the first word?")
+        reply = ask(anonymous, messages)
+        assert reply.headers["X-Radix-Route"] == "prefill"
+        assert_same_answer(reply, reference(stock_server, messages))
+        assert store.client().dbsize() == keys  # the store refused the connection
+        remote = _remote(anonymous)
+        assert remote["writes"] == 0 and remote["promotions"] == 0, remote
+        assert remote["fallbacks"] or remote["write_dropped"], remote
+    finally:
+        anonymous.stop()
         store.stop()

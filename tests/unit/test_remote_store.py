@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from proxy.errors import ConfigError
-from proxy.server.tiers.remote_store import check_ca_file, make_client, parse_store_url
+from proxy.server.tiers.remote_store import (
+    ClientCert,
+    check_ca_file,
+    check_client_cert,
+    make_client,
+    parse_store_url,
+)
 
 
 @pytest.mark.parametrize(
@@ -55,3 +63,37 @@ def test_the_client_verifies_the_certificate_and_the_host_name(tmp_path: Path) -
     assert (kw["ssl_cert_reqs"], kw["ssl_check_hostname"], kw["ssl_ca_certs"]) == ("required", True, str(ca))
     plain = make_client(parse_store_url("valkey://cache"), None, 1.0).connection_pool.connection_kwargs
     assert not any(k.startswith("ssl_") for k in plain)
+
+
+def _key_and_cert(d: Path, name: str, *extra: str) -> tuple[Path, Path]:
+    key, cert = d / f"{name}.key", d / f"{name}.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", f"/CN={name}", *extra],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    os.chmod(key, 0o600)
+    return key, cert
+
+
+def test_a_client_certificate_needs_tls_a_private_key_of_ours_and_its_own_key(tmp_path: Path) -> None:
+    key, cert = _key_and_cert(tmp_path, "proxy", "-nodes")
+    tls = parse_store_url("rediss://cache")
+    check_client_cert(tls, ClientCert(cert, key))
+    with pytest.raises(ConfigError, match="is for TLS"):
+        check_client_cert(parse_store_url("valkey://cache"), ClientCert(cert, key))
+    os.chmod(key, 0o644)
+    with pytest.raises(ConfigError, match="mode 600"):
+        check_client_cert(tls, ClientCert(cert, key))
+    with pytest.raises(ConfigError, match="mode 600"):  # the key in the certificate's file
+        check_client_cert(tls, ClientCert(cert))
+    os.chmod(key, 0o600)
+    other, _ = _key_and_cert(tmp_path, "other", "-nodes")
+    with pytest.raises(ConfigError, match="unencrypted private key"):  # not this certificate's key
+        check_client_cert(tls, ClientCert(cert, other))
+    locked, locked_cert = _key_and_cert(tmp_path, "locked", "-passout", "pass:secret")
+    with pytest.raises(ConfigError, match="unencrypted private key"):  # never a passphrase prompt
+        check_client_cert(tls, ClientCert(locked_cert, locked))
+    client = make_client(tls, None, 1.0, None, ClientCert(cert, key))
+    kw = client.connection_pool.connection_kwargs
+    assert (kw["ssl_certfile"], kw["ssl_keyfile"]) == (str(cert), str(key))

@@ -13,7 +13,14 @@ from proxy.server.metrics import Metrics
 from proxy.server.tiers.disk import compat_key
 from proxy.server.tiers.disk_files import load_secret
 from proxy.server.tiers.remote import RemoteSettings, RemoteTier
-from proxy.server.tiers.remote_store import check_ca_file, make_client, parse_store_url, read_password
+from proxy.server.tiers.remote_store import (
+    ClientCert,
+    check_ca_file,
+    check_client_cert,
+    make_client,
+    parse_store_url,
+    read_password,
+)
 
 
 async def open_remote_tier(
@@ -41,6 +48,9 @@ async def open_remote_tier(
     address = parse_store_url(config.cache_remote)
     if config.cache_remote_ca_file is not None:
         check_ca_file(address, config.cache_remote_ca_file)
+    client_cert = _client_cert(config)
+    if client_cert is not None:
+        check_client_cert(address, client_cert)
     try:
         secret = load_secret(config.cache_remote_key_file)
         password = (
@@ -60,7 +70,9 @@ async def open_remote_tier(
     )
     layout = server.mover.layout
     tier = RemoteTier(
-        make_client(address, password, config.cache_remote_timeout_s, config.cache_remote_ca_file),
+        make_client(
+            address, password, config.cache_remote_timeout_s, config.cache_remote_ca_file, client_cert
+        ),
         compat_key(server.mover.compat),
         secret,
         layout,
@@ -73,3 +85,14 @@ async def open_remote_tier(
     )
     await tier.open()
     return tier
+
+
+def _client_cert(config: Config) -> ClientCert | None:
+    if config.cache_remote_client_cert_file is None:
+        if config.cache_remote_client_key_file is not None:
+            raise ConfigError(
+                "--cache-remote-client-key-file needs --cache-remote-client-cert-file",
+                fix="give the certificate too, or leave the key unset",
+            )
+        return None
+    return ClientCert(config.cache_remote_client_cert_file, config.cache_remote_client_key_file)

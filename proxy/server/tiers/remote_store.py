@@ -63,17 +63,53 @@ def parse_store_url(url: str) -> StoreAddress:
     )
 
 
-def read_password(path: Path) -> str:
-    """The store's password: a regular file of ours that others cannot read (one line)."""
+def _read_private(path: Path, what: str, limit: int) -> bytes:
+    """A secret's file: a regular file of ours (not a link) that others cannot read."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
             raise ConfigError(
-                f"the store's password file {path} must be a regular file of ours, mode 600",
-                fix=f"chmod 600 {path}",
+                f"{what} {path} must be a regular file of ours, mode 600", fix=f"chmod 600 {path}"
             )
-        return f.read(4096).decode().strip()
+        return f.read(limit)
+
+
+def read_password(path: Path) -> str:
+    """The store's password: a regular file of ours that others cannot read (one line)."""
+    return _read_private(path, "the store's password file", 4096).decode().strip()
+
+
+@dataclass(frozen=True)
+class ClientCert:
+    """The certificate the proxy shows a store that asks for one (``tls-auth-clients yes``):
+    a PEM chain, and its private key (None: in the certificate's file)."""
+
+    cert_file: Path
+    key_file: Path | None = None
+
+
+def check_client_cert(address: StoreAddress, cert: ClientCert) -> None:
+    """For TLS only; the key (in its own file or the certificate's) a file of ours, mode 600,
+    not encrypted, and one that matches the certificate: a bad one is a startup error."""
+    if not address.tls:
+        raise ConfigError(
+            f"--cache-remote-client-cert-file is for TLS, but {address.where} is not rediss:// or valkeys://",
+            fix="--cache-remote rediss://HOST:PORT, or leave --cache-remote-client-cert-file unset",
+        )
+    key = cert.key_file or cert.cert_file
+    try:
+        _read_private(
+            key, "--cache-remote-client-key-file" if cert.key_file else "the client certificate's key", 1
+        )
+        # An encrypted key would make OpenSSL ask on the terminal: refused instead.
+        ssl.create_default_context().load_cert_chain(str(cert.cert_file), str(key), password=lambda: b"")
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"--cache-remote-client-cert-file {cert.cert_file} (key {key}): not a PEM certificate with its "
+            f"unencrypted private key: {exc}",
+            fix="a PEM certificate chain and its key without a passphrase (openssl pkey -in KEY -out KEY.plain)",
+        ) from exc
 
 
 def check_ca_file(address: StoreAddress, path: Path) -> None:
@@ -94,16 +130,24 @@ def check_ca_file(address: StoreAddress, path: Path) -> None:
 
 
 def make_client(
-    address: StoreAddress, password: str | None, timeout_s: float, ca_file: Path | None = None
+    address: StoreAddress,
+    password: str | None,
+    timeout_s: float,
+    ca_file: Path | None = None,
+    client_cert: ClientCert | None = None,
 ) -> aioredis.Redis:
     """The client: connect and socket timeouts at the tier's deadline, one retry at most,
     at most MAX_CONNECTIONS connections, bytes in and out. With TLS the store's certificate
-    must chain to ``ca_file`` (None: the system's CAs) and name its host."""
+    must chain to ``ca_file`` (None: the system's CAs) and name its host; ``client_cert`` is
+    shown to a store that asks for one."""
     tls: dict[str, Any] = {}
     if address.tls:
         tls = {"ssl_cert_reqs": "required", "ssl_check_hostname": True}
         if ca_file is not None:
             tls["ssl_ca_certs"] = str(ca_file)
+        if client_cert is not None:
+            tls["ssl_certfile"] = str(client_cert.cert_file)
+            tls["ssl_keyfile"] = str(client_cert.key_file or client_cert.cert_file)
     client: aioredis.Redis = aioredis.Redis.from_url(
         address.url,
         password=password,
