@@ -62,6 +62,25 @@ def _first_turn(proxy: ProxyThread, stock: ServerProcess, seed: int) -> list[dic
     ]
 
 
+def _next_token(
+    server: ServerProcess, prompt: list[int], slot: int, cache: bool
+) -> tuple[list[tuple[int, float]], int]:
+    """One greedy token of ``prompt`` on ``slot``: its top three (id, logprob) and the tokens the
+    server reused (timings.cache_n)."""
+    body = {
+        "prompt": prompt,
+        "n_predict": 1,
+        "id_slot": slot,
+        "cache_prompt": cache,
+        "temperature": 0,
+        "n_probs": 3,
+    }
+    reply = post(f"{server.url}/completion", body)
+    assert reply.status == 200, reply.body
+    top = reply.body["completion_probabilities"][0]["top_logprobs"]
+    return [(t["id"], t["logprob"]) for t in top], int(reply.body["timings"]["cache_n"])
+
+
 def test_checkpoint_restores_a_conversation_on_a_taken_slot(
     recurrent: tuple[str, ProxyThread, ServerProcess, ServerProcess],
 ) -> None:
@@ -170,17 +189,7 @@ def test_no_checkpoint_holds_tokens_a_prompt_replaced(start_server: ServerFactor
         return [rnd.randrange(10, 1000) for _ in range(n)]
 
     def complete(prompt: list[int], slot: int, cache: bool = True) -> list[tuple[int, float]]:
-        body = {
-            "prompt": prompt,
-            "n_predict": 1,
-            "id_slot": slot,
-            "cache_prompt": cache,
-            "temperature": 0,
-            "n_probs": 3,
-        }
-        reply = post(f"{server.url}/completion", body)
-        assert reply.status == 200, reply.body
-        return [(t["id"], t["logprob"]) for t in reply.body["completion_probabilities"][0]["top_logprobs"]]
+        return _next_token(server, prompt, slot, cache)[0]
 
     try:
         a = toks(200)
@@ -247,18 +256,7 @@ def test_a_restored_window_continues_where_it_was_taken(
     window = 32
 
     def complete(prompt: list[int], slot: int, cache: bool = True) -> tuple[list[tuple[int, float]], int]:
-        body = {
-            "prompt": prompt,
-            "n_predict": 1,
-            "id_slot": slot,
-            "cache_prompt": cache,
-            "temperature": 0,
-            "n_probs": 3,
-        }
-        reply = post(f"{server.url}/completion", body)
-        assert reply.status == 200, reply.body
-        top = reply.body["completion_probabilities"][0]["top_logprobs"]
-        return [(t["id"], t["logprob"]) for t in top], int(reply.body["timings"]["cache_n"])
+        return _next_token(server, prompt, slot, cache)
 
     try:
         caps = _kvctl(server, "caps").body
