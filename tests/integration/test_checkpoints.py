@@ -233,6 +233,25 @@ def test_the_startup_probe_fits_a_small_batch(start_server: ServerFactory, patch
         server.stop()
 
 
+@pytest.mark.parametrize(("ctx", "on"), [(256, False), (512, True)])
+def test_a_slot_too_small_to_cut_the_window_keeps_checkpoints_off(
+    ctx: int, on: bool, start_server: ServerFactory, patched_bin: Path
+) -> None:
+    """The probe must decode past the window (200 here) for its restored state to be cut by it,
+    within half a slot: a slot of 256 cells cannot, so checkpoints stay off, and the finding says
+    what slot would do; 512 cells can (the server pads each slot to a multiple of 256)."""
+    server = start_server(patched_bin, model=tiny_model("gemma3-w200"), ctx_size=ctx, threads=1, n_parallel=1)
+    try:
+        caps = _kvctl(server, "caps").body
+        assert caps["n_ctx_slot"] == ctx and caps["checkpoints"]["on"] is on, caps
+        if not on:
+            finding = " ".join(caps["checkpoints"]["off"])
+            assert "256 cells is too small to check a state cut by the window of 200" in finding, finding
+            assert "at least 410" in finding, finding
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("kv", sorted(KV_CONFIGS))
 @pytest.mark.parametrize("length", [24, 200])  # within the window of 32, and far past it
 def test_a_restored_window_continues_where_it_was_taken(
