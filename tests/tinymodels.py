@@ -350,6 +350,7 @@ FAMILIES["gemma3-w200"] = replace(
     FAMILIES["gemma3"], extra_kv={"attention.sliding_window": 200, "attention.sliding_window_pattern": 2}
 )
 
+
 def tiny_model(name: str) -> Path:
     """The GGUF of family `name`, written once into the cache (keyed by its content)."""
     fam = FAMILIES[name]
