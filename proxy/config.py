@@ -73,6 +73,7 @@ class Config:
     # its private key, a 0600 file of ours (None: in the certificate's file).
     cache_remote_client_cert_file: Path | None = None
     cache_remote_client_key_file: Path | None = None
+    cache_remote_client_key_password_file: Path | None = None
     cache_remote_queue_mib: int = 256
     cache_remote_timeout_s: float = 2.0
     cache_remote_backoff_s: float = 5.0

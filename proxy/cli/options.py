@@ -131,7 +131,14 @@ cache_remote_client_key_file_option = click.option(
     "--cache-remote-client-key-file",
     type=click.Path(dir_okay=False, path_type=Path),
     envvar="RADIX_CACHE_REMOTE_CLIENT_KEY_FILE",
-    help="The client certificate's private key (PEM, no passphrase; a 0600 file of ours).",
+    help="The client certificate's private key (PEM; a 0600 file of ours).",
+)
+cache_remote_client_key_password_file_option = click.option(
+    "--cache-remote-client-key-password-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="RADIX_CACHE_REMOTE_CLIENT_KEY_PASSWORD_FILE",
+    help="The passphrase of an encrypted client key (a 0600 file of ours, one line); "
+    "without it an encrypted key is refused at startup.",
 )
 cache_remote_timeout_option = click.option(
     "--cache-remote-timeout",
@@ -589,6 +596,7 @@ PROXY_OPTIONS = [
     cache_remote_ca_file_option,
     cache_remote_client_cert_file_option,
     cache_remote_client_key_file_option,
+    cache_remote_client_key_password_file_option,
     cache_remote_timeout_option,
     shm_dir_option,
     kv_arena_option,

@@ -85,14 +85,23 @@ def servers(start_server: ServerFactory, patched_bin: Path) -> list[ServerProces
 
 
 def _proxy(
-    server: ServerProcess, url: str, workdir: Path, ca: Path | None, client: Path | None = None
+    server: ServerProcess,
+    url: str,
+    workdir: Path,
+    ca: Path | None,
+    client: Path | None = None,
+    passphrase: Path | None = None,
 ) -> ProxyThread:
+    """A proxy on the tier at ``url``; ``client`` names a certificate whose key is beside it
+    (``.key``; ``.enc.key`` when ``passphrase`` names the file of its passphrase)."""
+    key = client.with_suffix(".enc.key" if passphrase else ".key") if client else None
     over = {
         "cache_remote": url,
         "cache_remote_key_file": workdir / "remote.key",
         "cache_remote_ca_file": ca,
         "cache_remote_client_cert_file": client,
-        "cache_remote_client_key_file": client.with_suffix(".key") if client else None,
+        "cache_remote_client_key_file": key,
+        "cache_remote_client_key_password_file": passphrase,
         "cache_remote_timeout_s": 2.0,
         "cache_remote_backoff_s": 0.5,
         "kv_arena_chunk": CHUNK,
@@ -157,14 +166,34 @@ def test_a_store_that_asks_for_client_certificates_is_shared_by_proxies_that_sho
     servers: list[ServerProcess], stock_server: ServerProcess, workdir: Path
 ) -> None:
     """tls-auth-clients yes: proxies with a certificate of the store's CA share the tier (route
-    H behind the second); a proxy without one gets nothing from the store and answers right."""
+    H behind the second, whose key is encrypted, opened by its passphrase file); a proxy without
+    one gets nothing from the store and answers right."""
     certs = workdir / "certs-mtls"
     certs.mkdir()
     store = TlsStore(workdir / "store-mtls", make_certs(certs, "store", "IP:127.0.0.1"), auth_clients=True)
     client = make_certs(certs, "proxy", "DNS:proxy.internal")
     os.chmod(client.with_suffix(".key"), 0o600)
+    passphrase = certs / "proxy.passphrase"
+    passphrase.write_text("correct horse\n")
+    os.chmod(passphrase, 0o600)
+    _openssl(
+        "pkey",
+        "-in",
+        "proxy.key",
+        "-out",
+        "proxy.enc.key",
+        "-aes256",
+        "-passout",
+        "file:proxy.passphrase",
+        cwd=certs,
+    )
+    os.chmod(certs / "proxy.enc.key", 0o600)
+    assert b"ENCRYPTED" in (certs / "proxy.enc.key").read_bytes()
     store.start()
-    proxies = [_proxy(s, store.tls_url, workdir, certs / "ca.pem", client) for s in servers]
+    proxies = [
+        _proxy(servers[0], store.tls_url, workdir, certs / "ca.pem", client),
+        _proxy(servers[1], store.tls_url, workdir, certs / "ca.pem", client, passphrase),
+    ]
     try:
         messages = convo(document(81, 160), "What is the first word?")
         first = ask(proxies[0], messages)

@@ -89,10 +89,25 @@ async def open_remote_tier(
 
 def _client_cert(config: Config) -> ClientCert | None:
     if config.cache_remote_client_cert_file is None:
-        if config.cache_remote_client_key_file is not None:
-            raise ConfigError(
-                "--cache-remote-client-key-file needs --cache-remote-client-cert-file",
-                fix="give the certificate too, or leave the key unset",
-            )
+        for option, value in (
+            ("--cache-remote-client-key-file", config.cache_remote_client_key_file),
+            ("--cache-remote-client-key-password-file", config.cache_remote_client_key_password_file),
+        ):
+            if value is not None:
+                raise ConfigError(
+                    f"{option} needs --cache-remote-client-cert-file",
+                    fix="give the certificate too, or leave the key's options unset",
+                )
         return None
-    return ClientCert(config.cache_remote_client_cert_file, config.cache_remote_client_key_file)
+    password_file = config.cache_remote_client_key_password_file
+    try:
+        password = (
+            read_password(password_file, "--cache-remote-client-key-password-file")
+            if password_file is not None
+            else None
+        )
+    except OSError as exc:
+        raise ConfigError(
+            f"--cache-remote-client-key-password-file: {exc}", fix="check the passphrase file"
+        ) from exc
+    return ClientCert(config.cache_remote_client_cert_file, config.cache_remote_client_key_file, password)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import ssl
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -75,23 +75,26 @@ def _read_private(path: Path, what: str, limit: int) -> bytes:
         return f.read(limit)
 
 
-def read_password(path: Path) -> str:
-    """The store's password: a regular file of ours that others cannot read (one line)."""
-    return _read_private(path, "the store's password file", 4096).decode().strip()
+def read_password(path: Path, what: str = "the store's password file") -> str:
+    """A password: a regular file of ours that others cannot read (one line)."""
+    return _read_private(path, what, 4096).decode().strip()
 
 
 @dataclass(frozen=True)
 class ClientCert:
     """The certificate the proxy shows a store that asks for one (``tls-auth-clients yes``):
-    a PEM chain, and its private key (None: in the certificate's file)."""
+    a PEM chain, its private key (None: in the certificate's file) and the key's passphrase
+    (None: the key is not encrypted)."""
 
     cert_file: Path
     key_file: Path | None = None
+    key_password: str | None = field(default=None, repr=False)
 
 
 def check_client_cert(address: StoreAddress, cert: ClientCert) -> None:
     """For TLS only; the key (in its own file or the certificate's) a file of ours, mode 600,
-    not encrypted, and one that matches the certificate: a bad one is a startup error."""
+    not encrypted or opened by the passphrase given, and one that matches the certificate: a
+    bad one is a startup error."""
     if not address.tls:
         raise ConfigError(
             f"--cache-remote-client-cert-file is for TLS, but {address.where} is not rediss:// or valkeys://",
@@ -102,13 +105,24 @@ def check_client_cert(address: StoreAddress, cert: ClientCert) -> None:
         _read_private(
             key, "--cache-remote-client-key-file" if cert.key_file else "the client certificate's key", 1
         )
-        # An encrypted key would make OpenSSL ask on the terminal: refused instead.
-        ssl.create_default_context().load_cert_chain(str(cert.cert_file), str(key), password=lambda: b"")
+        # Without a passphrase an encrypted key would make OpenSSL ask on the terminal: the
+        # empty one fails instead.
+        passphrase = (cert.key_password or "").encode()
+        ssl.create_default_context().load_cert_chain(
+            str(cert.cert_file), str(key), password=lambda: passphrase
+        )
     except (OSError, ssl.SSLError) as exc:
+        if cert.key_password is None:
+            what, fix = (
+                "unencrypted private key",
+                "--cache-remote-client-key-password-file for an encrypted key",
+            )
+        else:
+            what, fix = "private key, opened by the passphrase given", "check the key and its passphrase file"
         raise ConfigError(
             f"--cache-remote-client-cert-file {cert.cert_file} (key {key}): not a PEM certificate with its "
-            f"unencrypted private key: {exc}",
-            fix="a PEM certificate chain and its key without a passphrase (openssl pkey -in KEY -out KEY.plain)",
+            f"{what}: {exc}",
+            fix=f"a PEM certificate chain and its own key; {fix}",
         ) from exc
 
 
@@ -148,6 +162,7 @@ def make_client(
         if client_cert is not None:
             tls["ssl_certfile"] = str(client_cert.cert_file)
             tls["ssl_keyfile"] = str(client_cert.key_file or client_cert.cert_file)
+            tls["ssl_password"] = client_cert.key_password
     client: aioredis.Redis = aioredis.Redis.from_url(
         address.url,
         password=password,
