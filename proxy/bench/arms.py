@@ -56,6 +56,7 @@ class ArmSettings:
     n_servers: int = 1  # servers per arm: behind the proxy, or behind a round-robin balancer (cluster.py)
     gpu_layers: int = 0  # -ngl of every server (99: every layer and the KV cache on the GPU)
     extra_args: tuple[str, ...] = ()  # --server-arg: for every arm's servers (a draft model, adapters)
+    server_cpus: tuple[int, ...] = ()  # --server-cpus: every server on these CPUs, the rest elsewhere
 
     def common_args(self) -> tuple[str, ...]:
         offload = ("-ngl", str(self.gpu_layers)) if self.gpu_layers else ()
@@ -331,6 +332,7 @@ def arm_server_spec(
         kvctl_key=kvctl_key,
         proxy_flags=arm.proxy,
         extra_args=settings.server_args(arm),
+        cpus=settings.server_cpus,
     )
 
 
@@ -464,6 +466,7 @@ def patched_server(
         kvctl_dir=shm,
         kvctl_key=secrets.token_urlsafe(32),
         extra_args=settings.common_args(),
+        cpus=settings.server_cpus,
     )
     server = ServerProcess(spec, settings.log_dir / f"server-{name}.log")
     try:

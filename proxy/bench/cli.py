@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from proxy.bench.capacity import DEFAULT_PROBE_TIMEOUT_S, DEFAULT_STEP, DEFAULT_UPPER_FACTOR
-from proxy.bench.cli_options import ARM_OPTIONS, arm_settings, default_out, parse_sizes, say
+from proxy.bench.cli_options import ARM_OPTIONS, arm_settings, default_out, off_server_cpus, parse_sizes, say
 from proxy.bench.cli_tools import kvctl, replay, report, soak
 from proxy.bench.workloads import DEFAULT_ARMS, GENERATORS, make_workload
 from proxy.cli.common import fail_cleanly
@@ -170,6 +170,7 @@ def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: P
         "batch_size": settings.batch_size,
         "ubatch_size": settings.ubatch_size,
         "servers": settings.n_servers,
+        **({"server_cpus": ",".join(map(str, settings.server_cpus))} if settings.server_cpus else {}),
     }
     report = build_report(
         {
@@ -237,6 +238,7 @@ def run_workload_command(
     build_backend: str,
     gpu_layers: int,
     server_args: tuple[str, ...] = (),
+    server_cpus: str | None = None,
     **sizes: Any,
 ) -> None:
     """``radixctl bench NAME``: write the request list, then (unless ``dry_run``) run it on each arm."""
@@ -265,9 +267,11 @@ def run_workload_command(
             build_backend,
             gpu_layers,
             server_args,
+            server_cpus,
         )
         arm_names = tuple(a.strip() for a in (arms or "disk,ram,legacy,prefill").split(",") if a.strip())
-        run_disk_restore(settings, parse_sizes(tier_sizes or "1024,2048,4096,8192"), out, arm_names)
+        with off_server_cpus(settings.server_cpus):
+            run_disk_restore(settings, parse_sizes(tier_sizes or "1024,2048,4096,8192"), out, arm_names)
         return
     workload = make_workload(name, **sizes)
     out = out_dir or default_out(name)
@@ -293,16 +297,18 @@ def run_workload_command(
         build_backend,
         gpu_layers,
         server_args,
+        server_cpus,
     )
     if n_servers > 1:
         import dataclasses
 
         settings = dataclasses.replace(settings, n_servers=n_servers)
     defaults = ",".join(DEFAULT_ARMS.get(name, ALL_ARMS))
-    if name == "capacity":
-        run_capacity_arms(workload, parse_arms(arms or defaults), settings, out, **search)
-    else:
-        run_arms(workload, parse_arms(arms or defaults), settings, out)
+    with off_server_cpus(settings.server_cpus):
+        if name == "capacity":
+            run_capacity_arms(workload, parse_arms(arms or defaults), settings, out, **search)
+        else:
+            run_arms(workload, parse_arms(arms or defaults), settings, out)
 
 
 def _workload_options(name: str) -> list[Callable[[Any], Any]]:

@@ -3,8 +3,10 @@ that starts arms (the workloads, kvctl)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,22 @@ import click
 
 import proxy.cli.options as options
 from proxy.cli.options import model_option
+
+
+@contextlib.contextmanager
+def off_server_cpus(server_cpus: tuple[int, ...]) -> Iterator[None]:
+    """With ``--server-cpus``: this thread, and so every proxy, balancer, store and client thread
+    it starts, runs on the other CPUs until the arms are done (the servers set their own when
+    they start, proxy/native/launch.py)."""
+    if not server_cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, before - set(server_cpus))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def say(message: str) -> None:
@@ -68,6 +86,33 @@ server_args_option = click.option(
     "--server-arg=draft-simple: the report then gives each arm's draft acceptance).",
 )
 
+
+def parse_cpus(text: str) -> tuple[int, ...]:
+    """``0``, ``0,2`` or ``0-3``: CPU numbers, as taskset -c reads them."""
+    cpus: set[int] = set()
+    try:
+        for part in (p.strip() for p in text.split(",") if p.strip()):
+            lo, dash, hi = part.partition("-")
+            first, last = int(lo), int(hi if dash else lo)
+            if last < first:
+                raise ValueError(part)
+            cpus.update(range(first, last + 1))
+    except ValueError as exc:
+        raise click.BadParameter(f"not a CPU list like 0,2 or 0-3: {text}") from exc
+    if not cpus or min(cpus) < 0:
+        raise click.BadParameter(f"not a CPU list like 0,2 or 0-3: {text}")
+    return tuple(sorted(cpus))
+
+
+server_cpus_option = click.option(
+    "--server-cpus",
+    "server_cpus",
+    default=None,
+    help="Run every llama-server of every arm on these CPUs (0,2 or 0-3) and everything else (the "
+    "proxies, the balancer, the store, the clients) on the others, as on hosts of their own "
+    "(default: all share every CPU; -t then defaults to their count).",
+)
+
 #: In the order ``--help`` lists them.
 ARM_OPTIONS: tuple[Callable[[Any], Any], ...] = (
     out_option,
@@ -80,6 +125,7 @@ ARM_OPTIONS: tuple[Callable[[Any], Any], ...] = (
     build_backend_option,
     gpu_layers_option,
     server_args_option,
+    server_cpus_option,
 )
 
 
@@ -94,8 +140,18 @@ def arm_settings(
     build_backend: str,
     gpu_layers: int = 0,
     server_args: tuple[str, ...] = (),
+    server_cpus: str | None = None,
 ) -> Any:
     import os
+
+    cpus = parse_cpus(server_cpus) if server_cpus else ()
+    if cpus:
+        available = os.sched_getaffinity(0)
+        if not set(cpus) <= available or not available - set(cpus):
+            raise click.BadParameter(
+                f"--server-cpus {server_cpus}: give some of the CPUs this runs on "
+                f"({','.join(map(str, sorted(available)))}) and leave at least one for the rest"
+            )
 
     from proxy.bench.arms import ArmSettings
     from proxy.native.modelref import resolve_model
@@ -105,10 +161,11 @@ def arm_settings(
         log_dir=out_dir / "logs",
         n_parallel=n_parallel,
         ctx_size=ctx_size,
-        threads=threads or os.cpu_count() or 2,
+        threads=threads or len(cpus) or os.cpu_count() or 2,
         batch_size=batch_size,
         ubatch_size=ubatch_size,
         build_backend=build_backend,
         gpu_layers=gpu_layers,
         extra_args=tuple(server_args),
+        server_cpus=cpus,
     )

@@ -56,6 +56,7 @@ class ServerSpec:
     api_key: str | None = None
     proxy_flags: bool = True
     extra_args: tuple[str, ...] = field(default_factory=tuple)
+    cpus: tuple[int, ...] = ()  # the CPUs the server may run on (sched_setaffinity); () = any
 
     @property
     def url(self) -> str:
@@ -159,7 +160,7 @@ class ServerProcess:
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
-                    preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+                    preexec_fn=functools.partial(_die_with_parent, os.getpid(), self.spec.cpus),
                 )
         except BaseException:
             self.stop()
@@ -285,9 +286,12 @@ def _load_prctl() -> Any:
 _PRCTL = _load_prctl()
 
 
-def _die_with_parent(parent: int) -> None:
+def _die_with_parent(parent: int, cpus: tuple[int, ...] = ()) -> None:
     """In the child before exec: SIGKILL when the parent dies, so no server is orphaned even
-    when the proxy is killed with SIGKILL (Linux; elsewhere nothing)."""
+    when the proxy is killed with SIGKILL (Linux; elsewhere nothing); then ``cpus``, if any, are
+    the only ones it (and every thread it starts) runs on."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     if _PRCTL is not None:
         _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
         if os.getppid() != parent:  # the parent died before prctl took effect

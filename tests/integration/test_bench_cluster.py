@@ -11,12 +11,14 @@ report shows where they came from."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from proxy.native.store import store_binary
+from tests.helpers import ServerFactory
 
 pytestmark = [
     pytest.mark.integration,
@@ -30,14 +32,19 @@ def test_a_session_moving_between_proxies_restores_from_the_shared_tier(
     from proxy.cli.main import main
 
     out = tmp_path / "cluster"
+    cpus = os.sched_getaffinity(0)
     args = ["bench", "cluster", "--arms", "fleet,fleet-shared", "--out", str(out), "-t", "1", "-np", "2"]
+    # The servers on one CPU, the proxies, balancer and store on the others (2 cores or more).
+    args += ["--server-cpus", str(min(cpus))] if len(cpus) > 1 else []
     args += ["-c", "4096", "--sessions", "1", "--rounds", "3", "--prompt-tokens", "1200"]
     args += ["--system-tokens", "60", "--question-tokens", "12", "--max-tokens", "4", "--think-ms", "1500"]
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
+    assert os.sched_getaffinity(0) == cpus  # given back after the arms
     report = json.loads((out / "report.json").read_text())
     arms = report["arms"]
     assert report["settings"]["servers"] == 2
+    assert report["settings"].get("server_cpus") == (str(min(cpus)) if len(cpus) > 1 else None)
     for name in ("fleet", "fleet-shared"):
         assert arms[name]["errors"] == 0 and arms[name]["requests"] == 3, name
         per = arms[name]["details"]["per_proxy"]
@@ -53,3 +60,16 @@ def test_a_session_moving_between_proxies_restores_from_the_shared_tier(
     assert "H" in arms["fleet-shared"]["routes"]
     md = (out / "report.md").read_text()
     assert "Fleet arms, per proxy" in md and "| fleet-shared #1 |" in md and "Store of `fleet-shared`" in md
+
+
+def test_a_server_given_cpus_runs_on_those_only(start_server: ServerFactory, patched_bin: Path) -> None:
+    """--server-cpus: the server and every thread it starts run on the CPUs given (ServerSpec.cpus)."""
+    cpu = min(os.sched_getaffinity(0))
+    server = start_server(patched_bin, kvctl=False, cpus=(cpu,))
+    try:
+        assert server.proc is not None
+        threads = os.listdir(f"/proc/{server.proc.pid}/task")
+        assert len(threads) > 1
+        assert all(os.sched_getaffinity(int(t)) == {cpu} for t in threads)
+    finally:
+        server.stop()

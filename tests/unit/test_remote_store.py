@@ -94,7 +94,9 @@ def test_a_client_certificate_needs_tls_a_private_key_of_ours_and_its_own_key(tm
     locked, locked_cert = _key_and_cert(tmp_path, "locked", "-passout", "pass:secret")
     with pytest.raises(ConfigError, match="unencrypted private key"):  # never a passphrase prompt
         check_client_cert(tls, ClientCert(locked_cert, locked))
-    check_client_cert(tls, ClientCert(locked_cert, locked, "secret"))  # --cache-remote-client-key-password-file
+    check_client_cert(
+        tls, ClientCert(locked_cert, locked, "secret")
+    )  # --cache-remote-client-key-password-file
     with pytest.raises(ConfigError, match="opened by the passphrase given"):
         check_client_cert(tls, ClientCert(locked_cert, locked, "wrong"))
     assert "secret" not in repr(ClientCert(locked_cert, locked, "secret"))  # kept out of logs
