@@ -99,6 +99,15 @@ deploy-test: $(STAMP)
 	echo "skip: matplotlib not installed (pip install -e '.[dashboard]'): no panel pictures"
 	deploy/test/run.sh
 
+# Not part of `make test`: the compose stack's fleet profile (two proxies, a server each, the
+# valkey service as their shared remote tier) built from the local Debian base and run with host
+# networking: a prompt prefilled behind proxy 1 is restored from the store behind proxy 2 (route
+# H), the same answer, a clean stop (docs/scale-out.md, "Deploy"). Prints a "skip:" line and
+# succeeds where no container engine is reachable.
+.PHONY: deploy-fleet-test
+deploy-fleet-test: $(STAMP)
+	deploy/test/fleet.sh
+
 # Not part of `make test`: KV in device memory (issue 26, docs/devices.md). The KV-move tests
 # (tests/integration/test_vulkan.py) against llama-server built with ggml's Vulkan backend,
 # patched and stock, every layer and the KV cache offloaded (-ngl 99), on Mesa's lavapipe (a
