@@ -47,40 +47,6 @@ log "engine $ENGINE, compose: $COMPOSE, base $BASE"
 # ---- settings: .env.example with free loopback ports and the fleet's secrets ---------------------------
 work=$(mktemp -d /var/tmp/radix-fleet-test.XXXXXX)
 project="radixfleettest$$"
-read -r P_PROXY P_METRICS P_PROXY2 P_METRICS2 P_LLAMA P_LLAMA3 P_VALKEY < <("$PYTHON" - <<'EOF'
-import socket
-socks = [socket.socket() for _ in range(7)]
-for s in socks:
-    s.bind(("127.0.0.1", 0))
-print(*(s.getsockname()[1] for s in socks))
-EOF
-)
-mkdir -p "$work/secrets"
-for k in kvctl_key server_api_key remote_key valkey_password; do
-    head -c 32 /dev/urandom | base64 >"$work/secrets/$k"
-    chown 10001:10001 "$work/secrets/$k" && chmod 0400 "$work/secrets/$k"
-done
-declare -A settings=(
-    [COMPOSE_FILE]=docker-compose.yml:compose.hostnet.yml
-    [RADIX_BASE_IMAGE]=$BASE [RADIX_RUNTIME_BASE_IMAGE]=$BASE [RADIX_PROXY_BASE_IMAGE]=$BASE
-    [RADIX_VALKEY_BASE_IMAGE]=$BASE
-    [RADIX_LISTEN_ADDR]=127.0.0.1 [RADIX_BIND_ADDR]=127.0.0.1
-    [PROXY_PORT]=$P_PROXY [PROXY_METRICS_PORT]=$P_METRICS [PROXY_PORT_2]=$P_PROXY2 [PROXY_METRICS_PORT_2]=$P_METRICS2
-    [LLAMA_PORT]=$P_LLAMA [LLAMA_PORT_3]=$P_LLAMA3 [VALKEY_PORT]=$P_VALKEY
-    [RADIX_BACKENDS]="http://127.0.0.1:$P_LLAMA#shared" [RADIX_BACKENDS_2]="http://127.0.0.1:$P_LLAMA3#shared"
-    [RADIX_CACHE_REMOTE]="valkey://127.0.0.1:$P_VALKEY/0"
-    [RADIX_CACHE_REMOTE_KEY_FILE]=$work/secrets/remote_key
-    [RADIX_CACHE_REMOTE_PASSWORD_FILE]=$work/secrets/valkey_password
-    [RADIX_PARALLEL]=1 [RADIX_CTX_SIZE]=4096 [RADIX_THREADS]=1 [RADIX_CACHE_RAM]=512
-    [RADIX_PAYLOAD_TMPFS_SIZE]=768m [RADIX_RESTART]=no [RADIX_VALKEY_MAXMEMORY]=256mb
-    [RADIX_KVCTL_KEY_FILE]=$work/secrets/kvctl_key
-    [RADIX_SERVER_API_KEY_FILE]=$work/secrets/server_api_key
-    [GRAFANA_ADMIN_PASSWORD_FILE]=$work/secrets/kvctl_key
-)
-{
-    grep -v -E "^($(IFS='|'; echo "${!settings[*]}"))=" "$DEPLOY/.env.example"
-    for key in "${!settings[@]}"; do printf '%s=%s\n' "$key" "${settings[$key]}"; done
-} >"$work/.env"
 compose() {
     $COMPOSE -p "$project" --env-file "$work/.env" --profile fleet \
         -f "$DEPLOY/docker-compose.yml" -f "$DEPLOY/compose.hostnet.yml" "$@"
@@ -106,6 +72,41 @@ ca_test=""
 trap cleanup EXIT
 trap 'exit 143' TERM
 trap 'exit 130' INT
+read -r P_PROXY P_METRICS P_PROXY2 P_METRICS2 P_LLAMA P_LLAMA3 P_VALKEY < <("$PYTHON" - <<'EOF'
+import socket
+socks = [socket.socket() for _ in range(7)]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(*(s.getsockname()[1] for s in socks))
+EOF
+)
+mkdir -p "$work/secrets"
+for k in kvctl_key server_api_key remote_key valkey_password; do
+    head -c 32 /dev/urandom | base64 >"$work/secrets/$k"
+    chown 10001:10001 "$work/secrets/$k" || { log "FAIL: giving the secrets to uid 10001 needs root"; exit 1; }
+    chmod 0400 "$work/secrets/$k"
+done
+declare -A settings=(
+    [COMPOSE_FILE]=docker-compose.yml:compose.hostnet.yml
+    [RADIX_BASE_IMAGE]=$BASE [RADIX_RUNTIME_BASE_IMAGE]=$BASE [RADIX_PROXY_BASE_IMAGE]=$BASE
+    [RADIX_VALKEY_BASE_IMAGE]=$BASE
+    [RADIX_LISTEN_ADDR]=127.0.0.1 [RADIX_BIND_ADDR]=127.0.0.1
+    [PROXY_PORT]=$P_PROXY [PROXY_METRICS_PORT]=$P_METRICS [PROXY_PORT_2]=$P_PROXY2 [PROXY_METRICS_PORT_2]=$P_METRICS2
+    [LLAMA_PORT]=$P_LLAMA [LLAMA_PORT_3]=$P_LLAMA3 [VALKEY_PORT]=$P_VALKEY
+    [RADIX_BACKENDS]="http://127.0.0.1:$P_LLAMA#shared" [RADIX_BACKENDS_2]="http://127.0.0.1:$P_LLAMA3#shared"
+    [RADIX_CACHE_REMOTE]="valkey://127.0.0.1:$P_VALKEY/0"
+    [RADIX_CACHE_REMOTE_KEY_FILE]=$work/secrets/remote_key
+    [RADIX_CACHE_REMOTE_PASSWORD_FILE]=$work/secrets/valkey_password
+    [RADIX_PARALLEL]=1 [RADIX_CTX_SIZE]=4096 [RADIX_THREADS]=1 [RADIX_CACHE_RAM]=512
+    [RADIX_PAYLOAD_TMPFS_SIZE]=768m [RADIX_RESTART]=no [RADIX_VALKEY_MAXMEMORY]=256mb
+    [RADIX_KVCTL_KEY_FILE]=$work/secrets/kvctl_key
+    [RADIX_SERVER_API_KEY_FILE]=$work/secrets/server_api_key
+    [GRAFANA_ADMIN_PASSWORD_FILE]=$work/secrets/kvctl_key
+)
+{
+    grep -v -E "^($(IFS='|'; echo "${!settings[*]}"))=" "$DEPLOY/.env.example"
+    for key in "${!settings[@]}"; do printf '%s=%s\n' "$key" "${settings[$key]}"; done
+} >"$work/.env"
 
 # ---- images -----------------------------------------------------------------------------------------
 # Behind a TLS-inspecting proxy the build gets the CA bundle's non-public certificates through
@@ -154,7 +155,8 @@ done
 healthy_s=$(( $(date +%s) - t_up ))
 password=$(cat "$work/secrets/valkey_password")
 for service in "${SERVICES[@]}"; do
-    if "$ENGINE" inspect "$(compose ps -q "$service")" | grep -qF -- "$password"; then
+    config=$("$ENGINE" inspect "$(compose ps -q "$service")")  # not piped: grep -q must not cut it short
+    if grep -qF -- "$password" <<<"$config"; then
         log "FAIL: the store's password shows in $service's config"; exit 1
     fi
 done

@@ -58,6 +58,10 @@ class ArmSettings:
     extra_args: tuple[str, ...] = ()  # --server-arg: for every arm's servers (a draft model, adapters)
     server_cpus: tuple[int, ...] = ()  # --server-cpus: every server on these CPUs, the rest elsewhere
 
+    def cpus_setting(self) -> dict[str, str]:
+        """``server_cpus`` for a report's settings, when the servers were given CPUs."""
+        return {"server_cpus": ",".join(map(str, self.server_cpus))} if self.server_cpus else {}
+
     def common_args(self) -> tuple[str, ...]:
         offload = ("-ngl", str(self.gpu_layers)) if self.gpu_layers else ()
         return ("-b", str(self.batch_size), "-ub", str(self.ubatch_size), *offload, *self.extra_args)

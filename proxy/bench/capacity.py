@@ -393,6 +393,7 @@ def run_capacity(
         "threads": settings.threads,
         "batch_size": settings.batch_size,
         "ubatch_size": settings.ubatch_size,
+        **settings.cpus_setting(),
     }
     wl = {
         "name": workload.name,

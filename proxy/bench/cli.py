@@ -170,7 +170,7 @@ def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: P
         "batch_size": settings.batch_size,
         "ubatch_size": settings.ubatch_size,
         "servers": settings.n_servers,
-        **({"server_cpus": ",".join(map(str, settings.server_cpus))} if settings.server_cpus else {}),
+        **settings.cpus_setting(),
     }
     report = build_report(
         {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -88,18 +89,17 @@ server_args_option = click.option(
 
 
 def parse_cpus(text: str) -> tuple[int, ...]:
-    """``0``, ``0,2`` or ``0-3``: CPU numbers, as taskset -c reads them."""
+    """``0``, ``0,2`` or ``0-3``: CPU numbers, as taskset -c reads them (ASCII digits only, each
+    below the machine's CPU count)."""
     cpus: set[int] = set()
-    try:
-        for part in (p.strip() for p in text.split(",") if p.strip()):
-            lo, dash, hi = part.partition("-")
-            first, last = int(lo), int(hi if dash else lo)
-            if last < first:
-                raise ValueError(part)
-            cpus.update(range(first, last + 1))
-    except ValueError as exc:
-        raise click.BadParameter(f"not a CPU list like 0,2 or 0-3: {text}") from exc
-    if not cpus or min(cpus) < 0:
+    n_cpus = os.cpu_count() or 1
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        m = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", part)
+        first, last = (int(m[1]), int(m[2] or m[1])) if m else (1, 0)
+        if last < first or last >= n_cpus:
+            raise click.BadParameter(f"not a CPU list like 0,2 or 0-3 of CPUs 0-{n_cpus - 1}: {text}")
+        cpus.update(range(first, last + 1))
+    if not cpus:
         raise click.BadParameter(f"not a CPU list like 0,2 or 0-3: {text}")
     return tuple(sorted(cpus))
 
@@ -144,7 +144,7 @@ def arm_settings(
 ) -> Any:
     import os
 
-    cpus = parse_cpus(server_cpus) if server_cpus else ()
+    cpus = parse_cpus(server_cpus) if server_cpus is not None else ()
     if cpus:
         available = os.sched_getaffinity(0)
         if not set(cpus) <= available or not available - set(cpus):

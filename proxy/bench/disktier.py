@@ -220,6 +220,7 @@ def run_disk_restore(
         "ctx_size": ctx,
         "n_parallel": settings.n_parallel,
         "threads": settings.threads,
+        **settings.cpus_setting(),
         "seconds": round(time.time() - started, 1),
         "rows": [asdict(r) for r in rows],
         "ratios": ratios(rows),

@@ -15,6 +15,7 @@ from proxy.server.tiers.remote_store import (
     check_client_cert,
     make_client,
     parse_store_url,
+    read_passphrase,
 )
 
 
@@ -100,8 +101,21 @@ def test_a_client_certificate_needs_tls_a_private_key_of_ours_and_its_own_key(tm
     with pytest.raises(ConfigError, match="opened by the passphrase given"):
         check_client_cert(tls, ClientCert(locked_cert, locked, "wrong"))
     assert "secret" not in repr(ClientCert(locked_cert, locked, "secret"))  # kept out of logs
+    with pytest.raises(ConfigError, match="opened by the passphrase given"):  # longer than OpenSSL takes
+        check_client_cert(tls, ClientCert(locked_cert, locked, "x" * 2000))
     locked_client = make_client(tls, None, 1.0, None, ClientCert(locked_cert, locked, "secret"))
     assert locked_client.connection_pool.connection_kwargs["ssl_password"] == "secret"
     client = make_client(tls, None, 1.0, None, ClientCert(cert, key))
     kw = client.connection_pool.connection_kwargs
     assert (kw["ssl_certfile"], kw["ssl_keyfile"]) == (str(cert), str(key))
+
+
+def test_a_passphrase_is_its_file_s_first_line_as_written(tmp_path: Path) -> None:
+    """As openssl -passout file: writes and reads it: spaces kept, the line's end dropped."""
+    path = tmp_path / "passphrase"
+    path.write_bytes(b" two words \r\nignored\n")
+    path.chmod(0o600)
+    assert read_passphrase(path) == " two words "
+    path.chmod(0o644)
+    with pytest.raises(ConfigError, match="mode 600"):
+        read_passphrase(path)

@@ -19,6 +19,7 @@ from proxy.server.tiers.remote_store import (
     check_client_cert,
     make_client,
     parse_store_url,
+    read_passphrase,
     read_password,
 )
 
@@ -101,12 +102,8 @@ def _client_cert(config: Config) -> ClientCert | None:
         return None
     password_file = config.cache_remote_client_key_password_file
     try:
-        password = (
-            read_password(password_file, "--cache-remote-client-key-password-file")
-            if password_file is not None
-            else None
-        )
-    except OSError as exc:
+        password = read_passphrase(password_file) if password_file is not None else None
+    except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(
             f"--cache-remote-client-key-password-file: {exc}", fix="check the passphrase file"
         ) from exc

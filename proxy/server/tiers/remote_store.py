@@ -75,9 +75,16 @@ def _read_private(path: Path, what: str, limit: int) -> bytes:
         return f.read(limit)
 
 
-def read_password(path: Path, what: str = "the store's password file") -> str:
-    """A password: a regular file of ours that others cannot read (one line)."""
-    return _read_private(path, what, 4096).decode().strip()
+def read_password(path: Path) -> str:
+    """The store's password: a regular file of ours that others cannot read (one line)."""
+    return _read_private(path, "the store's password file", 4096).decode().strip()
+
+
+def read_passphrase(path: Path) -> str:
+    """A key's passphrase: one line of a regular file of ours that others cannot read, kept as
+    written but for the line's end (as openssl's ``-passout file:`` reads it)."""
+    data = _read_private(path, "--cache-remote-client-key-password-file", 4096)
+    return data.decode().split("\n", 1)[0].rstrip("\r")
 
 
 @dataclass(frozen=True)
@@ -111,7 +118,7 @@ def check_client_cert(address: StoreAddress, cert: ClientCert) -> None:
         ssl.create_default_context().load_cert_chain(
             str(cert.cert_file), str(key), password=lambda: passphrase
         )
-    except (OSError, ssl.SSLError) as exc:
+    except (OSError, ValueError, ssl.SSLError) as exc:  # ValueError: a passphrase too long for OpenSSL
         if cert.key_password is None:
             what, fix = (
                 "unencrypted private key",
