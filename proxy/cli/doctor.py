@@ -128,9 +128,11 @@ async def _doctor(
         add(
             Check(
                 "multimodal",
-                "fail",
-                f"a multimodal projector is loaded ({', '.join(media)})",
-                "drop --mmproj: KV that is moved or shared must come from text tokens only",
+                "ok",
+                f"a multimodal projector is loaded ({', '.join(media)}): requests with media are "
+                "served; the text before the first media part moves, the server reuses the media "
+                "on the slot that holds them",
+                "",
             )
         )
     if props.get("is_sleeping"):
@@ -186,7 +188,7 @@ async def _doctor(
                 "kvctl",
                 "ok",
                 f"patched server, /kvctl on: {' '.join(PROXY_SERVER_ARGS)}, no context shift, "
-                "--cache-reuse 0 and no SWA/recurrent/draft/multimodal are enforced by --kvctl at startup",
+                "--cache-reuse 0 and no prompt cache are enforced by --kvctl at startup",
             )
         )
         try:  # what the proxy reads of it, parsed as the proxy parses it

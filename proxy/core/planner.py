@@ -57,6 +57,9 @@ class SlotView:
     lcp: int
     n_tokens: int
     last_used: float
+    # Leading media parts of the request the slot holds right after the shared text (a
+    # multimodal server reuses those itself): the tie-break between slots of equal lcp.
+    media_match: int = 0
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,7 @@ def plan(inp: PlanInput) -> Plan | None:
 
 def _best_lcp_slot(idle: list[SlotView]) -> SlotView:
     """Longest lcp; ties most recently used, then lowest id (deterministic)."""
-    return max(idle, key=lambda s: (s.lcp, s.last_used, -s.slot_id))
+    return max(idle, key=lambda s: (s.lcp, s.media_match, s.last_used, -s.slot_id))
 
 
 def _victim_slot(idle: list[SlotView]) -> SlotView:

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from proxy.errors import RadixError, TooLarge
 from proxy.server.api import anthropic, responses
+from proxy.server.api.media import chat_tokens
 from proxy.server.api.routes import _read_json, _steered
 from proxy.server.api.shapes import AnthropicShape, ResponsesShape
 from proxy.server.dataplane.backend import ServerClient
@@ -62,11 +63,12 @@ async def _messages(request: web.Request) -> web.StreamResponse:
     original = await _read_json(request)
     model = pick_model(runtime.models, original)
     chat = anthropic.to_chat(original)
-    prompt = await runtime.render(chat, forward_headers(request), model)
-    tokens = await runtime.tokenize(prompt, model)
+    tokens, media = await chat_tokens(runtime, chat, forward_headers(request), model)
     shape = AnthropicShape(runtime.config.cache_info, len(tokens))
     body = anthropic.forward_body(chat, original)
-    return await _steered(request, body, tokens, model, path=anthropic.CHAT_PATH, shape=shape, api="messages")
+    return await _steered(
+        request, body, tokens, model, path=anthropic.CHAT_PATH, shape=shape, api="messages", media=media
+    )
 
 
 async def count_tokens(request: web.Request) -> web.Response:
@@ -97,7 +99,6 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     model = pick_model(runtime.models, body)
     chat = responses.to_chat(body)
-    prompt = await runtime.render(chat, forward_headers(request), model)
-    tokens = await runtime.tokenize(prompt, model)
+    tokens, media = await chat_tokens(runtime, chat, forward_headers(request), model)
     shape = ResponsesShape(runtime.config.cache_info)
-    return await _steered(request, body, tokens, model, shape=shape, api="responses")
+    return await _steered(request, body, tokens, model, shape=shape, api="responses", media=media)

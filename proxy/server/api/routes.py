@@ -20,6 +20,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from proxy.config import Config
 from proxy.core.adapters import request_adapters, server_scales, with_adapters
 from proxy.errors import BackendError, BadRequest, NotFound, RequestTimeout, TooLarge
+from proxy.server.api.media import chat_tokens
 from proxy.server.api.shapes import check_prompt_count
 from proxy.server.coordinator import Lease, RestoreAbandoned
 from proxy.server.dataplane.backend import ServerClient
@@ -127,9 +128,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
     if not isinstance(body.get("messages"), list) or not body["messages"]:
         raise BadRequest("'messages' must be a non-empty array")
     model = pick_model(runtime.models, body)
-    prompt = await runtime.render(body, forward_headers(request), model)
-    tokens = await runtime.tokenize(prompt, model)
-    return await _steered(request, body, tokens, model)
+    tokens, media = await chat_tokens(runtime, body, forward_headers(request), model)
+    return await _steered(request, body, tokens, model, media=media)
 
 
 async def completion(request: web.Request) -> web.StreamResponse:
@@ -150,6 +150,11 @@ async def completion(request: web.Request) -> web.StreamResponse:
         raise BadRequest(
             "several prompts in one request are not supported through the proxy: send one per request"
         )
+    elif isinstance(prompt, dict) and "multimodal_data" in prompt:
+        raise BadRequest(
+            "a prompt with multimodal_data is not served through the proxy (each server marks "
+            "media with its own random marker): send the media as content parts to /v1/chat/completions"
+        )
     else:
         raise BadRequest("'prompt' must be a string or an array of token ids")
     return await _steered(request, body, tokens, model)
@@ -164,11 +169,13 @@ async def _steered(
     path: str | None = None,
     shape: AnswerShape | None = None,
     api: str = "",
+    media: tuple[str, ...] = (),
 ) -> web.StreamResponse:
     """Lease, restore, forward; once more elsewhere (or after a restart) when the server failed
     before the client saw a byte of the answer. ``path`` and ``shape``: where the body goes on
     the server and how its answer reaches the client (``forward_completion``); ``api`` labels
-    ``radix_api_requests`` (chat or completions by default)."""
+    ``radix_api_requests`` (chat or completions by default); ``media``: the keys of its media
+    parts (``tokens`` are then the text before the first: api/media.py)."""
     runtime = request.app[RUNTIME]
     coord, config = runtime.coordinator, runtime.config
     api = api or ("chat" if "chat" in request.path else "completions")
@@ -190,6 +197,7 @@ async def _steered(
             session=session,
             n_predict=_n_predict(body),
             adapters=adapters,
+            media=media,
         )
         outcome = Outcome()
         instance = lease.server.client.instance  # the process this attempt is sent to

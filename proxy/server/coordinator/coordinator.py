@@ -70,6 +70,7 @@ class Coordinator:
         session: str = "",
         n_predict: int = 0,
         adapters: Adapters = NO_ADAPTERS,
+        media: tuple[str, ...] = (),
     ) -> Lease:
         """A slot for the request, with its plan (may wait: see ``Leases.acquire``). A match
         the disk tier carries further than anything in RAM or a slot is read into the host
@@ -99,6 +100,7 @@ class Coordinator:
             n_predict=n_predict,
             scanned=found,
             adapters=adapters,
+            media=media,
         )
 
     async def _from_remote(

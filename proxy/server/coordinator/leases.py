@@ -63,6 +63,9 @@ class _Want:
     session: str = ""
     n_predict: int = 0
     adapters: Adapters = NO_ADAPTERS  # the request's LoRA scales (in its namespace already)
+    # Keys of the request's media parts, in order (``()``: text only): only a multimodal server
+    # takes it, and among slots holding its text a slot that served these media is preferred.
+    media: tuple[str, ...] = ()
 
 
 AFFINITY_MAX = 65536  # sessions remembered for the affinity tie-break (least recent forgotten)
@@ -124,12 +127,14 @@ class Leases(PrefixWaits):
         n_predict: int = 0,
         scanned: PrefixScan | None = None,
         adapters: Adapters = NO_ADAPTERS,
+        media: tuple[str, ...] = (),
     ) -> Lease:
         """A leased slot and its plan; waits in a fair FIFO queue while every slot is busy.
         ``ns``: the request's cache-isolation namespace (see ``RadixTree``); ``model``: only
         servers of this model ("" = any); ``session``: the affinity tie-break; ``scanned``: the
-        request's prefix scan when the caller just took it (no ``await`` since)."""
-        want = _Want(model, session_key(session), n_predict, adapters)
+        request's prefix scan when the caller just took it (no ``await`` since); ``media``: the
+        keys of its media parts (``tokens`` are then the text before the first)."""
+        want = _Want(model, session_key(session), n_predict, adapters, media)
         limit = min((s.n_ctx_slot for s in self.servers if not model or s.model == model), default=0)
         if len(tokens) >= limit:
             raise BadRequest(
@@ -194,7 +199,9 @@ class Leases(PrefixWaits):
             server = sv.server
             if not server.healthy or (want.model and server.model != want.model):
                 continue
-            inp = self._plan_input(sv, found)
+            if want.media and not server.media_marker:
+                continue  # no projector: it refuses media
+            inp = self._plan_input(sv, found, want.media)
             plan = choose_plan(inp)
             if plan is None:
                 continue
@@ -249,6 +256,7 @@ class Leases(PrefixWaits):
             erase_first=slot.ns != found.ns
             and (slot.ns is None or len(slot.tokens) > 0 or slot.unrecorded > 0),
             n_predict=want.n_predict,
+            media=want.media,
             gen=slot.gen,
             took_saving=took_saving,
         )
@@ -283,13 +291,18 @@ class Leases(PrefixWaits):
             affinity=bool(want.session) and self._affinity.get(want.session) == server.name,
         )
 
-    def _plan_input(self, sv: ServerScan, found: PrefixScan) -> PlanInput:
+    def _plan_input(self, sv: ServerScan, found: PrefixScan, media: tuple[str, ...] = ()) -> PlanInput:
         server = sv.server
         # A slot only being saved (not worth waiting for) is offered when no slot is idle.
         takeable = not any(not s.busy for s in server.slots)
         views = tuple(
             SlotView(
-                s.slot_id, not s.busy or (takeable and s.saver is not None), lcp, len(s.tokens), s.last_used
+                s.slot_id,
+                not s.busy or (takeable and s.saver is not None),
+                lcp,
+                len(s.tokens),
+                s.last_used,
+                _media_match(s, lcp, len(found.tokens), media),
             )
             for s, lcp in zip(server.slots, sv.slot_lcp, strict=True)
         )
@@ -420,3 +433,17 @@ class Leases(PrefixWaits):
 def _overlaps(a: str, b: str) -> bool:
     """Two requests may compete for the same slots ("" = any model)."""
     return not a or not b or a == b
+
+
+def _media_match(slot: SlotState, lcp: int, n_text: int, media: tuple[str, ...]) -> int:
+    """How many of the request's leading media parts the slot's last request with media had
+    right after the same text: the server's own reuse (route A) goes on through those (it
+    matches media chunks by content hash). A tie-break between slots, never a prediction."""
+    if not media or not slot.media or lcp != n_text or len(slot.tokens) != n_text:
+        return 0
+    n = 0
+    for mine, theirs in zip(media, slot.media, strict=False):
+        if mine != theirs:
+            break
+        n += 1
+    return n

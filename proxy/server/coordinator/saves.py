@@ -41,8 +41,9 @@ from proxy.core.checkpoints import CheckpointStore
 from proxy.core.prefix import common_prefix
 from proxy.core.radix import RadixTree
 from proxy.errors import FallbackCause, KvMoveError, RadixError
-from proxy.server.coordinator.state import EMPTY, Lease
+from proxy.server.coordinator.state import EMPTY, Lease, SlotState
 from proxy.server.dataplane.backend import TRANSPORT_ERRORS
+from proxy.server.dataplane.kvctl import SeqInfo
 from proxy.server.metrics import Metrics
 
 # What a save may meet that is not a bug: a move the server refused, a server gone.
@@ -79,9 +80,9 @@ class KvSaves:
         of it the tree lacks is shorter than a host restore (``--min-restore-tokens``): waiting
         for its save is not worth it. None otherwise, and for what only the slot keeps (moves
         off), what sharing publishes from the slot, a slot of unknown content, an answer of
-        unknown length."""
+        unknown length, a prompt with media (its cells are not known before the read-back)."""
         server, slot = lease.server, lease.slot
-        if not server.moves or server.sharing is not None or lease.no_cache or slot.ns is None:
+        if not server.moves or server.sharing is not None or lease.no_cache or slot.ns is None or lease.media:
             return None
         if lease.epoch != server.epoch or not slot.busy:
             return None
@@ -149,9 +150,13 @@ class KvSaves:
         else:  # still busy: what it will hold is unknown
             slot.tokens, slot.ns = EMPTY, None
             return True
+        slot.checkpoints = entry.checkpoints
+        if entry.media_at is not None:
+            _confirm_text_before_media(slot, entry, lease.server.moves)
+            slot.media = lease.media if slot.ns is not None else ()
+            return True
         tokens = entry.held_tokens()
         held = entry.pos_max + 1
-        slot.checkpoints = entry.checkpoints
         # Invariant 1: only tokens whose KV the sequence really holds count. With moves off only
         # the server reuses a slot's KV (route A), and a sliding window's cache forgets the start
         # (pos_min > 0): the tokens then only steer the request to the slot.
@@ -233,6 +238,8 @@ class KvSaves:
             return
         if len(tokens) < self.config.min_restore_tokens:
             return  # shorter than any host restore: erased, it would be computed again
+        if slot.media:
+            return  # the media and what follows live in the slot only: kept for its next turn
         if server.mover.shm_dir is None:
             # Inline payloads (no shared directory): a restore is a slower HTTP body, refused
             # past the server's 64 MiB: the slot keeps its KV for its next turn.
@@ -278,6 +285,20 @@ class KvSaves:
 
 class HandedOn(Exception):
     """The slot went to another request before the export was sent: it is not sent."""
+
+
+def _confirm_text_before_media(slot: SlotState, entry: SeqInfo, moves: bool) -> None:
+    """A slot holding media (or that served a request with media): only the text before the
+    first media chunk is recorded, the server's cells from there on count as held (unrecorded).
+    That text is plain KV at positions 0..n-1 (also under M-RoPE: a position per text token),
+    exported, restored and shared like any; the server reuses the rest itself (route A), matching
+    media chunks by their content hash. With moves off (a window-sized cache forgets its start)
+    the tokens only steer a request to the slot, as in ``_refresh_slot``."""
+    text = entry.text_before_media()
+    if entry.pos_min <= 0 or not moves:
+        slot.tokens, slot.unrecorded = text, max(0, entry.n_cells - len(text))
+    else:  # the cells do not start at 0: nothing of it is known
+        slot.tokens, slot.ns = EMPTY, None
 
 
 @contextlib.asynccontextmanager

@@ -45,10 +45,13 @@ class SlotState:
     # request may take the slot (``Leases``); its save then stops before it touches the slot.
     saver: Lease | None = None
     gen: int = 0  # bumped at every lease: a save after its slot was handed on sees it moved on
+    # A multimodal server's slot whose last answer held media: the keys of that request's media
+    # parts, which follow ``tokens`` in its cells (counted in ``unrecorded``; routes.media_keys).
+    media: tuple[str, ...] = ()
 
     def confirmed(self, tokens: np.ndarray) -> None:
         """The server confirmed the slot holds exactly ``tokens`` (nothing unrecorded)."""
-        self.tokens, self.unrecorded = tokens, 0
+        self.tokens, self.unrecorded, self.media = tokens, 0, ()
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,9 @@ class ServerState:
     infill: InfillParams | None = None  # what /infill builds its prompt from (caps; None: not reported)
     embeddings: bool = False  # started with --embeddings (caps embedding.on): serves /v1/embeddings
     pooling: int = -1  # its pooling type (caps embedding.pooling; 4: --reranking, serves /v1/rerank)
+    # A multimodal projector is loaded (caps multimodal): what marks a media part in the prompt its
+    # /apply-template renders ("": none loaded; such a server refuses media).
+    media_marker: str = ""
     rates: MeasuredRates = field(default_factory=MeasuredRates)  # from its answers' timings and its moves
     kv: KvPlace = field(default_factory=KvPlace)  # where its KV lives (caps memory.buffers)
     # Set (and replaced) when a reservation ends: requests waiting for room look again.
@@ -196,6 +202,7 @@ class Lease:
     queued_s: float = 0.0
     prefix_wait_s: float = 0.0  # before planning: waiting for a request in flight with its prefix
     n_predict: int = 0  # tokens the answer may add (routes._n_predict)
+    media: tuple[str, ...] = ()  # keys of its media parts (``tokens``: the text before the first)
     restore_s: float = 0.0  # in restore: making room, erasing, attaching, importing
     lock_wait_s: float = 0.0  # of which waiting for the server's move lock (saves, other restores)
     import_s: float = 0.0  # of which the host import (payload written, server's /kvctl/import)

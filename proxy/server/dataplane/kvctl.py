@@ -206,6 +206,10 @@ class Caps:
     # Patch 0024: the server pins the payload files it keeps mapped (the arena) for the device
     # that holds the KV, so copies between them run at the bus's speed.
     pinned_payloads: bool = False
+    # Patch 0026: a multimodal projector is loaded; the server marks each media part of a rendered
+    # prompt with ``media_marker`` (random per process: /apply-template's prompt carries it).
+    multimodal: bool = False
+    media_marker: str = ""
 
     @property
     def kv_devices(self) -> tuple[str, ...]:
@@ -244,6 +248,7 @@ class Caps:
             if buffers is None
             else tuple(KvBuffer.parse(b, cause, f"memory.buffers[{i}].") for i, b in enumerate(buffers))
         )
+        mm = _Reader(r.opt_obj("multimodal") or {"on": False}, KvRoute.CAPS, cause, "multimodal.")
         embedding_obj = r.opt_obj("embedding")
         embedding = None
         if embedding_obj is not None:
@@ -273,6 +278,8 @@ class Caps:
             kv_buffers=kv_buffers,
             export_chunks=r.flag("export_chunks", default=False),
             pinned_payloads=memory.flag("pinned_payloads", default=False),
+            multimodal=mm.flag("on"),
+            media_marker=(mm.opt_str("media_marker") or "") if mm.flag("on") else "",
         )
 
 
@@ -288,11 +295,20 @@ class SeqInfo:
     busy: bool  # owners: always False
     tokens: np.ndarray | None  # only when asked for (``?tokens=1``)
     checkpoints: tuple[int, ...] = ()  # slots with whole-state checkpoints on: where the server took them
+    # A multimodal server's slot: where its first media chunk starts (None: it holds none). The
+    # cells from there on hold media (token -1) and what followed it: never moved or recorded.
+    media_at: int | None = None
 
     @classmethod
     def parse(cls, obj: object, route: KvRoute, cause: FallbackCause, where: str = "") -> SeqInfo:
         r = _Reader(obj, route, cause, where)
         tokens = r.ints("tokens", optional=True)
+        starts = [
+            _Reader(m, route, cause, f"{where}media[{i}].").integer("idx")
+            for i, m in enumerate(r.list_of("media", default_empty=True))
+        ]
+        if any(i < 0 for i in starts):
+            raise KvctlReplyError(cause, route, f"field {where}'media' starts a chunk before 0")
         return cls(
             id=r.integer("id"),
             n_tokens=r.integer("n_tokens"),
@@ -302,10 +318,19 @@ class SeqInfo:
             busy=r.flag("busy", default=False),
             tokens=None if tokens is None else np.asarray(tokens, dtype=np.int32),
             checkpoints=r.ints("checkpoints", optional=True) or (),
+            media_at=min(starts) if starts else None,
         )
 
     def held_tokens(self) -> np.ndarray:
         return self.tokens if self.tokens is not None else np.zeros(0, np.int32)
+
+    def text_before_media(self) -> np.ndarray:
+        """The tokens before the first media chunk: all of them without media. A token below 0
+        the server did not list as media ends them too (it names no text the proxy can key)."""
+        tokens = self.held_tokens()
+        end = len(tokens) if self.media_at is None else min(self.media_at, len(tokens))
+        negative = np.flatnonzero(tokens[:end] < 0)
+        return tokens[: int(negative[0]) if len(negative) else end]
 
     def as_json(self) -> dict[str, Any]:
         """The fields as the server sent them (tokens left out)."""

@@ -191,6 +191,7 @@ async def _connect(
     state.infill = InfillParams.from_caps({"infill": caps.infill}, n_ctx_slot)
     state.embeddings = caps.embedding is not None and caps.embedding.on
     state.pooling = caps.embedding.pooling if caps.embedding is not None else -1
+    state.media_marker = caps.media_marker if caps.multimodal else ""
     state.instance = instance or None
     return state
 

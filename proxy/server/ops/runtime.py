@@ -13,7 +13,7 @@ from aiohttp import web
 
 from proxy.config import Config
 from proxy.core.infill import PieceCache
-from proxy.errors import Unavailable
+from proxy.errors import BadRequest, Unavailable
 from proxy.server.coordinator import Coordinator, ServerState
 from proxy.server.dataplane.arena import Arena
 from proxy.server.dataplane.backend import ServerClient
@@ -119,26 +119,57 @@ class Runtime:
             )
         return np.asarray(ids, dtype=np.int32)
 
-    def _healthy(self, model: str) -> ServerState | None:
+    async def text_before_media(
+        self, body: dict[str, Any], headers: dict[str, str], model: ModelEntry
+    ) -> str:
+        """A chat request with media: its prompt up to the first media part, as a server with a
+        projector renders it (``/apply-template`` marks each part with the server's own random
+        marker). The server tokenizes that text alone (libmtmd cuts the prompt at the markers):
+        the proxy keys, routes and restores it like any prompt; the server computes the media and
+        what follows, reusing what its slot holds of them (route A)."""
+        if not any(s.media_marker for s in self.coordinator.servers if s.model == model.name):
+            raise BadRequest(
+                f"image, audio and video input is not supported by model {model.name!r}: none of its "
+                "servers loaded a projector (--mmproj)"
+            )
+
+        async def render(server: ServerState) -> str:
+            prompt = await server.client.apply_template(body, headers)
+            return prompt.split(server.media_marker, 1)[0]
+
+        return await self._on_server(render, model.name, media=True)
+
+    def _healthy(self, model: str, media: bool = False) -> ServerState | None:
         return next(
-            (s for s in self.coordinator.servers if s.healthy and (not model or s.model == model)), None
+            (
+                s
+                for s in self.coordinator.servers
+                if s.healthy and (not model or s.model == model) and (s.media_marker or not media)
+            ),
+            None,
         )
 
     async def on_any_server(self, call: Callable[[ServerClient], Awaitable[T]], model: str = "") -> T:
         """``call`` on a healthy server of ``model`` ("" = any): template rendering, tokenizing;
         one that fails to answer is marked down and the next is tried. Waits, bounded by the
         queue deadline, while none is serving."""
+        return await self._on_server(lambda server: call(server.client), model)
+
+    async def _on_server(
+        self, call: Callable[[ServerState], Awaitable[T]], model: str = "", media: bool = False
+    ) -> T:
+        """``on_any_server`` on the server's state; ``media``: only servers with a projector."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.queue_timeout_s
         for _ in range(2 * len(self.coordinator.servers)):
-            server = self._healthy(model)
+            server = self._healthy(model, media)
             while server is None:
                 if loop.time() > deadline:
                     raise Unavailable("no llama-server is serving")
                 await asyncio.sleep(0.1)
-                server = self._healthy(model)
+                server = self._healthy(model, media)
             try:
-                return await call(server.client)
+                return await call(server)
             except aiohttp.ClientConnectionError as exc:  # refused, reset: it is gone
                 self.coordinator.server_down(server, f"{type(exc).__name__}: {exc}")
             except TimeoutError as exc:
