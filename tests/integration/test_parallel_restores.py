@@ -58,9 +58,9 @@ def _hold_imports_together(rt: Runtime, inside_max: list[int]) -> None:
                 inside[0] -= 1
 
     async def import_(
-        slot: int, p0: int, tokens: Any, segments: Any, hold: Any = None, lora: Any = None
+        slot: int, p0: int, tokens: Any, segments: Any, hold: Any = None, lora: Any = None, media: Any = ()
     ) -> None:
-        await plain(slot, p0, tokens, segments, hold=together(hold), lora=lora)
+        await plain(slot, p0, tokens, segments, hold=together(hold), lora=lora, media=media)
 
     mover.import_ = import_  # type: ignore[method-assign]
 

@@ -1,13 +1,15 @@
-"""Vision behind the proxy (patch 0026): a server with a multimodal projector (`--mmproj`), on a
-tiny random-weight text model and a tiny random-weight llava projector made here
+"""Vision behind the proxy (patches 0026, 0027): a server with a multimodal projector (`--mmproj`),
+on tiny random-weight text models and a tiny random-weight llava projector made here
 (tests/tinymmproj.py), against stock llama-server of the same commit with the same projector
 computing from scratch, with f16 and q8_0 KV.
 
-The proxy never guesses media tokens: a request with images is keyed by the text before its first
-image (the server renders the prompt and libmtmd tokenizes that text alone), which is restored
-from the host (route H) like any prompt; the server computes the image and what follows, and on
-the slot that holds them reuses them itself (route A: it matches image chunks by content hash).
-The server refuses any move of a range that holds an image, and lists the images a slot holds.
+The proxy never guesses media tokens: a server tokenizes a request with images
+(`/kvctl/tokenize`), each image's cells keyed by tokens below -1 made from its content hash. On
+a model whose images take a position per cell (llama) the image is KV like text: saved,
+restored from the host (route H) with the text around it, and the server's next request reuses
+it by hash. Under M-RoPE (qwen2vl), whose image cells share their first position, the keyed part
+ends at the first image: the text before it is restored, the server computes the image, and
+on the slot that holds it reuses it itself (route A).
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ from tests.tinymodels import FAMILIES, tiny_model
 
 pytestmark = pytest.mark.integration
 
-FAMILY = "llama-h128"
 SYSTEM = "You are a careful analyst. Reference document:\n" + document(21, 200)
 IMAGE_A, IMAGE_B = image_part(tiny_png(1)), image_part(tiny_png(2))
 Messages = list[dict[str, Any]]
+# (family, KV config): llama moves its images, qwen2vl (M-RoPE) cannot.
+CASES = [("llama-h128", "f16"), ("llama-h128", "q8_0-fa"), ("qwen2vl", "f16")]
 
 
 def _user(text: str, *images: dict[str, Any]) -> dict[str, Any]:
@@ -70,15 +73,30 @@ def _text(reply: Reply) -> str:
     return str(reply.body["choices"][0]["message"]["content"])
 
 
-@pytest.fixture(scope="module", params=("f16", "q8_0-fa"))
+def _total(reply: Reply) -> int:
+    return int(reply.body["timings"]["prompt_n"]) + int(reply.body["timings"]["cache_n"])
+
+
+class Vision:
+    def __init__(
+        self, proxy: ProxyThread, stock: ServerProcess, patched: ServerProcess, movable: bool
+    ) -> None:
+        self.proxy, self.stock, self.patched, self.movable = proxy, stock, patched, movable
+
+    def kvctl(self, method: str, path: str, body: Any = None) -> Reply:
+        key = {"Authorization": f"Bearer {self.patched.spec.kvctl_key}"}
+        return request(f"{self.patched.url}{path}", method, body, headers=key)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=["-".join(c) for c in CASES])
 def vision(
     request: pytest.FixtureRequest, start_server: ServerFactory, patched_bin: Path, stock_bin: Path
-) -> Iterator[tuple[ProxyThread, ServerProcess, ServerProcess]]:
+) -> Iterator[Vision]:
+    family, kv = request.param
     # One slot: a request with another prompt takes the slot's KV, so the next is a host restore.
-    args = (*KV_CONFIGS[request.param], "--mmproj", str(tiny_mmproj(FAMILIES[FAMILY].n_embd)))
-    model = tiny_model(FAMILY)
+    args = (*KV_CONFIGS[kv], "--mmproj", str(tiny_mmproj(FAMILIES[family].n_embd)))
     common: dict[str, Any] = {
-        "model": model,
+        "model": tiny_model(family),
         "ctx_size": 4096,
         "threads": 1,
         "n_parallel": 1,
@@ -89,16 +107,14 @@ def vision(
     proxy = ProxyThread(proxy_config(patched)).start()
     assert proxy.call(lambda rt: rt.coordinator.servers[0].moves) is True
     assert proxy.call(lambda rt: rt.coordinator.servers[0].media_marker) != ""
-    yield proxy, stock, patched
+    yield Vision(proxy, stock, patched, movable=family != "qwen2vl")
     proxy.stop()
     patched.stop()
     stock.stop()
 
 
-def test_an_image_on_several_turns_and_sessions_equals_stock(
-    vision: tuple[ProxyThread, ServerProcess, ServerProcess],
-) -> None:
-    proxy, stock, _ = vision
+def test_an_image_on_several_turns_and_sessions_equals_stock(vision: Vision) -> None:
+    proxy, stock = vision.proxy, vision.stock
     base = _fallbacks(proxy)
     first_turn: Messages = [{"role": "system", "content": SYSTEM}, _user("Describe the picture.", IMAGE_A)]
     # The image changes the answer: KV of another image reused would show.
@@ -108,79 +124,104 @@ def test_an_image_on_several_turns_and_sessions_equals_stock(
 
     first = _ask(proxy, first_turn, "s1")
     assert_same_answer(first, _from_scratch(stock, first_turn))
-    text_tokens = int(first.headers["X-Radix-Prompt-Tokens"])
-    assert text_tokens > 200  # the system prompt and the user's text before the image
-    assert first.body["timings"]["prompt_n"] + first.body["timings"]["cache_n"] > text_tokens + N_IMAGE_TOKENS
+    keyed = int(first.headers["X-Radix-Prompt-Tokens"])
+    if vision.movable:  # every cell keyed, the image's too
+        assert keyed == _total(first), (keyed, first.body["timings"])
+    else:  # the text before the image
+        assert 200 < keyed < _total(first) - N_IMAGE_TOKENS, (keyed, first.body["timings"])
 
-    # The same session's next turn, the image in its history: the slot holds it, the server
-    # reuses the text, the image and the first answer (route A), and computes only the new turn.
+    # The same session's next turn, the image in its history: the text, the image and the first
+    # answer are reused, only the new turn computed. Where the image moves, the host holds all of
+    # it and the slot was released when idle (--cache-idle-release, the default): route H. Else
+    # the slot kept it (the host cannot restore it) and the server reuses it there: route A.
+    reuse = "H" if vision.movable else "A"
     second_turn = [*first_turn, {"role": "assistant", "content": _text(first)}, _user("And its colours?")]
     second = _ask(proxy, second_turn, "s1")
-    assert _route(second) == "A", second.headers
-    assert second.body["timings"]["cache_n"] >= text_tokens + N_IMAGE_TOKENS, second.body["timings"]
+    assert _route(second) == reuse, second.headers
+    assert second.body["timings"]["cache_n"] >= _total(first) - 1, second.body["timings"]
     assert_same_answer(second, _from_scratch(stock, second_turn))
 
-    # Another prompt takes the only slot; then another session sends the same text and image:
-    # the text is restored from the host (route H), the server computes the image and the rest.
+    # Another prompt takes the only slot; then another session sends the first turn again: a
+    # host restore (route H) of the text and, where the image moves, of the image too (the
+    # server then computes only the last token); else the server computes the image and the rest.
     other: Messages = [{"role": "user", "content": document(22, 150)}]
     assert_same_answer(_ask(proxy, other, "s2"), _from_scratch(stock, other))
-    third_turn: Messages = [first_turn[0], _user("Describe the picture.", IMAGE_A)]
-    third = _ask(proxy, third_turn, "s3")
+    third = _ask(proxy, first_turn, "s3")
     assert _route(third) == "H", third.headers
-    cached = int(third.headers["X-Radix-Cached-Tokens"])
-    assert cached >= text_tokens - 1, third.headers
-    assert third.body["timings"]["cache_n"] >= cached, third.body["timings"]
-    assert_same_answer(third, _from_scratch(stock, third_turn))
+    restored = int(third.headers["X-Radix-Cached-Tokens"])
+    assert third.body["timings"]["cache_n"] >= restored, third.body["timings"]
+    if vision.movable:
+        assert restored >= _total(first) - 1 and third.body["timings"]["prompt_n"] <= 2, third.body["timings"]
+    else:
+        assert keyed - 1 <= restored < keyed + 1, (restored, keyed)
+    assert_same_answer(third, _from_scratch(stock, first_turn))
 
-    # Its next turn with another image: the text and the first image are reused on the slot,
+    # Its next turn with another image: the text and the first image are reused,
     # the new image is computed (answers equal stock's: nothing of image A stands in for it).
     fourth_turn = [
-        *third_turn,
+        *first_turn,
         {"role": "assistant", "content": _text(third)},
         _user("And this one?", IMAGE_B),
     ]
     fourth = _ask(proxy, fourth_turn, "s3")
-    assert _route(fourth) == "A", fourth.headers
-    assert fourth.body["timings"]["cache_n"] >= text_tokens + N_IMAGE_TOKENS, fourth.body["timings"]
+    assert _route(fourth) == reuse, fourth.headers
+    assert fourth.body["timings"]["cache_n"] >= _total(first) - 1, fourth.body["timings"]
     assert_same_answer(fourth, _from_scratch(stock, fourth_turn))
     assert _fallbacks(proxy) == base
 
 
-def test_the_server_refuses_to_move_an_image_and_lists_it(
-    vision: tuple[ProxyThread, ServerProcess, ServerProcess],
-) -> None:
-    proxy, _, patched = vision
+def test_a_move_of_an_image_is_bound_to_it_or_refused(vision: Vision) -> None:
+    proxy = vision.proxy
     messages: Messages = [{"role": "system", "content": SYSTEM}, _user("Look.", IMAGE_B)]
     _ask(proxy, messages, "s4")
-    key = {"Authorization": f"Bearer {patched.spec.kvctl_key}"}
-    listing = request(f"{patched.url}/kvctl/slots?tokens=1", "GET", headers=key).body
-    slot = listing["slots"][0]
-    assert [m["n_tokens"] for m in slot["media"]] == [N_IMAGE_TOKENS], slot["media"]
-    at = slot["media"][0]["idx"]
-    assert slot["media"][0]["id"]  # the server's content hash of the image
-    tokens = slot["tokens"]
-    assert all(t >= 0 for t in tokens[:at]) and tokens[at : at + N_IMAGE_TOKENS] == [-1] * N_IMAGE_TOKENS
-    # The text before the image moves; a range holding it is refused, whatever it claims.
-    ok = request(
-        f"{patched.url}/kvctl/export",
-        "POST",
-        {"slot": 0, "p0": 0, "p1": at, "expect_sha256": tokens_sha256(tokens[:at])},
-        headers=key,
-    )
-    assert ok.status == 200, ok.body
-    refused = request(
-        f"{patched.url}/kvctl/export",
-        "POST",
-        {"slot": 0, "p0": 0, "p1": at + 1, "expect_sha256": tokens_sha256(tokens[: at + 1])},
-        headers=key,
-    )
-    assert refused.status == 409, refused.body
-    assert "media" in refused.body["error"]["message"], refused.body
-    # The proxy recorded the slot's text only; the image and the rest count as held.
     recorded = proxy.call(lambda rt: len(rt.coordinator.servers[0].slots[0].tokens))
     unrecorded = proxy.call(lambda rt: rt.coordinator.servers[0].slots[0].unrecorded)
-    assert recorded == at
-    assert unrecorded >= N_IMAGE_TOKENS
+    # Past the proxy (the slot is then unknown to it): where the image moves, the slot was
+    # released once the host held it; fill it again to look at it.
+    proxy.call(lambda rt: setattr(rt.coordinator.servers[0].slots[0], "ns", None))
+    direct = post(f"{vision.patched.url}/v1/chat/completions", chat_body(messages, 4, id_slot=0))
+    assert direct.status == 200, direct.body
+    slot = vision.kvctl("GET", "/kvctl/slots?tokens=1").body["slots"][0]
+    media = slot["media"]
+    assert [(m["n_tokens"], m["movable"]) for m in media] == [(N_IMAGE_TOKENS, vision.movable)], media
+    at, tokens = media[0]["idx"], slot["tokens"]
+    assert media[0]["id"]  # the server's content hash of the image
+    image = tokens[at : at + N_IMAGE_TOKENS]
+    assert all(t >= 0 for t in tokens[:at])
+    assert all(t < -1 for t in image) if vision.movable else image == [-1] * N_IMAGE_TOKENS
+    # /kvctl/tokenize keys the request's cells as the slot does.
+    tokenized = vision.kvctl("POST", "/kvctl/tokenize", chat_body(messages, 1)).body
+    assert tokenized["tokens"][: at + N_IMAGE_TOKENS] == tokens[: at + N_IMAGE_TOKENS]
+    # The text before the image moves. The image moves only where its cells sit at a position each,
+    # bound to it: the same cells claimed as another image's (or as -1) are refused.
+    end = at + N_IMAGE_TOKENS
+    before = {"slot": 0, "p0": 0, "p1": at, "expect_sha256": tokens_sha256(tokens[:at])}
+    assert vision.kvctl("POST", "/kvctl/export", before).status == 200
+    whole = vision.kvctl(
+        "POST", "/kvctl/export", {**before, "p1": end, "expect_sha256": tokens_sha256(tokens[:end])}
+    )
+    other = [*tokens[:at], *[t - 1 if t < -2 else t for t in image]]
+    claimed = vision.kvctl(
+        "POST", "/kvctl/export", {**before, "p1": end, "expect_sha256": tokens_sha256(other)}
+    )
+    assert claimed.status == 409, claimed.body
+    if not vision.movable:
+        assert whole.status == 409 and "media" in whole.body["error"]["message"], whole.body
+        # The proxy had recorded the text before the image; the image and the rest as held.
+        assert recorded == at and unrecorded >= N_IMAGE_TOKENS, (recorded, unrecorded, at)
+        return
+    assert whole.status == 200, whole.body
+    assert (recorded, unrecorded) == (0, 0)  # released: the host holds it all
+    # An import naming the image's cells must carry its chunk, as /kvctl/tokenize gives it.
+    compat = vision.kvctl("GET", "/kvctl/caps").body["compat_id"]
+    body = {"slot": 0, "p0": 0, "p1": end, "tokens": tokens[:end], "compat": compat}
+    body["segments"] = [{"data": whole.body["data"]}]
+    bare = vision.kvctl("POST", "/kvctl/import", body)
+    assert bare.status == 400 and "media" in bare.body["error"]["message"], bare.body
+    chunk = [{"idx": at, "chunk": tokenized["media"][0]["chunk"]}]
+    assert vision.kvctl("POST", "/kvctl/import", {**body, "media": chunk}).status == 200
+    again = vision.kvctl("GET", "/kvctl/slots?tokens=1").body["slots"][0]
+    assert again["tokens"] == tokens[:end] and again["media"][0]["id"] == media[0]["id"]
 
 
 def test_media_on_a_server_without_a_projector_is_a_clear_400(plain_proxy: ProxyThread) -> None:
@@ -190,10 +231,8 @@ def test_media_on_a_server_without_a_projector_is_a_clear_400(plain_proxy: Proxy
     assert "projector" in reply.body["error"]["message"], reply.body
 
 
-def test_a_completion_prompt_with_multimodal_data_is_a_clear_400(
-    vision: tuple[ProxyThread, ServerProcess, ServerProcess],
-) -> None:
-    proxy = vision[0]
+def test_a_completion_prompt_with_multimodal_data_is_a_clear_400(vision: Vision) -> None:
+    proxy = vision.proxy
     body = {"prompt": {"prompt_string": "Look: <__media__>", "multimodal_data": ["QUFB"]}, "n_predict": 4}
     reply = post(f"{proxy.url}/completion", body)
     assert reply.status == 400, reply.body

@@ -136,6 +136,7 @@ class FakeServer:
         segments: Sequence[KvSegment],
         hold: contextlib.AbstractAsyncContextManager[Any] | None = None,
         lora: Any = None,
+        media: Any = (),
     ) -> None:
         async with hold or contextlib.nullcontext():
             self.imports.append((slot, p0, len(tokens)))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from proxy.errors import FallbackCause, KvMoveError
-from proxy.server.dataplane.kvctl import Caps, Cells, KvctlReplyError, KvRoute, SeqInfo, Slots
+from proxy.server.dataplane.kvctl import Caps, Cells, KvctlReplyError, KvRoute, SeqInfo, Slots, Tokenized
 from proxy.server.dataplane.kvctl_moves import (
     CheckpointReply,
     EraseReply,
@@ -117,6 +117,10 @@ GOOD: dict[str, dict[str, Any]] = {
         "data": b"CK",
     },
     "restore": {"instance": INSTANCE, "slot": 1, "n_tokens": 3, "bytes": 2, "t_ms": 0.4},
+    "tokenize": {
+        "tokens": [1, -7, -9, 2],
+        "media": [{"idx": 1, "n_tokens": 2, "n_pos": 2, "id": "12ab", "movable": True, "chunk": "Q0g="}],
+    },
 }
 
 PARSERS: dict[str, Callable[[object], object]] = {
@@ -131,6 +135,7 @@ PARSERS: dict[str, Callable[[object], object]] = {
     "erase": EraseReply.parse,
     "checkpoint": CheckpointReply.parse,
     "restore": RestoreReply.parse,
+    "tokenize": Tokenized.parse,
 }
 
 # One field each parser needs, and a value of the wrong type for it.
@@ -146,6 +151,7 @@ NEEDED = {
     "erase": ("slot", False),
     "checkpoint": ("n_tokens", "3"),
     "restore": ("slot", None),
+    "tokenize": ("tokens", "1 2"),
 }
 
 

@@ -4,17 +4,20 @@ media after the same text."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 
 from proxy.core.planner import PlanInput, Route, SlotView, plan
-from proxy.server.api.media import media_keys
+from proxy.server.api.media import has_media
 from proxy.server.coordinator.leases import _media_match
 from proxy.server.coordinator.state import SlotState
-from proxy.server.dataplane.kvctl import Caps, KvctlReplyError, Slots
+from proxy.server.dataplane.kvctl import Caps, KvctlReplyError, Slots, Tokenized
+from proxy.server.ops.admin import detokenize
 from tests.unit.test_kvctl_replies import GOOD
 
 pytestmark = pytest.mark.unit
@@ -28,16 +31,13 @@ def _chat(*contents: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": c} for c in contents]}
 
 
-def test_media_keys_name_each_media_part_in_order() -> None:
-    assert media_keys(_chat("just text")) == ()
-    assert media_keys(_chat([{"type": "text", "text": "hi"}])) == ()
-    a, b, audio = (media_keys(_chat([p]))[0] for p in (PNG_A, PNG_B, AUDIO))
-    assert len({a, b, audio}) == 3
-    assert media_keys(_chat([{"type": "text", "text": "x"}, PNG_A], "then", [PNG_B, AUDIO])) == (a, b, audio)
-    # The key is the part as sent, whatever the message around it says.
-    assert media_keys(_chat([{"type": "text", "text": "other"}, PNG_A])) == (a,)
-    # Malformed shapes are the server's to refuse: no key, no crash.
-    assert media_keys({"messages": "no"}) == () and media_keys({"messages": [1, {"content": 3}]}) == ()
+def test_has_media_finds_a_media_part_anywhere() -> None:
+    assert not has_media(_chat("just text")) and not has_media(_chat([{"type": "text", "text": "hi"}]))
+    assert has_media(_chat("text", [{"type": "text", "text": "x"}, PNG_A]))
+    assert has_media(_chat([AUDIO]))
+    assert has_media(_chat([{"type": "video_url", "video_url": {"url": "x"}}]))
+    # Malformed shapes are the server's to refuse: no media found, no crash.
+    assert not has_media({"messages": "no"}) and not has_media({"messages": [1, {"content": 3}]})
 
 
 def test_caps_say_whether_a_projector_is_loaded() -> None:
@@ -60,30 +60,29 @@ def _slot_entry(tokens: list[int], media: list[dict[str, Any]] | None, **over: A
     return Slots.parse(slots).slots[0]
 
 
+def _m(idx: int, n: int, movable: bool = False) -> dict[str, Any]:
+    return {"idx": idx, "n_tokens": n, "n_pos": n if movable else 1, "id": "h", "movable": movable}
+
+
 @pytest.mark.parametrize(
-    ("tokens", "media", "text"),
+    ("tokens", "media", "keyed"),
     [
         ([5, 6, 7], None, [5, 6, 7]),  # no projector: every token is text
-        ([5, 6, -1, -1, 8], [{"idx": 2, "n_tokens": 2, "n_pos": 2, "id": "h"}], [5, 6]),
-        ([-1, -1, 8], [{"idx": 0, "n_tokens": 2, "n_pos": 1, "id": "h"}], []),  # an image first
-        # Two images: the text stops at the first, wherever the list puts it.
-        (
-            [5, -1, 7, -1],
-            [
-                {"idx": 3, "n_tokens": 1, "n_pos": 1, "id": "b"},
-                {"idx": 1, "n_tokens": 1, "n_pos": 1, "id": "a"},
-            ],
-            [5],
-        ),
-        ([5, -1, 7], None, [5]),  # a token below 0 not listed as media ends the text too
+        ([5, 6, -1, -1, 8], [_m(2, 2)], [5, 6]),  # an image no move can name ends them
+        ([-1, -1, 8], [_m(0, 2)], []),  # such an image first
+        # A movable image is keyed by tokens below -1: it goes on through it, to the next one.
+        ([5, -7, -9, 8, -1], [_m(1, 2, movable=True), _m(4, 1)], [5, -7, -9, 8]),
+        ([5, -7, -9], [_m(1, 2, movable=True)], [5, -7, -9]),
+        # Two unmovable ones: the text stops at the first, wherever the list puts it.
+        ([5, -1, 7, -1], [_m(3, 1), _m(1, 1)], [5]),
+        ([5, -1, 7], None, [5]),  # a -1 not listed as media ends them too
     ],
 )
-def test_a_slot_records_only_the_text_before_its_first_media(
-    tokens: list[int], media: list[dict[str, Any]] | None, text: list[int]
+def test_a_slot_records_what_the_moves_can_name(
+    tokens: list[int], media: list[dict[str, Any]] | None, keyed: list[int]
 ) -> None:
     entry = _slot_entry(tokens, media)
-    assert entry.text_before_media().tolist() == text
-    assert (entry.media_at is None) == (media is None)
+    assert entry.keyed_prefix().tolist() == keyed
 
 
 def test_a_media_entry_must_start_inside_the_slot() -> None:
@@ -133,3 +132,47 @@ def test_among_slots_holding_the_text_the_one_with_its_media_is_picked() -> None
     plain = tuple(SlotView(s.slot_id, s.idle, s.lcp, s.n_tokens, s.last_used) for s in slots)
     got = plan(PlanInput(n_prompt=41, slots=plain, host_len=40, min_restore_tokens=10))
     assert got is not None and got.slot_id == 0
+
+
+def _tokenized(tokens: list[int], *media: dict[str, Any]) -> Tokenized:
+    return Tokenized.parse({"tokens": tokens, "media": [{"chunk": "Q0g=", **m} for m in media]})
+
+
+def test_a_tokenized_prompt_keys_movable_media_and_stops_at_the_rest() -> None:
+    t = _tokenized([5, -7, -9, 8, -1, -1, 9], _m(1, 2, movable=True), _m(4, 2))
+    assert t.keyed().tolist() == [5, -7, -9, 8]
+    # An import names the movable chunks that start in its range; a move ends at a chunk's edge.
+    assert t.chunks_in(0, 4) == [{"idx": 1, "chunk": "Q0g="}]
+    assert t.chunks_in(2, 4) == []
+    assert t.chunk_start(2) == 1 and t.chunk_start(3) == 3 and t.chunk_start(1) == 1
+    assert _tokenized([1, 2]).keyed().tolist() == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "media"),
+    [
+        ([5, -7, 8], [_m(1, 2, movable=True)]),  # its cells are not all media
+        ([5, -1, -1], [_m(1, 2, movable=True)]),  # a movable chunk's cells are keyed, not -1
+        ([5, -7, -8], [_m(1, 2)]),  # an unmovable chunk's cells are -1
+        ([5, -7], []),  # a media cell in no chunk
+        ([5, -1], [_m(1, 2)]),  # past the end
+        ([5, -1], [_m(-1, 1)]),
+    ],
+)
+def test_a_tokenize_reply_that_does_not_add_up_is_refused(
+    tokens: list[int], media: list[dict[str, Any]]
+) -> None:
+    with pytest.raises(KvctlReplyError, match="tokenize"):
+        _tokenized(tokens, *media)
+
+
+def test_the_admin_views_show_media_cells_as_a_marker() -> None:
+    class Decoder:
+        def decode(self, ids: list[int]) -> str:
+            assert all(t >= 0 for t in ids)
+            return "".join(chr(ord("a") + t) for t in ids)
+
+    runtime = SimpleNamespace(local_tokenizer=Decoder())
+    got = asyncio.run(detokenize(runtime, [0, 1, -7, -9, 2, -1]))  # type: ignore[arg-type]
+    assert got == "ab<media: 2 cells>c<media: 1 cells>"
+    assert asyncio.run(detokenize(runtime, [])) == ""  # type: ignore[arg-type]

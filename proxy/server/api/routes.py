@@ -24,6 +24,7 @@ from proxy.server.api.media import chat_tokens
 from proxy.server.api.shapes import check_prompt_count
 from proxy.server.coordinator import Lease, RestoreAbandoned
 from proxy.server.dataplane.backend import ServerClient
+from proxy.server.dataplane.kvctl import Tokenized
 from proxy.server.http.answer import AnswerShape
 from proxy.server.http.forward import (
     HOP_HEADERS,
@@ -169,13 +170,13 @@ async def _steered(
     path: str | None = None,
     shape: AnswerShape | None = None,
     api: str = "",
-    media: tuple[str, ...] = (),
+    media: Tokenized | None = None,
 ) -> web.StreamResponse:
     """Lease, restore, forward; once more elsewhere (or after a restart) when the server failed
     before the client saw a byte of the answer. ``path`` and ``shape``: where the body goes on
     the server and how its answer reaches the client (``forward_completion``); ``api`` labels
-    ``radix_api_requests`` (chat or completions by default); ``media``: the keys of its media
-    parts (``tokens`` are then the text before the first: api/media.py)."""
+    ``radix_api_requests`` (chat or completions by default); ``media``: a request with media, as
+    a server with a projector tokenized it (api/media.py)."""
     runtime = request.app[RUNTIME]
     coord, config = runtime.coordinator, runtime.config
     api = api or ("chat" if "chat" in request.path else "completions")
@@ -269,7 +270,9 @@ async def _killed_by(lease: Lease, instance: str | None, exc: NotStarted) -> boo
 
 
 def _finish(runtime: Runtime, lease: Lease, outcome: Outcome, api: str) -> None:
-    check_prompt_count(runtime.metrics, api, len(lease.tokens), outcome.timings, lease.request_id)
+    # With media, against the whole tokenization (the keyed part may end at an image).
+    n_prompt = len(lease.media.tokens) if lease.media is not None else len(lease.tokens)
+    check_prompt_count(runtime.metrics, api, n_prompt, outcome.timings, lease.request_id)
     try:
         runtime.coordinator.record_decision(lease, outcome.timings, outcome.ttft_s, outcome.status)
     finally:  # the slot is saved and released whatever the record made of the answer

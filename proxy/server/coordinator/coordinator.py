@@ -24,6 +24,7 @@ from proxy.server.coordinator.saves import KvSaves, SaveHooks
 from proxy.server.coordinator.scan import PrefixScan
 from proxy.server.coordinator.scan import scan as scan_prefixes
 from proxy.server.coordinator.state import EMPTY, Lease, ServerState
+from proxy.server.dataplane.kvctl import Tokenized
 from proxy.server.metrics import Metrics
 from proxy.server.tiers.disk import DiskTier
 from proxy.server.tiers.remote import RemoteTier
@@ -70,7 +71,7 @@ class Coordinator:
         session: str = "",
         n_predict: int = 0,
         adapters: Adapters = NO_ADAPTERS,
-        media: tuple[str, ...] = (),
+        media: Tokenized | None = None,
     ) -> Lease:
         """A slot for the request, with its plan (may wait: see ``Leases.acquire``). A match
         the disk tier carries further than anything in RAM or a slot is read into the host

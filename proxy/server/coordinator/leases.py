@@ -43,6 +43,7 @@ from proxy.server.coordinator.decisions import divergence
 from proxy.server.coordinator.fanout import PrefixWaits
 from proxy.server.coordinator.scan import PrefixScan, ServerScan, scan
 from proxy.server.coordinator.state import EMPTY, Lease, ServerState, SlotState
+from proxy.server.dataplane.kvctl import Tokenized
 
 
 @dataclass
@@ -63,9 +64,14 @@ class _Want:
     session: str = ""
     n_predict: int = 0
     adapters: Adapters = NO_ADAPTERS  # the request's LoRA scales (in its namespace already)
-    # Keys of the request's media parts, in order (``()``: text only): only a multimodal server
-    # takes it, and among slots holding its text a slot that served these media is preferred.
-    media: tuple[str, ...] = ()
+    # A request with media, as a server with a projector tokenized it (None: text only): only a
+    # multimodal server takes it, and among slots holding its tokens a slot that served the same
+    # media after them is preferred (``_media_match``).
+    media: Tokenized | None = None
+
+    @property
+    def media_ids(self) -> tuple[str, ...]:
+        return tuple(m.id for m in self.media.media) if self.media is not None else ()
 
 
 AFFINITY_MAX = 65536  # sessions remembered for the affinity tie-break (least recent forgotten)
@@ -127,13 +133,13 @@ class Leases(PrefixWaits):
         n_predict: int = 0,
         scanned: PrefixScan | None = None,
         adapters: Adapters = NO_ADAPTERS,
-        media: tuple[str, ...] = (),
+        media: Tokenized | None = None,
     ) -> Lease:
         """A leased slot and its plan; waits in a fair FIFO queue while every slot is busy.
         ``ns``: the request's cache-isolation namespace (see ``RadixTree``); ``model``: only
         servers of this model ("" = any); ``session``: the affinity tie-break; ``scanned``: the
         request's prefix scan when the caller just took it (no ``await`` since); ``media``: the
-        keys of its media parts (``tokens`` are then the text before the first)."""
+        request's tokenization by a server with a projector (``tokens`` are its keyed part)."""
         want = _Want(model, session_key(session), n_predict, adapters, media)
         limit = min((s.n_ctx_slot for s in self.servers if not model or s.model == model), default=0)
         if len(tokens) >= limit:
@@ -199,9 +205,9 @@ class Leases(PrefixWaits):
             server = sv.server
             if not server.healthy or (want.model and server.model != want.model):
                 continue
-            if want.media and not server.media_marker:
+            if want.media is not None and not server.media_marker:
                 continue  # no projector: it refuses media
-            inp = self._plan_input(sv, found, want.media)
+            inp = self._plan_input(sv, found, want.media_ids)
             plan = choose_plan(inp)
             if plan is None:
                 continue
@@ -257,9 +263,12 @@ class Leases(PrefixWaits):
             and (slot.ns is None or len(slot.tokens) > 0 or slot.unrecorded > 0),
             n_predict=want.n_predict,
             media=want.media,
+            media_ids=want.media_ids,
             gen=slot.gen,
             took_saving=took_saving,
         )
+        # A prefix step computes token ids: not a prompt whose keyed tokens name media.
+        lease.splittable = not bool((found.tokens < 0).any())
         # What the slot holds from now on is this request's: its namespace, once a slot holding
         # another key's KV is erased (unknown until moves._erase confirms it).
         slot.ns = None if lease.erase_first else found.ns

@@ -319,8 +319,15 @@ class KvMoves:
         self, lease: Lease, hold: contextlib.AbstractAsyncContextManager[None] | None = None
     ) -> None:
         assert lease.host is not None
-        # On top of the slot's verified [0,p0) (the server drops whatever it holds past p0).
+        # On top of the slot's verified [0,p0) (the server drops whatever it holds past p0); a
+        # media chunk moves whole (the server computes one cut by the plan's end).
         p0, p1 = lease.plan.host_from, lease.plan.host_to
+        media: list[dict[str, Any]] = []
+        if lease.media is not None:
+            p1 = lease.media.chunk_start(p1)
+            media = lease.media.chunks_in(p0, p1)
+            if p1 <= p0:
+                return  # the host's part ends inside the request's first media chunk past p0
         segments = self.tree.segments(lease.host, p0, p1)  # lease.host is in lease.ns
         mover = lease.server.mover
         # An inline import copies the rows into a request body: bytes held outside the tree.
@@ -334,6 +341,7 @@ class KvMoves:
                 segments,
                 hold=hold,
                 lora=lease.adapters.as_json(),
+                media=media,
             )
         finally:
             self.tree.release(inline)

@@ -36,6 +36,8 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from proxy.config import Config
 from proxy.core.checkpoints import CheckpointStore
 from proxy.core.prefix import common_prefix
@@ -82,7 +84,13 @@ class KvSaves:
         off), what sharing publishes from the slot, a slot of unknown content, an answer of
         unknown length, a prompt with media (its cells are not known before the read-back)."""
         server, slot = lease.server, lease.slot
-        if not server.moves or server.sharing is not None or lease.no_cache or slot.ns is None or lease.media:
+        if (
+            not server.moves
+            or server.sharing is not None
+            or lease.no_cache
+            or slot.ns is None
+            or lease.media is not None
+        ):
             return None
         if lease.epoch != server.epoch or not slot.busy:
             return None
@@ -153,7 +161,7 @@ class KvSaves:
         slot.checkpoints = entry.checkpoints
         if entry.media_at is not None:
             _confirm_text_before_media(slot, entry, lease.server.moves)
-            slot.media = lease.media if slot.ns is not None else ()
+            slot.media = lease.media_ids if slot.ns is not None else ()
             return True
         tokens = entry.held_tokens()
         held = entry.pos_max + 1
@@ -201,7 +209,8 @@ class KvSaves:
         slot, server = lease.slot, lease.server
         if lease.fallback or slot.ns != lease.ns:
             return
-        held = common_prefix(slot.tokens, lease.tokens)  # 0 when the slot's content is unknown
+        # 0 when the slot's content is unknown; a whole-state checkpoint holds text only
+        held = min(common_prefix(slot.tokens, lease.tokens), _text_end(slot.tokens))
         todo = [
             n for n in sorted(slot.checkpoints, reverse=True) if self.config.min_restore_tokens <= n <= held
         ][:CHECKPOINTS_PER_ANSWER]
@@ -275,7 +284,7 @@ class KvSaves:
             return
         tokens = lease.slot.tokens
         sharing.index.slot_changed(lease.slot.slot_id, tokens)
-        held = common_prefix(tokens, lease.tokens)
+        held = min(common_prefix(tokens, lease.tokens), _text_end(tokens))  # owners hold text only
         lengths = [n for n in (len(lease.tokens), lease.plan.host_to) if 0 < n <= held]
         if not lengths or lease.fallback:
             return
@@ -283,18 +292,23 @@ class KvSaves:
             await sharing.publish_prefixes(lease.slot.slot_id, tokens, lengths, lease.ns)
 
 
+def _text_end(tokens: np.ndarray) -> int:
+    """Where the first media cell (a token below 0) is: the server shares text only."""
+    media = np.flatnonzero(tokens < 0)
+    return int(media[0]) if len(media) else len(tokens)
+
+
 class HandedOn(Exception):
     """The slot went to another request before the export was sent: it is not sent."""
 
 
 def _confirm_text_before_media(slot: SlotState, entry: SeqInfo, moves: bool) -> None:
-    """A slot holding media (or that served a request with media): only the text before the
-    first media chunk is recorded, the server's cells from there on count as held (unrecorded).
-    That text is plain KV at positions 0..n-1 (also under M-RoPE: a position per text token),
-    exported, restored and shared like any; the server reuses the rest itself (route A), matching
-    media chunks by their content hash. With moves off (a window-sized cache forgets its start)
+    """A slot holding media no move can name (M-RoPE's images): only the tokens before it are
+    recorded, the server's cells from there on count as held (unrecorded). Those tokens are plain
+    KV at positions 0..n-1, exported, restored and shared like any; the server reuses the rest
+    itself (route A), matching media chunks by their content hash. With moves off (a window-sized cache forgets its start)
     the tokens only steer a request to the slot, as in ``_refresh_slot``."""
-    text = entry.text_before_media()
+    text = entry.keyed_prefix()
     if entry.pos_min <= 0 or not moves:
         slot.tokens, slot.unrecorded = text, max(0, entry.n_cells - len(text))
     else:  # the cells do not start at 0: nothing of it is known

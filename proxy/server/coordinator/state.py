@@ -19,7 +19,7 @@ from proxy.core.routing import MeasuredRates
 from proxy.errors import FallbackCause
 from proxy.server.coordinator.movelock import MoveLock
 from proxy.server.dataplane.backend import ServerClient
-from proxy.server.dataplane.kvctl import Caps
+from proxy.server.dataplane.kvctl import Caps, Tokenized
 from proxy.server.dataplane.ports import KvServer, Mover
 from proxy.server.dataplane.sharing import Sharing
 
@@ -45,8 +45,8 @@ class SlotState:
     # request may take the slot (``Leases``); its save then stops before it touches the slot.
     saver: Lease | None = None
     gen: int = 0  # bumped at every lease: a save after its slot was handed on sees it moved on
-    # A multimodal server's slot whose last answer held media: the keys of that request's media
-    # parts, which follow ``tokens`` in its cells (counted in ``unrecorded``; routes.media_keys).
+    # A multimodal server's slot holding media no move can name: the content hashes of that
+    # request's media chunks, which follow ``tokens`` in its cells (counted in ``unrecorded``).
     media: tuple[str, ...] = ()
 
     def confirmed(self, tokens: np.ndarray) -> None:
@@ -202,7 +202,9 @@ class Lease:
     queued_s: float = 0.0
     prefix_wait_s: float = 0.0  # before planning: waiting for a request in flight with its prefix
     n_predict: int = 0  # tokens the answer may add (routes._n_predict)
-    media: tuple[str, ...] = ()  # keys of its media parts (``tokens``: the text before the first)
+    # A request with media: its tokenization (the chunks an import names), and its chunks' ids.
+    media: Tokenized | None = None
+    media_ids: tuple[str, ...] = ()
     restore_s: float = 0.0  # in restore: making room, erasing, attaching, importing
     lock_wait_s: float = 0.0  # of which waiting for the server's move lock (saves, other restores)
     import_s: float = 0.0  # of which the host import (payload written, server's /kvctl/import)

@@ -15,7 +15,7 @@ import orjson
 
 from proxy.core.payload import tokens_sha256
 from proxy.errors import BackendError, FallbackCause, KvMoveError, RadixError
-from proxy.server.dataplane.kvctl import Caps, Cells, KvRoute, SeqInfo, Slots
+from proxy.server.dataplane.kvctl import Caps, Cells, KvRoute, SeqInfo, Slots, Tokenized
 from proxy.server.dataplane.kvctl_moves import (
     CheckpointReply,
     EraseReply,
@@ -142,6 +142,11 @@ class ServerClient:
         """The prompt exactly as the server's chat path renders it."""
         data = await self.post_json("/apply-template", body, headers)
         return str(data["prompt"])
+
+    async def kvctl_tokenize(self, body: Mapping[str, Any]) -> Tokenized:
+        """A chat request's tokens as its completion makes them, media chunks keyed as the moves
+        key them (patch 0027); the server's own error (a bad image: 400) as a BackendError."""
+        return Tokenized.parse(await self.post_json("/kvctl/tokenize", body, self._auth))
 
     async def tokenize(
         self, text: str | list[str | int], add_special: bool, parse_special: bool = True

@@ -35,6 +35,7 @@ class KvRoute(StrEnum):
     ERASE = "erase"
     CHECKPOINT = "checkpoint"  # patch 0017: whole-state checkpoints of recurrent and hybrid memory
     RESTORE = "restore"
+    TOKENIZE = "tokenize"  # patch 0027: a chat request's tokens as the moves key them, media included
 
 
 class KvctlReplyError(KvMoveError):
@@ -295,18 +296,20 @@ class SeqInfo:
     busy: bool  # owners: always False
     tokens: np.ndarray | None  # only when asked for (``?tokens=1``)
     checkpoints: tuple[int, ...] = ()  # slots with whole-state checkpoints on: where the server took them
-    # A multimodal server's slot: where its first media chunk starts (None: it holds none). The
-    # cells from there on hold media (token -1) and what followed it: never moved or recorded.
+    # A multimodal server's slot: where its first media chunk no move can name starts (None: it
+    # holds none; movable chunks are keyed by tokens below -1, patch 0027). The cells from there on
+    # hold media (token -1) and what followed it: never moved or recorded.
     media_at: int | None = None
 
     @classmethod
     def parse(cls, obj: object, route: KvRoute, cause: FallbackCause, where: str = "") -> SeqInfo:
         r = _Reader(obj, route, cause, where)
         tokens = r.ints("tokens", optional=True)
-        starts = [
-            _Reader(m, route, cause, f"{where}media[{i}].").integer("idx")
+        media = [
+            _Reader(m, route, cause, f"{where}media[{i}].")
             for i, m in enumerate(r.list_of("media", default_empty=True))
         ]
+        starts = [m.integer("idx") for m in media if not m.flag("movable", default=False)]
         if any(i < 0 for i in starts):
             raise KvctlReplyError(cause, route, f"field {where}'media' starts a chunk before 0")
         return cls(
@@ -324,13 +327,13 @@ class SeqInfo:
     def held_tokens(self) -> np.ndarray:
         return self.tokens if self.tokens is not None else np.zeros(0, np.int32)
 
-    def text_before_media(self) -> np.ndarray:
-        """The tokens before the first media chunk: all of them without media. A token below 0
-        the server did not list as media ends them too (it names no text the proxy can key)."""
+    def keyed_prefix(self) -> np.ndarray:
+        """The tokens before the first media chunk no move can name: all of them without one. A
+        -1 the server did not list as media ends them too (it names no cell the proxy can key)."""
         tokens = self.held_tokens()
         end = len(tokens) if self.media_at is None else min(self.media_at, len(tokens))
-        negative = np.flatnonzero(tokens[:end] < 0)
-        return tokens[: int(negative[0]) if len(negative) else end]
+        unkeyed = np.flatnonzero(tokens[:end] == -1)
+        return tokens[: int(unkeyed[0]) if len(unkeyed) else end]
 
     def as_json(self) -> dict[str, Any]:
         """The fields as the server sent them (tokens left out)."""
@@ -410,3 +413,63 @@ class Cells:
             "logical": self.logical,
             "seq": dict(self.seq),
         }
+
+
+@dataclass(frozen=True)
+class MediaChunk:
+    """One media chunk of a tokenized prompt (``Tokenized``)."""
+
+    idx: int  # its first cell
+    n_tokens: int  # its cells
+    id: str  # the content hash the server matches chunks by
+    movable: bool  # a position per cell (not M-RoPE): keyed by tokens below -1, moved like text
+    chunk: str  # its metadata (base64 of mtmd_input_chunk_save): what an import of it names
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """POST /kvctl/tokenize (patch 0027): a chat request's tokens exactly as its completion makes
+    them, each cell of a movable media chunk keyed by a token below -1 (from the chunk's content
+    hash), any other media cell -1, and the chunks."""
+
+    tokens: np.ndarray
+    media: tuple[MediaChunk, ...]
+
+    @classmethod
+    def parse(cls, obj: object, cause: FallbackCause = FallbackCause.TRANSPORT) -> Tokenized:
+        r = _Reader(obj, KvRoute.TOKENIZE, cause)
+        tokens = np.asarray(r.ints("tokens") or (), dtype=np.int32)
+        media = []
+        covered = np.zeros(len(tokens), dtype=bool)
+        for i, entry in enumerate(r.list_of("media")):
+            m = _Reader(entry, KvRoute.TOKENIZE, cause, f"media[{i}].")
+            chunk = MediaChunk(
+                m.integer("idx"), m.integer("n_tokens"), m.string("id"), m.flag("movable"), m.string("chunk")
+            )
+            cells = tokens[chunk.idx : chunk.idx + chunk.n_tokens]
+            want_cells = (cells < -1).all() if chunk.movable else (cells == -1).all()
+            if chunk.idx < 0 or chunk.n_tokens < 1 or len(cells) != chunk.n_tokens or not want_cells:
+                raise KvctlReplyError(
+                    cause, KvRoute.TOKENIZE, f"media[{i}] does not match the tokens it covers"
+                )
+            covered[chunk.idx : chunk.idx + chunk.n_tokens] = True
+            media.append(chunk)
+        if ((tokens < 0) & ~covered).any():
+            raise KvctlReplyError(cause, KvRoute.TOKENIZE, "a token below 0 is in no media chunk")
+        return cls(tokens=tokens, media=tuple(media))
+
+    def keyed(self) -> np.ndarray:
+        """The tokens a lease plans on: up to the first media cell no move can name (-1)."""
+        unmovable = np.flatnonzero(self.tokens == -1)
+        return self.tokens[: int(unmovable[0])] if len(unmovable) else self.tokens
+
+    def chunks_in(self, p0: int, p1: int) -> list[dict[str, Any]]:
+        """What an import of ``[p0, p1)`` names: the movable chunks that start there."""
+        return [{"idx": m.idx, "chunk": m.chunk} for m in self.media if m.movable and p0 <= m.idx < p1]
+
+    def chunk_start(self, p: int) -> int:
+        """``p``, or the first cell of the media chunk ``p`` falls inside (a move ends at a chunk's edge)."""
+        for m in self.media:
+            if m.idx < p < m.idx + m.n_tokens:
+                return m.idx
+        return p

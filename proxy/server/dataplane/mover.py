@@ -260,9 +260,11 @@ class KvMover:
         segments: Sequence[KvSegment],
         hold: contextlib.AbstractAsyncContextManager[Any] | None = None,
         lora: Sequence[Mapping[str, Any]] | None = None,
+        media: Sequence[Mapping[str, Any]] = (),
     ) -> None:
         """Write ``segments`` (covering ``[p0, len(tokens))``) into an idle slot; the server verifies.
         ``lora``: the adapters the KV was computed with (None: the server's own), which the slot takes.
+        ``media``: the media chunks that start in the range (``Tokenized.chunks_in``), which it takes too.
 
         ``hold`` (the server's move lock) is held only around the server's part: the payload
         is written before it is taken."""
@@ -283,6 +285,8 @@ class KvMover:
         }
         if lora is not None:
             body["lora"] = list(lora)
+        if media:
+            body["media"] = list(media)
         arena = self._usable_arena()
         if arena is not None and await self._import_from_arena(arena, body, segments, hold):
             self.metrics.kv_move_seconds.labels("import").inc(time.perf_counter() - started)

@@ -92,6 +92,7 @@ class Mover(Protocol):
         segments: Sequence[KvSegment],
         hold: contextlib.AbstractAsyncContextManager[Any] | None = None,
         lora: Sequence[Mapping[str, Any]] | None = None,
+        media: Sequence[Mapping[str, Any]] = (),
     ) -> None: ...
 
     def new_instance(self) -> None: ...  # the server is a new process: what it never answered is gone

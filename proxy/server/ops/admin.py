@@ -119,8 +119,22 @@ def _query_number(request: web.Request, name: str, default: float, lo: float, hi
 
 
 async def detokenize(runtime: Runtime, ids: Sequence[int]) -> str:
-    """Text of ``ids``: the local tokenizer when the proxy uses one, else the server's /detokenize."""
+    """Text of ``ids``: the local tokenizer when the proxy uses one, else the server's /detokenize;
+    a run of media cells (tokens below 0, api/media.py) as ``<media: N cells>``."""
     ids = [int(t) for t in ids]
+    out: list[str] = []
+    start = 0
+    while start < len(ids):
+        media = ids[start] < 0
+        end = start
+        while end < len(ids) and (ids[end] < 0) == media:
+            end += 1
+        out.append(f"<media: {end - start} cells>" if media else await _text(runtime, ids[start:end]))
+        start = end
+    return "".join(out)
+
+
+async def _text(runtime: Runtime, ids: list[int]) -> str:
     if not ids:
         return ""
     local = runtime.local_tokenizer

@@ -17,6 +17,7 @@ from proxy.errors import BadRequest, Unavailable
 from proxy.server.coordinator import Coordinator, ServerState
 from proxy.server.dataplane.arena import Arena
 from proxy.server.dataplane.backend import ServerClient
+from proxy.server.dataplane.kvctl import Tokenized
 from proxy.server.dataplane.layoutcheck import LayoutChecks
 from proxy.server.http.recorder import Recorder
 from proxy.server.metrics import Metrics
@@ -119,25 +120,19 @@ class Runtime:
             )
         return np.asarray(ids, dtype=np.int32)
 
-    async def text_before_media(
-        self, body: dict[str, Any], headers: dict[str, str], model: ModelEntry
-    ) -> str:
-        """A chat request with media: its prompt up to the first media part, as a server with a
-        projector renders it (``/apply-template`` marks each part with the server's own random
-        marker). The server tokenizes that text alone (libmtmd cuts the prompt at the markers):
-        the proxy keys, routes and restores it like any prompt; the server computes the media and
-        what follows, reusing what its slot holds of them (route A)."""
+    async def media_tokens(self, body: dict[str, Any], model: ModelEntry) -> Tokenized:
+        """A chat request with media, tokenized by a server with a projector exactly as its
+        completion will be (``/kvctl/tokenize``: the media chunks' cells keyed by their content
+        hash); the proxy never guesses media tokens. Servers of one model with the same patch
+        key alike, so any of them may answer."""
         if not any(s.media_marker for s in self.coordinator.servers if s.model == model.name):
             raise BadRequest(
                 f"image, audio and video input is not supported by model {model.name!r}: none of its "
                 "servers loaded a projector (--mmproj)"
             )
-
-        async def render(server: ServerState) -> str:
-            prompt = await server.client.apply_template(body, headers)
-            return prompt.split(server.media_marker, 1)[0]
-
-        return await self._on_server(render, model.name, media=True)
+        return await self._on_server(
+            lambda server: server.client.kvctl_tokenize(body), model.name, media=True
+        )
 
     def _healthy(self, model: str, media: bool = False) -> ServerState | None:
         return next(
