@@ -130,8 +130,7 @@ async def _doctor(
                 "multimodal",
                 "ok",
                 f"a multimodal projector is loaded ({', '.join(media)}): requests with media are "
-                "served; the text before the first media part moves, the server reuses the media "
-                "on the slot that holds them",
+                "served (whether media moves: 'media moves')",
                 "",
             )
         )
@@ -236,6 +235,24 @@ async def _doctor(
     return checks
 
 
+def _media_checks(mm: dict[str, Any]) -> list[Check]:
+    """With a projector: whether its media chunks move with the text (patch 0027), or why not."""
+    if not mm.get("on"):
+        return []
+    if mm.get("media_moves"):
+        return [Check("media moves", "ok", "media is keyed by content and moves with the text around it")]
+    why = mm.get("media_fixed") or "a patch before 0027"
+    return [
+        Check(
+            "media moves",
+            "warn",
+            f"media does not move ({why}): the text before it moves, the server reuses media "
+            "only on the slot that holds it",
+            "" if "M-RoPE" in why else "see docs/architectures.md (--mmproj)",
+        )
+    ]
+
+
 def _caps_checks(caps: dict[str, Any], shm_dir: Path | None, layout_cls: Any) -> list[Check]:
     out: list[Check] = []
     version = caps.get("format_version")
@@ -281,6 +298,7 @@ def _caps_checks(caps: dict[str, Any], shm_dir: Path | None, layout_cls: Any) ->
                 "drop --kvctl-owners 0 to allow route S (routes A and H work without it)",
             )
         )
+    out.extend(_media_checks(caps.get("multimodal") or {}))
     n_ctx_slot = int(caps.get("n_ctx_slot") or 0)
     out.append(
         Check(

@@ -231,6 +231,11 @@ def moves_off_lines(runtime: Runtime) -> list[str]:
     lines = []
     for server in runtime.coordinator.servers:
         if not server.moves_off:
+            if server.media_fixed:
+                lines.append(
+                    f"{server.name}: media served without moves (the text before it moves; route A "
+                    f"reuses media on its slot): {server.media_fixed}"
+                )
             continue
         routes = (
             "routes A, prefill and H from whole-state checkpoints"

@@ -40,7 +40,7 @@ from tests.tinymodels import FAMILIES, tiny_model
 pytestmark = pytest.mark.integration
 
 SYSTEM = "You are a careful analyst. Reference document:\n" + document(21, 200)
-IMAGE_A, IMAGE_B = image_part(tiny_png(1)), image_part(tiny_png(2))
+IMAGE_A, IMAGE_B, IMAGE_C = (image_part(tiny_png(seed)) for seed in (1, 2, 3))
 Messages = list[dict[str, Any]]
 # (family, KV config): llama moves its images, qwen2vl (M-RoPE) cannot.
 CASES = [("llama-h128", "f16"), ("llama-h128", "q8_0-fa"), ("qwen2vl", "f16")]
@@ -79,13 +79,15 @@ def _total(reply: Reply) -> int:
 
 class Vision:
     def __init__(
-        self, proxy: ProxyThread, stock: ServerProcess, patched: ServerProcess, movable: bool
+        self, proxy: ProxyThread, stock: ServerProcess, patched: ServerProcess, case: tuple[str, str]
     ) -> None:
-        self.proxy, self.stock, self.patched, self.movable = proxy, stock, patched, movable
+        self.proxy, self.stock, self.patched, self.case = proxy, stock, patched, case
+        self.movable = case[0] != "qwen2vl"
 
-    def kvctl(self, method: str, path: str, body: Any = None) -> Reply:
-        key = {"Authorization": f"Bearer {self.patched.spec.kvctl_key}"}
-        return request(f"{self.patched.url}{path}", method, body, headers=key)
+    def kvctl(self, method: str, path: str, body: Any = None, server: ServerProcess | None = None) -> Reply:
+        server = server or self.patched
+        key = {"Authorization": f"Bearer {server.spec.kvctl_key}"}
+        return request(f"{server.url}{path}", method, body, headers=key)
 
 
 @pytest.fixture(scope="module", params=CASES, ids=["-".join(c) for c in CASES])
@@ -107,7 +109,13 @@ def vision(
     proxy = ProxyThread(proxy_config(patched)).start()
     assert proxy.call(lambda rt: rt.coordinator.servers[0].moves) is True
     assert proxy.call(lambda rt: rt.coordinator.servers[0].media_marker) != ""
-    yield Vision(proxy, stock, patched, movable=family != "qwen2vl")
+    vision = Vision(proxy, stock, patched, (family, kv))
+    # Caps say whether media moves, and why not (the proxy logs it, `radixctl up` prints it).
+    mm = vision.kvctl("GET", "/kvctl/caps").body["multimodal"]
+    assert mm["media_moves"] is vision.movable, mm
+    assert vision.movable or "M-RoPE" in mm["media_fixed"], mm
+    assert proxy.call(lambda rt: rt.coordinator.servers[0].media_fixed) == mm.get("media_fixed", "")
+    yield vision
     proxy.stop()
     patched.stop()
     stock.stop()
@@ -200,17 +208,18 @@ def test_a_move_of_an_image_is_bound_to_it_or_refused(vision: Vision) -> None:
     whole = vision.kvctl(
         "POST", "/kvctl/export", {**before, "p1": end, "expect_sha256": tokens_sha256(tokens[:end])}
     )
-    other = [*tokens[:at], *[t - 1 if t < -2 else t for t in image]]
-    claimed = vision.kvctl(
-        "POST", "/kvctl/export", {**before, "p1": end, "expect_sha256": tokens_sha256(other)}
-    )
-    assert claimed.status == 409, claimed.body
     if not vision.movable:
         assert whole.status == 409 and "media" in whole.body["error"]["message"], whole.body
         # The proxy had recorded the text before the image; the image and the rest as held.
         assert recorded == at and unrecorded >= N_IMAGE_TOKENS, (recorded, unrecorded, at)
         return
     assert whole.status == 200, whole.body
+    other = [*tokens[:at], *[t - 1 if t < -2 else t + 1 for t in image]]
+    assert other[at:end] != image
+    claimed = vision.kvctl(
+        "POST", "/kvctl/export", {**before, "p1": end, "expect_sha256": tokens_sha256(other)}
+    )
+    assert claimed.status == 409, claimed.body
     assert (recorded, unrecorded) == (0, 0)  # released: the host holds it all
     # An import naming the image's cells must carry its chunk, as /kvctl/tokenize gives it.
     compat = vision.kvctl("GET", "/kvctl/caps").body["compat_id"]
@@ -237,3 +246,100 @@ def test_a_completion_prompt_with_multimodal_data_is_a_clear_400(vision: Vision)
     reply = post(f"{proxy.url}/completion", body)
     assert reply.status == 400, reply.body
     assert "/v1/chat/completions" in reply.body["error"]["message"], reply.body
+
+
+def test_another_image_in_the_same_place_is_computed_not_reused(vision: Vision) -> None:
+    # The tree holds SYSTEM, the question and image A's cells; image C in A's place shares only
+    # the text before it (its cells are keyed apart): the image is computed, answers equal stock.
+    proxy, stock = vision.proxy, vision.stock
+    base = _fallbacks(proxy)
+    first: Messages = [{"role": "system", "content": SYSTEM}, _user("Describe the picture.", IMAGE_A)]
+    _ask(proxy, first, "s5")
+    swapped: Messages = [first[0], _user("Describe the picture.", IMAGE_C)]
+    reply = _ask(proxy, swapped, "s6")
+    at = vision.kvctl("POST", "/kvctl/tokenize", chat_body(swapped, 1)).body["media"][0]["idx"]
+    assert reply.body["timings"]["cache_n"] <= at, (at, reply.body["timings"])
+    assert reply.body["timings"]["prompt_n"] >= N_IMAGE_TOKENS, reply.body["timings"]
+    assert_same_answer(reply, _from_scratch(stock, swapped))
+    assert _fallbacks(proxy) == base
+
+
+def test_the_cut_between_two_adjacent_images_is_reused(vision: Vision) -> None:
+    # [T, A, B] then [T, A, C] on one slot: the server's own reuse keeps [T, A] (upstream's
+    # keep_first refused that cut, checking the cell before it; patch 0027 checks the cell at it).
+    stock, server = vision.stock, vision.patched
+    vision.proxy.call(lambda rt: setattr(rt.coordinator.servers[0].slots[0], "ns", None))
+    two = [{"role": "system", "content": SYSTEM}, _user("Two pictures.", IMAGE_A, IMAGE_B)]
+    swapped = [two[0], _user("Two pictures.", IMAGE_A, IMAGE_C)]
+    for messages in (two, swapped):
+        direct = post(f"{server.url}/v1/chat/completions", chat_body(messages, 12, id_slot=0))
+        assert direct.status == 200, direct.body
+        assert_same_answer(direct, _from_scratch(stock, messages))
+    tokenized = vision.kvctl("POST", "/kvctl/tokenize", chat_body(swapped, 1)).body["media"]
+    assert direct.body["timings"]["cache_n"] >= tokenized[1]["idx"], (tokenized, direct.body["timings"])
+
+
+def test_an_image_the_projector_cannot_load_is_a_400_and_nothing_changes(vision: Vision) -> None:
+    proxy = vision.proxy
+    base = _fallbacks(proxy)
+    broken = {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}
+    reply = post(f"{proxy.url}/v1/chat/completions", chat_body([_user("Look.", broken)], 4))
+    assert reply.status == 400, reply.body
+    assert reply.body["error"]["type"] == "invalid_request_error", reply.body
+    direct = vision.kvctl("POST", "/kvctl/tokenize", chat_body([_user("Look.", broken)], 4))
+    assert direct.status == 400, direct.body
+    messages: Messages = [{"role": "system", "content": SYSTEM}, _user("Look.", IMAGE_B)]
+    assert_same_answer(_ask(proxy, messages, "s7"), _from_scratch(vision.stock, messages))
+    assert _fallbacks(proxy) == base
+
+
+def test_another_projector_keys_the_same_image_apart(
+    vision: Vision, start_server: ServerFactory, patched_bin: Path
+) -> None:
+    # The KV of an image depends on the projector (and its image token limits): media keys name
+    # it, so no tier holding KV from one projector restores it for another of the same shape.
+    family, kv = vision.case
+    if (family, kv) != ("llama-h128", "f16"):
+        pytest.skip("once: a server of its own")
+    args = (*KV_CONFIGS[kv], "--mmproj", str(tiny_mmproj(FAMILIES[family].n_embd, seed=1)))
+    other = start_server(
+        patched_bin, model=tiny_model(family), ctx_size=4096, threads=1, n_parallel=1, extra_args=args
+    )
+    try:
+        body = chat_body([{"role": "system", "content": SYSTEM}, _user("Look.", IMAGE_A)], 1)
+        mine = vision.kvctl("POST", "/kvctl/tokenize", body).body
+        theirs = vision.kvctl("POST", "/kvctl/tokenize", body, server=other).body
+        at = mine["media"][0]["idx"]
+        assert theirs["media"][0]["id"] == mine["media"][0]["id"]  # the same image bytes
+        assert theirs["tokens"][:at] == mine["tokens"][:at]  # the same text
+        cells = zip(
+            mine["tokens"][at : at + N_IMAGE_TOKENS], theirs["tokens"][at : at + N_IMAGE_TOKENS], strict=True
+        )
+        assert all(a < -1 and b < -1 and a != b for a, b in cells), (
+            mine["tokens"][at:],
+            theirs["tokens"][at:],
+        )
+    finally:
+        other.stop()
+
+
+def test_with_a_draft_model_media_does_not_move_and_says_why(
+    vision: Vision, start_server: ServerFactory, patched_bin: Path
+) -> None:
+    family, kv = vision.case
+    if (family, kv) != ("llama-h128", "f16"):
+        pytest.skip("once: a server of its own")
+    model = tiny_model(family)
+    draft = ("--model-draft", str(model), "--spec-type", "draft-simple", "--spec-draft-n-max", "4")
+    args = (*KV_CONFIGS[kv], "--mmproj", str(tiny_mmproj(FAMILIES[family].n_embd)), *draft)
+    server = start_server(patched_bin, model=model, ctx_size=4096, threads=1, n_parallel=1, extra_args=args)
+    try:
+        mm = vision.kvctl("GET", "/kvctl/caps", server=server).body["multimodal"]
+        assert mm["on"] and not mm["media_moves"] and "draft" in mm["media_fixed"], mm
+        body = chat_body([{"role": "system", "content": SYSTEM}, _user("Look.", IMAGE_A)], 1)
+        tokenized = vision.kvctl("POST", "/kvctl/tokenize", body, server=server).body
+        at = tokenized["media"][0]["idx"]
+        assert not tokenized["media"][0]["movable"]
+        assert tokenized["tokens"][at : at + N_IMAGE_TOKENS] == [-1] * N_IMAGE_TOKENS
+    finally:
+        server.stop()

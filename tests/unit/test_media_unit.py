@@ -12,9 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from proxy.cli.doctor import _media_checks
 from proxy.core.planner import PlanInput, Route, SlotView, plan
 from proxy.server.api.media import has_media
-from proxy.server.coordinator.leases import _media_match
+from proxy.server.coordinator.leases import _media_match, _Want
 from proxy.server.coordinator.state import SlotState
 from proxy.server.dataplane.kvctl import Caps, KvctlReplyError, Slots, Tokenized
 from proxy.server.ops.admin import detokenize
@@ -49,6 +50,41 @@ def test_caps_say_whether_a_projector_is_loaded() -> None:
     assert not off.multimodal
     with pytest.raises(KvctlReplyError, match="multimodal"):
         Caps.parse({**GOOD["caps"], "multimodal": {"on": "yes"}})
+    # Patch 0027: whether media moves, and why not.
+    assert not on.media_moves and on.media_fixed == ""  # before 0027: never
+    moving = Caps.parse(
+        {**GOOD["caps"], "multimodal": {"on": True, "media_marker": "m", "media_moves": True}}
+    )
+    assert moving.media_moves
+    fixed = {"on": True, "media_marker": "m", "media_moves": False, "media_fixed": "M-RoPE: shared"}
+    assert Caps.parse({**GOOD["caps"], "multimodal": fixed}).media_fixed == "M-RoPE: shared"
+
+
+@pytest.mark.parametrize(
+    ("mm", "status", "says"),
+    [
+        ({}, None, ""),
+        ({"on": True, "media_moves": True}, "ok", "moves with the text"),
+        ({"on": True, "media_moves": False, "media_fixed": "M-RoPE: x"}, "warn", "M-RoPE: x"),
+        ({"on": True}, "warn", "a patch before 0027"),
+    ],
+)
+def test_doctor_says_whether_media_moves(mm: dict[str, Any], status: str | None, says: str) -> None:
+    checks = _media_checks(mm)
+    assert [c.status for c in checks] == ([status] if status else [])
+    assert all(says in c.detail for c in checks)
+
+
+def test_a_lease_with_media_reserves_its_whole_tokenization() -> None:
+    # Under M-RoPE the keyed tokens end at the first image; the prompt fills every cell.
+    tokens = np.array([5, 6, 7, -1, -1, -1, -1, 8], dtype=np.int32)
+    media = Tokenized.parse({"tokens": tokens.tolist(), "media": [_mm(3, 4, movable=False)]})
+    want = _Want(media=media)
+    assert want.n_cells_prompt(3) == 8 and _Want().n_cells_prompt(3) == 3
+
+
+def _mm(idx: int, n: int, movable: bool) -> dict[str, Any]:
+    return {"idx": idx, "n_tokens": n, "n_pos": n, "id": "h", "movable": movable, "chunk": "AA=="}
 
 
 def _slot_entry(tokens: list[int], media: list[dict[str, Any]] | None, **over: Any) -> Any:

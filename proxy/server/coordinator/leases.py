@@ -73,6 +73,11 @@ class _Want:
     def media_ids(self) -> tuple[str, ...]:
         return tuple(m.id for m in self.media.media) if self.media is not None else ()
 
+    def n_cells_prompt(self, n_keyed: int) -> int:
+        """The cells the prompt fills: its keyed tokens, or with media its whole tokenization
+        (under M-RoPE the keyed part ends at the first image)."""
+        return len(self.media.tokens) if self.media is not None else n_keyed
+
 
 AFFINITY_MAX = 65536  # sessions remembered for the affinity tie-break (least recent forgotten)
 
@@ -286,16 +291,17 @@ class Leases(PrefixWaits):
         # The chosen slot's own KV past what the plan keeps is dropped: those cells count as free.
         slot = server.slots[plan.slot_id]
         kept = plan.reuse_len if plan.route in (Route.A, Route.AH) else 0
+        n_prompt = want.n_cells_prompt(len(found.tokens))
         return ServerLoad(
             index=index,
-            n_prompt=len(found.tokens),
+            n_prompt=n_prompt,
             cached=plan.predicted_cached,
             moved_bytes=(plan.host_to - plan.host_from) * server.mover.bytes_per_token,
             inline=server.mover.shm_dir is None,
             import_bytes_per_s=server.rates.import_bytes_per_s,
             busy_slots=self._running(server),
             free_cells=server.free_cells_estimate() + max(0, len(slot.tokens) - kept),
-            n_predict=min(want.n_predict, max(0, server.n_ctx_slot - len(found.tokens))),
+            n_predict=min(want.n_predict, max(0, server.n_ctx_slot - n_prompt)),
             healthy=server.healthy,
             affinity=bool(want.session) and self._affinity.get(want.session) == server.name,
         )

@@ -165,7 +165,7 @@ class KvMoves:
                     await server.sharing.attach(
                         plan.owner_id, slot.slot_id, plan.reuse_len, lease.adapters.as_json()
                     )
-                    slot.tokens = lease.tokens[: plan.reuse_len].copy()
+                    slot.confirmed(lease.tokens[: plan.reuse_len].copy())
                 if lease.host is not None:
                     await self._import_host(lease)
         except KvMoveError as exc:
@@ -188,7 +188,7 @@ class KvMoves:
         in flight to wait for the request goes ahead (the server then decides); past
         ``queue_timeout_s`` it is refused (503), not sent to run every active slot out of cells."""
         server = lease.server
-        need = cells_needed(lease.plan, len(lease.tokens), n_predict, server.n_ctx_slot)
+        need = cells_needed(lease.plan, lease.n_cells_prompt, n_predict, server.n_ctx_slot)
         # Without owners nobody else holds the slot's cells: what it drops on start is room.
         tail = own_tail(lease.slot.tokens, lease.tokens) if server.sharing is None else 0
         if self._fits_unmeasured(lease, need.total - tail):
@@ -324,7 +324,9 @@ class KvMoves:
         p0, p1 = lease.plan.host_from, lease.plan.host_to
         media: list[dict[str, Any]] = []
         if lease.media is not None:
-            p1 = lease.media.chunk_start(p1)
+            # A slot's kept prefix ending inside a chunk (it held only part of it) is cut at the
+            # chunk's start: the server keeps or replaces a chunk whole (else 409).
+            p0, p1 = lease.media.chunk_start(p0), lease.media.chunk_start(p1)
             media = lease.media.chunks_in(p0, p1)
             if p1 <= p0:
                 return  # the host's part ends inside the request's first media chunk past p0

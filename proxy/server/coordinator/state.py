@@ -114,6 +114,7 @@ class ServerState:
     # A multimodal projector is loaded (caps multimodal): what marks a media part in the prompt its
     # /apply-template renders ("": none loaded; such a server refuses media).
     media_marker: str = ""
+    media_fixed: str = ""  # with a projector and moves on: why its media does not move ("" when it does)
     rates: MeasuredRates = field(default_factory=MeasuredRates)  # from its answers' timings and its moves
     kv: KvPlace = field(default_factory=KvPlace)  # where its KV lives (caps memory.buffers)
     # Set (and replaced) when a reservation ends: requests waiting for room look again.
@@ -231,6 +232,12 @@ class Lease:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     prefix_step_tokens: int = 0  # the server's prompt_n and prompt_ms of the prefix step
     prefix_step_ms: float = 0.0
+
+    @property
+    def n_cells_prompt(self) -> int:
+        """The cells its prompt fills: ``tokens`` and, with media no move can name (M-RoPE), the
+        rest of its tokenization past them."""
+        return len(self.media.tokens) if self.media is not None else len(self.tokens)
 
     def wake_waiters(self) -> None:
         """Requests waiting for this one's prefix look again; those that wait on it again get

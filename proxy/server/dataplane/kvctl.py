@@ -211,6 +211,10 @@ class Caps:
     # prompt with ``media_marker`` (random per process: /apply-template's prompt carries it).
     multimodal: bool = False
     media_marker: str = ""
+    # Patch 0027: media chunks move with the text around them; else ``media_fixed`` says why not
+    # (M-RoPE, a draft model): the server reuses them only on the slot that holds them.
+    media_moves: bool = False
+    media_fixed: str = ""
 
     @property
     def kv_devices(self) -> tuple[str, ...]:
@@ -281,6 +285,8 @@ class Caps:
             pinned_payloads=memory.flag("pinned_payloads", default=False),
             multimodal=mm.flag("on"),
             media_marker=(mm.opt_str("media_marker") or "") if mm.flag("on") else "",
+            media_moves=mm.flag("media_moves", default=False),
+            media_fixed=mm.opt_str("media_fixed") or "",
         )
 
 

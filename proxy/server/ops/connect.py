@@ -179,6 +179,8 @@ async def _connect(
             "; ".join(moves_off),
             _checkpoints_off(caps),
         )
+    if caps.multimodal and not moves_off:
+        _log_media(name, caps)
     state = ServerState(name, backend, mover, slots, n_ctx_slot, sharing, rates=mover.rates)
     state.kv = KvPlace.from_caps(caps)
     metrics.set_kv_place(name, state.kv.pairs)
@@ -192,8 +194,23 @@ async def _connect(
     state.embeddings = caps.embedding is not None and caps.embedding.on
     state.pooling = caps.embedding.pooling if caps.embedding is not None else -1
     state.media_marker = caps.media_marker if caps.multimodal else ""
+    if caps.multimodal and not caps.media_moves:
+        state.media_fixed = caps.media_fixed or "a patch before 0027"
     state.instance = instance or None
     return state
+
+
+def _log_media(name: str, caps: Caps) -> None:
+    """A server with a projector: whether images move with the text around them, or why not."""
+    if caps.media_moves:
+        log.info("%s: a multimodal projector: media is keyed by content and moves with the text", name)
+    else:
+        log.warning(
+            "%s: a multimodal projector: media does not move (%s); the text before it moves, the "
+            "server reuses media itself only on the slot that holds it (route A)",
+            name,
+            caps.media_fixed or "a patch before 0027",
+        )
 
 
 def _checkpoints_off(caps: Caps) -> str:
