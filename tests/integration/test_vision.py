@@ -14,6 +14,7 @@ on the slot that holds it reuses it itself (route A).
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -343,3 +344,44 @@ def test_with_a_draft_model_media_does_not_move_and_says_why(
         assert tokenized["tokens"][at : at + N_IMAGE_TOKENS] == [-1] * N_IMAGE_TOKENS
     finally:
         server.stop()
+
+
+def test_an_image_is_shared_through_an_owner(
+    start_server: ServerFactory, patched_bin: Path, stock_bin: Path
+) -> None:
+    # Patch 0028: an owner published from a slot keeps its images; a slot it is attached to
+    # takes them (route S), so two sessions asking about one image at once compute it once.
+    family = "llama-h128"
+    args = (*KV_CONFIGS["f16"], "--mmproj", str(tiny_mmproj(FAMILIES[family].n_embd)))
+    common: dict[str, Any] = {"model": tiny_model(family), "ctx_size": 4096, "threads": 1, "extra_args": args}
+    patched = start_server(patched_bin, **common)
+    stock = start_server(stock_bin, kvctl=False, **common)
+    proxy = ProxyThread(proxy_config(patched, kv_share=True)).start()
+    try:
+        assert proxy.call(lambda rt: rt.coordinator.servers[0].media_shared) is True
+
+        def asking(question: str) -> Messages:
+            content = [IMAGE_A, {"type": "text", "text": question}]
+            return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}]
+
+        _ask(proxy, asking("Describe the picture."), "o1")
+        pair = [asking("What is in its corner?"), asking("Name its main colour.")]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            replies = list(pool.map(lambda m: _ask(proxy, m[1], f"o{m[0] + 2}"), enumerate(pair)))
+        for reply, messages in zip(replies, pair, strict=True):
+            assert_same_answer(reply, _from_scratch(stock, messages))
+        tokenized = Vision(proxy, stock, patched, (family, "f16")).kvctl(
+            "POST", "/kvctl/tokenize", chat_body(pair[0], 1)
+        )
+        image_end = tokenized.body["media"][0]["idx"] + N_IMAGE_TOKENS
+        shared = [r for r in replies if _route(r).startswith("S")]
+        assert shared, [_route(r) for r in replies]
+        # The attached prefix reached past the image: the server reused it by hash.
+        assert all(r.body["timings"]["cache_n"] >= image_end for r in shared), [
+            r.body["timings"] for r in shared
+        ]
+        assert _fallbacks(proxy) == 0
+    finally:
+        proxy.stop()
+        patched.stop()
+        stock.stop()

@@ -16,6 +16,7 @@ from proxy.cli.doctor import _media_checks
 from proxy.core.planner import PlanInput, Route, SlotView, plan
 from proxy.server.api.media import has_media
 from proxy.server.coordinator.leases import _media_match, _Want
+from proxy.server.coordinator.saves import _text_end
 from proxy.server.coordinator.state import SlotState
 from proxy.server.dataplane.kvctl import Caps, KvctlReplyError, Slots, Tokenized
 from proxy.server.ops.admin import detokenize
@@ -58,6 +59,16 @@ def test_caps_say_whether_a_projector_is_loaded() -> None:
     assert moving.media_moves
     fixed = {"on": True, "media_marker": "m", "media_moves": False, "media_fixed": "M-RoPE: shared"}
     assert Caps.parse({**GOOD["caps"], "multimodal": fixed}).media_fixed == "M-RoPE: shared"
+    assert not moving.media_shared  # before 0028: owners hold text only
+    shared = {"on": True, "media_marker": "m", "media_moves": True, "media_shared": True}
+    assert Caps.parse({**GOOD["caps"], "multimodal": shared}).media_shared
+
+
+def test_owners_and_checkpoints_stop_where_they_can_hold_no_more() -> None:
+    tokens = np.array([5, 6, -7, -8, -9, -10, 11, -1, -1, 12], dtype=np.int32)
+    assert _text_end(tokens) == 2  # whole-state checkpoints, owners before 0028: text only
+    assert _text_end(tokens, movable_too=True) == 7  # owners of 0028: up to media no move names
+    assert _text_end(tokens[:2]) == 2 and _text_end(tokens[:7], movable_too=True) == 7
 
 
 @pytest.mark.parametrize(

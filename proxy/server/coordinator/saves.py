@@ -284,17 +284,21 @@ class KvSaves:
             return
         tokens = lease.slot.tokens
         sharing.index.slot_changed(lease.slot.slot_id, tokens)
-        held = min(common_prefix(tokens, lease.tokens), _text_end(tokens))  # owners hold text only
+        # Owners hold text, and movable media where the server shares it (patch 0028), whole chunks.
+        held = min(common_prefix(tokens, lease.tokens), _text_end(tokens, lease.server.media_shared))
         lengths = [n for n in (len(lease.tokens), lease.plan.host_to) if 0 < n <= held]
+        if lease.media is not None:
+            lengths = sorted({lease.media.chunk_start(n) for n in lengths} - {0})
         if not lengths or lease.fallback:
             return
         async with lease.server.move_lock:  # the whole server: owner sequences
             await sharing.publish_prefixes(lease.slot.slot_id, tokens, lengths, lease.ns)
 
 
-def _text_end(tokens: np.ndarray) -> int:
-    """Where the first media cell (a token below 0) is: the server shares text only."""
-    media = np.flatnonzero(tokens < 0)
+def _text_end(tokens: np.ndarray, movable_too: bool = False) -> int:
+    """Where the first media cell (a token below 0) is, or with ``movable_too`` the first cell
+    of media no move can name (-1): what an owner or a whole-state checkpoint can hold."""
+    media = np.flatnonzero(tokens == -1 if movable_too else tokens < 0)
     return int(media[0]) if len(media) else len(tokens)
 
 

@@ -115,6 +115,7 @@ class ServerState:
     # /apply-template renders ("": none loaded; such a server refuses media).
     media_marker: str = ""
     media_fixed: str = ""  # with a projector and moves on: why its media does not move ("" when it does)
+    media_shared: bool = False  # its owners hold movable media too (caps multimodal.media_shared)
     rates: MeasuredRates = field(default_factory=MeasuredRates)  # from its answers' timings and its moves
     kv: KvPlace = field(default_factory=KvPlace)  # where its KV lives (caps memory.buffers)
     # Set (and replaced) when a reservation ends: requests waiting for room look again.

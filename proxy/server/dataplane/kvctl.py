@@ -215,6 +215,8 @@ class Caps:
     # (M-RoPE, a draft model): the server reuses them only on the slot that holds them.
     media_moves: bool = False
     media_fixed: str = ""
+    # Patch 0028: owners hold movable media too (publish keeps the chunks, attach hands them on).
+    media_shared: bool = False
 
     @property
     def kv_devices(self) -> tuple[str, ...]:
@@ -287,6 +289,7 @@ class Caps:
             media_marker=(mm.opt_str("media_marker") or "") if mm.flag("on") else "",
             media_moves=mm.flag("media_moves", default=False),
             media_fixed=mm.opt_str("media_fixed") or "",
+            media_shared=mm.flag("media_shared", default=False),
         )
 
 

@@ -196,6 +196,7 @@ async def _connect(
     state.media_marker = caps.media_marker if caps.multimodal else ""
     if caps.multimodal and not caps.media_moves:
         state.media_fixed = caps.media_fixed or "a patch before 0027"
+    state.media_shared = caps.multimodal and caps.media_moves and caps.media_shared
     state.instance = instance or None
     return state
 
@@ -203,7 +204,11 @@ async def _connect(
 def _log_media(name: str, caps: Caps) -> None:
     """A server with a projector: whether images move with the text around them, or why not."""
     if caps.media_moves:
-        log.info("%s: a multimodal projector: media is keyed by content and moves with the text", name)
+        log.info(
+            "%s: a multimodal projector: media is keyed by content and moves with the text%s",
+            name,
+            ", owners share it" if caps.media_shared else "",
+        )
     else:
         log.warning(
             "%s: a multimodal projector: media does not move (%s); the text before it moves, the "
