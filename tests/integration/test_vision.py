@@ -115,6 +115,7 @@ def vision(
     mm = vision.kvctl("GET", "/kvctl/caps").body["multimodal"]
     assert mm["media_moves"] is vision.movable, mm
     assert vision.movable or "M-RoPE" in mm["media_fixed"], mm
+    assert len(mm["media_keys"]) == 32 and mm["media_shared"] is vision.movable, mm
     assert proxy.call(lambda rt: rt.coordinator.servers[0].media_fixed) == mm.get("media_fixed", "")
     yield vision
     proxy.stop()
@@ -233,6 +234,35 @@ def test_a_move_of_an_image_is_bound_to_it_or_refused(vision: Vision) -> None:
     again = vision.kvctl("GET", "/kvctl/slots?tokens=1").body["slots"][0]
     assert again["tokens"] == tokens[:end] and again["media"][0]["id"] == media[0]["id"]
 
+    # A chunk is kept, replaced, shared and attached whole: a cut inside one is refused, the
+    # slot keeps what it held.
+    cut = at + 2
+    tail = vision.kvctl(
+        "POST",
+        "/kvctl/export",
+        {**before, "p0": cut, "p1": end, "expect_sha256": tokens_sha256(tokens[:end])},
+    )
+    assert tail.status == 200, tail.body
+    # (no entry of "media" can name cells of a chunk that starts before p0)
+    inside = {**body, "p0": cut, "segments": [{"data": tail.body["data"]}]}
+    refused = vision.kvctl("POST", "/kvctl/import", inside)
+    assert refused.status in (400, 409) and "media" in refused.body["error"]["message"], refused.body
+    owner = vision.kvctl("GET", "/kvctl/caps").body["owner_ids"][0]
+    share = {"slot": 0, "owner": owner, "n": cut, "expect_sha256": tokens_sha256(tokens[:cut])}
+    refused = vision.kvctl("POST", "/kvctl/publish", share)
+    assert refused.status == 409 and "cuts a media chunk" in refused.body["error"]["message"], refused.body
+    share = {**share, "n": end, "expect_sha256": tokens_sha256(tokens[:end])}
+    assert vision.kvctl("POST", "/kvctl/publish", share).status == 200
+    attach = {"owner": owner, "slot": 0, "m": cut, "expect_sha256": tokens_sha256(tokens[:cut])}
+    refused = vision.kvctl("POST", "/kvctl/attach", attach)
+    assert refused.status == 409 and "cuts a media chunk" in refused.body["error"]["message"], refused.body
+    attach = {**attach, "m": end, "expect_sha256": tokens_sha256(tokens[:end])}
+    attached = vision.kvctl("POST", "/kvctl/attach", attach)
+    assert attached.status == 200, attached.body
+    again = vision.kvctl("GET", "/kvctl/slots?tokens=1").body["slots"][0]
+    assert again["tokens"] == tokens[:end] and again["media"][0]["id"] == media[0]["id"]  # the owner's
+    assert vision.kvctl("POST", "/kvctl/release", {"owner": owner}).status == 200
+
 
 def test_media_on_a_server_without_a_projector_is_a_clear_400(plain_proxy: ProxyThread) -> None:
     body = chat_body([_user("Describe the picture.", IMAGE_A)], 4)
@@ -310,6 +340,10 @@ def test_another_projector_keys_the_same_image_apart(
         body = chat_body([{"role": "system", "content": SYSTEM}, _user("Look.", IMAGE_A)], 1)
         mine = vision.kvctl("POST", "/kvctl/tokenize", body).body
         theirs = vision.kvctl("POST", "/kvctl/tokenize", body, server=other).body
+        caps = [
+            vision.kvctl("GET", "/kvctl/caps", server=s).body["multimodal"] for s in (vision.patched, other)
+        ]
+        assert caps[0]["media_keys"] != caps[1]["media_keys"], caps  # the proxy routes by it
         at = mine["media"][0]["idx"]
         assert theirs["media"][0]["id"] == mine["media"][0]["id"]  # the same image bytes
         assert theirs["tokens"][:at] == mine["tokens"][:at]  # the same text

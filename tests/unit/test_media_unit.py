@@ -17,7 +17,7 @@ from proxy.core.planner import PlanInput, Route, SlotView, plan
 from proxy.server.api.media import has_media
 from proxy.server.coordinator.leases import _media_match, _Want
 from proxy.server.coordinator.saves import _text_end
-from proxy.server.coordinator.state import SlotState
+from proxy.server.coordinator.state import ServerState, SlotState
 from proxy.server.dataplane.kvctl import Caps, KvctlReplyError, Slots, Tokenized
 from proxy.server.ops.admin import detokenize
 from tests.unit.test_kvctl_replies import GOOD
@@ -62,6 +62,24 @@ def test_caps_say_whether_a_projector_is_loaded() -> None:
     assert not moving.media_shared  # before 0028: owners hold text only
     shared = {"on": True, "media_marker": "m", "media_moves": True, "media_shared": True}
     assert Caps.parse({**GOOD["caps"], "multimodal": shared}).media_shared
+
+
+def test_a_server_state_follows_what_its_caps_say_of_media() -> None:
+    state = ServerState("s0", SimpleNamespace(), SimpleNamespace(), [], 1024, None)
+    mm = {"on": True, "media_marker": "m", "media_moves": True, "media_shared": True, "media_keys": "k1"}
+    assert state.take_media_caps(Caps.parse({**GOOD["caps"], "multimodal": mm}))
+    assert (state.media_marker, state.media_fixed, state.media_shared, state.media_keys) == (
+        "m",
+        "",
+        True,
+        "k1",
+    )
+    assert not state.take_media_caps(Caps.parse({**GOOD["caps"], "multimodal": mm}))  # unchanged
+    fixed = {**mm, "media_moves": False, "media_fixed": "M-RoPE: x", "media_keys": "k2"}
+    assert state.take_media_caps(Caps.parse({**GOOD["caps"], "multimodal": fixed}))
+    assert (state.media_fixed, state.media_shared, state.media_keys) == ("M-RoPE: x", False, "k2")
+    assert state.take_media_caps(Caps.parse(GOOD["caps"]))  # restarted without a projector
+    assert (state.media_marker, state.media_keys) == ("", "")
 
 
 def test_owners_and_checkpoints_stop_where_they_can_hold_no_more() -> None:

@@ -210,8 +210,8 @@ class Leases(PrefixWaits):
             server = sv.server
             if not server.healthy or (want.model and server.model != want.model):
                 continue
-            if want.media is not None and not server.media_marker:
-                continue  # no projector: it refuses media
+            if want.media is not None and (not server.media_marker or server.media_keys != want.media.keys):
+                continue  # no projector (it refuses media), or one keying media otherwise
             inp = self._plan_input(sv, found, want.media_ids)
             plan = choose_plan(inp)
             if plan is None:

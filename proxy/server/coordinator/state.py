@@ -114,8 +114,9 @@ class ServerState:
     # A multimodal projector is loaded (caps multimodal): what marks a media part in the prompt its
     # /apply-template renders ("": none loaded; such a server refuses media).
     media_marker: str = ""
-    media_fixed: str = ""  # with a projector and moves on: why its media does not move ("" when it does)
+    media_fixed: str = ""  # with a projector: why its media does not move ("" when it does)
     media_shared: bool = False  # its owners hold movable media too (caps multimodal.media_shared)
+    media_keys: str = ""  # how it keys media (caps multimodal.media_keys): requests tokenized alike
     rates: MeasuredRates = field(default_factory=MeasuredRates)  # from its answers' timings and its moves
     kv: KvPlace = field(default_factory=KvPlace)  # where its KV lives (caps memory.buffers)
     # Set (and replaced) when a reservation ends: requests waiting for room look again.
@@ -141,6 +142,17 @@ class ServerState:
         if cells:
             self.room_freed.set()
             self.room_freed = asyncio.Event()
+
+    def take_media_caps(self, caps: Caps) -> bool:
+        """What its caps say of media (at connect, and after a restart: another projector, or
+        none); True when that changed."""
+        before = (self.media_marker, self.media_fixed, self.media_shared, self.media_keys)
+        on = caps.multimodal
+        self.media_marker = caps.media_marker if on else ""
+        self.media_fixed = (caps.media_fixed or "a patch before 0027") if on and not caps.media_moves else ""
+        self.media_shared = on and caps.media_moves and caps.media_shared
+        self.media_keys = caps.media_keys if on else ""
+        return before != (self.media_marker, self.media_fixed, self.media_shared, self.media_keys)
 
     def admit(self, lease: Lease, need: CellNeed) -> None:
         """Reserve the cells an admitted request will fill (one step with its room check)."""

@@ -217,6 +217,9 @@ class Caps:
     media_fixed: str = ""
     # Patch 0028: owners hold movable media too (publish keeps the chunks, attach hands them on).
     media_shared: bool = False
+    # A digest of how the server keys media (its projector, image token limits, whether media
+    # moves): a tokenization by one server holds for another only where these are equal.
+    media_keys: str = ""
 
     @property
     def kv_devices(self) -> tuple[str, ...]:
@@ -290,6 +293,7 @@ class Caps:
             media_moves=mm.flag("media_moves", default=False),
             media_fixed=mm.opt_str("media_fixed") or "",
             media_shared=mm.flag("media_shared", default=False),
+            media_keys=mm.opt_str("media_keys") or "",
         )
 
 
@@ -443,6 +447,7 @@ class Tokenized:
 
     tokens: np.ndarray
     media: tuple[MediaChunk, ...]
+    keys: str = ""  # the tokenizing server's caps ``media_keys``: only servers keying alike take it
 
     @classmethod
     def parse(cls, obj: object, cause: FallbackCause = FallbackCause.TRANSPORT) -> Tokenized:

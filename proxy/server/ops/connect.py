@@ -27,6 +27,7 @@ from proxy.server.dataplane.netlocal import is_local_host
 from proxy.server.dataplane.paydir import check_private_dir, private_dir_fd
 from proxy.server.dataplane.sharing import Sharing
 from proxy.server.metrics import Metrics
+from proxy.server.ops.health import log_media
 from proxy.server.ops.models import compat_ns
 
 log = logging.getLogger("radix")
@@ -179,8 +180,8 @@ async def _connect(
             "; ".join(moves_off),
             _checkpoints_off(caps),
         )
-    if caps.multimodal and not moves_off:
-        _log_media(name, caps)
+    if caps.multimodal:
+        log_media(name, caps)
     state = ServerState(name, backend, mover, slots, n_ctx_slot, sharing, rates=mover.rates)
     state.kv = KvPlace.from_caps(caps)
     metrics.set_kv_place(name, state.kv.pairs)
@@ -193,29 +194,9 @@ async def _connect(
     state.infill = InfillParams.from_caps({"infill": caps.infill}, n_ctx_slot)
     state.embeddings = caps.embedding is not None and caps.embedding.on
     state.pooling = caps.embedding.pooling if caps.embedding is not None else -1
-    state.media_marker = caps.media_marker if caps.multimodal else ""
-    if caps.multimodal and not caps.media_moves:
-        state.media_fixed = caps.media_fixed or "a patch before 0027"
-    state.media_shared = caps.multimodal and caps.media_moves and caps.media_shared
+    state.take_media_caps(caps)
     state.instance = instance or None
     return state
-
-
-def _log_media(name: str, caps: Caps) -> None:
-    """A server with a projector: whether images move with the text around them, or why not."""
-    if caps.media_moves:
-        log.info(
-            "%s: a multimodal projector: media is keyed by content and moves with the text%s",
-            name,
-            ", owners share it" if caps.media_shared else "",
-        )
-    else:
-        log.warning(
-            "%s: a multimodal projector: media does not move (%s); the text before it moves, the "
-            "server reuses media itself only on the slot that holds it (route A)",
-            name,
-            caps.media_fixed or "a patch before 0027",
-        )
 
 
 def _checkpoints_off(caps: Caps) -> str:

@@ -70,6 +70,11 @@ class HealthMonitor:
             return
         self._follow_checkpoints(server, caps)
         self._follow_kv_place(server, caps)
+        if server.take_media_caps(caps):  # restarted with another projector, or none
+            if caps.multimodal:
+                log_media(server.name, caps)
+            else:
+                log.warning("%s: no multimodal projector now", server.name)
         self.coordinator.server_up(server, caps.instance)
 
     def _follow_kv_place(self, server: ServerState, caps: Caps) -> None:
@@ -117,3 +122,20 @@ class HealthMonitor:
 
 def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def log_media(name: str, caps: Caps) -> None:
+    """A server with a projector: whether images move with the text around them, or why not."""
+    if caps.media_moves:
+        log.info(
+            "%s: a multimodal projector: media is keyed by content and moves with the text%s",
+            name,
+            ", owners share it" if caps.media_shared else "",
+        )
+    else:
+        log.warning(
+            "%s: a multimodal projector: media does not move (%s); the text before it moves, the "
+            "server reuses media itself only on the slot that holds it (route A)",
+            name,
+            caps.media_fixed or "a patch before 0027",
+        )

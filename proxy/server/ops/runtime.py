@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import aiohttp
@@ -123,16 +124,19 @@ class Runtime:
     async def media_tokens(self, body: dict[str, Any], model: ModelEntry) -> Tokenized:
         """A chat request with media, tokenized by a server with a projector exactly as its
         completion will be (``/kvctl/tokenize``: the media chunks' cells keyed by their content
-        hash); the proxy never guesses media tokens. Servers of one model with the same patch
-        key alike, so any of them may answer."""
+        hash); the proxy never guesses media tokens. The keys depend on the server (its
+        projector, image token limits, draft model): the tokenization carries the answering
+        server's ``media_keys``, and only servers keying alike take the request (``Leases``)."""
         if not any(s.media_marker for s in self.coordinator.servers if s.model == model.name):
             raise BadRequest(
                 f"image, audio and video input is not supported by model {model.name!r}: none of its "
                 "servers loaded a projector (--mmproj)"
             )
-        return await self._on_server(
-            lambda server: server.client.kvctl_tokenize(body), model.name, media=True
-        )
+
+        async def tokenize(server: ServerState) -> Tokenized:
+            return replace(await server.client.kvctl_tokenize(body), keys=server.media_keys)
+
+        return await self._on_server(tokenize, model.name, media=True)
 
     def _healthy(self, model: str, media: bool = False) -> ServerState | None:
         return next(

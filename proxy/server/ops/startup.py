@@ -129,8 +129,20 @@ def arena_bytes(config: Config) -> int:
 async def _models(servers: list[ServerState]) -> dict[str, ModelEntry]:
     """The served models by name; servers under one name must share a compatibility key."""
     models: dict[str, ModelEntry] = {}
+    media_keys: dict[str, str] = {}
     for server in servers:
         entry = models.get(server.model)
+        if (
+            server.media_marker
+            and media_keys.setdefault(server.model, server.media_keys) != server.media_keys
+        ):
+            log.warning(
+                "%s keys media unlike another server of model %r (another projector, image token "
+                "limits or draft model): a request with media goes only to servers keying it as "
+                "the one that tokenized it",
+                server.name,
+                server.model,
+            )
         if entry is None:
             listing = await _listing(server.client)
             models[server.model] = ModelEntry(
