@@ -16,7 +16,8 @@ from proxy.cli.doctor import _media_checks
 from proxy.core.planner import PlanInput, Route, SlotView, plan
 from proxy.server.api.media import has_media
 from proxy.server.coordinator.leases import _media_match, _Want
-from proxy.server.coordinator.saves import _text_end
+from proxy.server.coordinator.moves import import_range
+from proxy.server.coordinator.saves import _text_end, share_lengths
 from proxy.server.coordinator.state import ServerState, SlotState
 from proxy.server.dataplane.kvctl import Caps, KvctlReplyError, Slots, Tokenized
 from proxy.server.ops.admin import detokenize
@@ -241,3 +242,40 @@ def test_the_admin_views_show_media_cells_as_a_marker() -> None:
     got = asyncio.run(detokenize(runtime, [0, 1, -7, -9, 2, -1]))  # type: ignore[arg-type]
     assert got == "ab<media: 2 cells>c<media: 1 cells>"
     assert asyncio.run(detokenize(runtime, [])) == ""  # type: ignore[arg-type]
+
+
+# A prompt of 3 text tokens, a movable image of 4 cells at 3, and 2 text tokens.
+PROMPT = np.array([1, 2, 3, -5, -6, -7, -8, 9, 10], dtype=np.int32)
+WITH_IMAGE = Tokenized.parse({"tokens": PROMPT.tolist(), "media": [_mm(3, 4, movable=True)]})
+
+
+@pytest.mark.parametrize(
+    ("planned", "cut"),
+    [
+        ((0, 9), (0, 9)),
+        ((3, 9), (3, 9)),
+        ((5, 9), (3, 9)),  # the slot kept part of the image: the import starts at the image
+        ((0, 5), (0, 3)),  # the host holds part of it: the import stops before it
+        ((7, 9), (7, 9)),
+        ((4, 6), (3, 3)),  # nothing whole: nothing imported
+    ],
+)
+def test_a_host_import_ends_at_media_edges(planned: tuple[int, int], cut: tuple[int, int]) -> None:
+    assert import_range(*planned, WITH_IMAGE) == cut
+    assert import_range(*planned, None) == planned  # text only: as planned
+
+
+@pytest.mark.parametrize(
+    ("held", "host_to", "shared", "want"),
+    [
+        (9, 0, True, [9]),
+        (9, 5, True, [3, 9]),  # the host part ended inside the image: published before it
+        (9, 7, True, [7, 9]),
+        (9, 7, False, []),  # owners before 0028 hold text only, and the prompt holds an image
+        (6, 9, True, []),  # the slot holds only part of the image: neither length
+        (6, 5, True, [3]),
+    ],
+)
+def test_a_slot_publishes_whole_media_chunks(held: int, host_to: int, shared: bool, want: list[int]) -> None:
+    slot = PROMPT[:held]
+    assert share_lengths(slot, PROMPT, host_to, WITH_IMAGE, shared) == want

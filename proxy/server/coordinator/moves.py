@@ -27,6 +27,7 @@ from proxy.server.coordinator.movelock import WHOLE
 from proxy.server.coordinator.state import EMPTY, Lease
 from proxy.server.coordinator.waves import hold_for_wave, prefix_step
 from proxy.server.dataplane.backend import TRANSPORT_ERRORS
+from proxy.server.dataplane.kvctl import Tokenized
 from proxy.server.metrics import Metrics
 
 # What a save may meet that is not a bug: a move the server refused, a server gone.
@@ -321,12 +322,9 @@ class KvMoves:
         assert lease.host is not None
         # On top of the slot's verified [0,p0) (the server drops whatever it holds past p0); a
         # media chunk moves whole (the server computes one cut by the plan's end).
-        p0, p1 = lease.plan.host_from, lease.plan.host_to
+        p0, p1 = import_range(lease.plan.host_from, lease.plan.host_to, lease.media)
         media: list[dict[str, Any]] = []
         if lease.media is not None:
-            # A slot's kept prefix ending inside a chunk (it held only part of it) is cut at the
-            # chunk's start: the server keeps or replaces a chunk whole (else 409).
-            p0, p1 = lease.media.chunk_start(p0), lease.media.chunk_start(p1)
             media = lease.media.chunks_in(p0, p1)
             if p1 <= p0:
                 return  # the host's part ends inside the request's first media chunk past p0
@@ -369,3 +367,13 @@ class KvMoves:
         lease.slot.checkpoints = ()  # the server cleared the slot's own
         self.metrics.checkpoint_restores.inc()
         self.metrics.kv_move_bytes.labels("import").inc(len(cp.data))
+
+
+def import_range(p0: int, p1: int, media: Tokenized | None) -> tuple[int, int]:
+    """A host import's ``[p0, p1)`` on a prompt with media: each end at a media chunk's edge (a
+    slot's kept prefix ending inside a chunk, one it held only part of, is cut at the chunk's
+    start; the host's part ending inside one stops before it): the server keeps, replaces and
+    computes a chunk whole (else 409)."""
+    if media is None:
+        return p0, p1
+    return media.chunk_start(p0), media.chunk_start(p1)

@@ -45,7 +45,7 @@ from proxy.core.radix import RadixTree
 from proxy.errors import FallbackCause, KvMoveError, RadixError
 from proxy.server.coordinator.state import EMPTY, Lease, SlotState
 from proxy.server.dataplane.backend import TRANSPORT_ERRORS
-from proxy.server.dataplane.kvctl import SeqInfo
+from proxy.server.dataplane.kvctl import SeqInfo, Tokenized
 from proxy.server.metrics import Metrics
 
 # What a save may meet that is not a bug: a move the server refused, a server gone.
@@ -284,15 +284,26 @@ class KvSaves:
             return
         tokens = lease.slot.tokens
         sharing.index.slot_changed(lease.slot.slot_id, tokens)
-        # Owners hold text, and movable media where the server shares it (patch 0028), whole chunks.
-        held = min(common_prefix(tokens, lease.tokens), _text_end(tokens, lease.server.media_shared))
-        lengths = [n for n in (len(lease.tokens), lease.plan.host_to) if 0 < n <= held]
-        if lease.media is not None:
-            lengths = sorted({lease.media.chunk_start(n) for n in lengths} - {0})
+        lengths = share_lengths(
+            tokens, lease.tokens, lease.plan.host_to, lease.media, lease.server.media_shared
+        )
         if not lengths or lease.fallback:
             return
         async with lease.server.move_lock:  # the whole server: owner sequences
             await sharing.publish_prefixes(lease.slot.slot_id, tokens, lengths, lease.ns)
+
+
+def share_lengths(
+    slot_tokens: np.ndarray, tokens: np.ndarray, host_to: int, media: Tokenized | None, media_shared: bool
+) -> list[int]:
+    """The prefixes of a slot worth publishing after a request (its prompt, and the host part it
+    restored) that the slot holds and an owner can: text, and movable media where the server
+    shares it (patch 0028), each ending at a media chunk's edge (else the server refuses)."""
+    held = min(common_prefix(slot_tokens, tokens), _text_end(slot_tokens, media_shared))
+    lengths = [n for n in (len(tokens), host_to) if 0 < n <= held]
+    if media is not None:
+        lengths = sorted({media.chunk_start(n) for n in lengths} - {0})
+    return lengths
 
 
 def _text_end(tokens: np.ndarray, movable_too: bool = False) -> int:
