@@ -332,10 +332,7 @@ def test_another_projector_keys_the_same_image_apart(
     family, kv = vision.case
     if (family, kv) != ("llama-h128", "f16"):
         pytest.skip("once: a server of its own")
-    args = (*KV_CONFIGS[kv], "--mmproj", str(tiny_mmproj(FAMILIES[family].n_embd, seed=1)))
-    other = start_server(
-        patched_bin, model=tiny_model(family), ctx_size=4096, threads=1, n_parallel=1, extra_args=args
-    )
+    other = start_server(patched_bin, **_one_slot(family), extra_args=_mmproj_args(family, kv, seed=1))
     try:
         body = chat_body([{"role": "system", "content": SYSTEM}, _user("Look.", IMAGE_A)], 1)
         mine = vision.kvctl("POST", "/kvctl/tokenize", body).body
@@ -354,8 +351,33 @@ def test_another_projector_keys_the_same_image_apart(
             mine["tokens"][at:],
             theirs["tokens"][at:],
         )
+        # A proxy in front of a server with each projector: a request with media goes only to a
+        # server keying it as the one that tokenized it (two at once wait for it, one slot each),
+        # else the import of its image keys into the other would fail (a fallback).
+        key = {"kvctl_key": other.spec.kvctl_key}  # one proxy, one key for its servers
+        first = start_server(patched_bin, **_one_slot(family), **key, extra_args=_mmproj_args(family, kv))
+        proxy = ProxyThread(proxy_config(first, other)).start()
+        try:
+            asked = [[{"role": "system", "content": SYSTEM}, _user(q, IMAGE_A)] for q in ("Look.", "See.")]
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                replies = list(pool.map(lambda m: _ask(proxy, m[1], f"k{m[0]}"), enumerate(asked)))
+            assert len({r.headers["X-Radix-Server"] for r in replies}) == 1, [r.headers for r in replies]
+            assert _fallbacks(proxy) == 0
+            for reply, messages in zip(replies, asked, strict=True):
+                assert_same_answer(reply, _from_scratch(vision.stock, messages))
+        finally:
+            proxy.stop()
+            first.stop()
     finally:
         other.stop()
+
+
+def _one_slot(family: str) -> dict[str, Any]:
+    return {"model": tiny_model(family), "ctx_size": 4096, "threads": 1, "n_parallel": 1}
+
+
+def _mmproj_args(family: str, kv: str, seed: int = 0) -> tuple[str, ...]:
+    return (*KV_CONFIGS[kv], "--mmproj", str(tiny_mmproj(FAMILIES[family].n_embd, seed=seed)))
 
 
 def test_with_a_draft_model_media_does_not_move_and_says_why(
@@ -364,10 +386,15 @@ def test_with_a_draft_model_media_does_not_move_and_says_why(
     family, kv = vision.case
     if (family, kv) != ("llama-h128", "f16"):
         pytest.skip("once: a server of its own")
-    model = tiny_model(family)
-    draft = ("--model-draft", str(model), "--spec-type", "draft-simple", "--spec-draft-n-max", "4")
-    args = (*KV_CONFIGS[kv], "--mmproj", str(tiny_mmproj(FAMILIES[family].n_embd)), *draft)
-    server = start_server(patched_bin, model=model, ctx_size=4096, threads=1, n_parallel=1, extra_args=args)
+    draft = (
+        "--model-draft",
+        str(tiny_model(family)),
+        "--spec-type",
+        "draft-simple",
+        "--spec-draft-n-max",
+        "4",
+    )
+    server = start_server(patched_bin, **_one_slot(family), extra_args=(*_mmproj_args(family, kv), *draft))
     try:
         mm = vision.kvctl("GET", "/kvctl/caps", server=server).body["multimodal"]
         assert mm["on"] and not mm["media_moves"] and "draft" in mm["media_fixed"], mm
