@@ -97,7 +97,7 @@ def vision(
 ) -> Iterator[Vision]:
     family, kv = request.param
     # One slot: a request with another prompt takes the slot's KV, so the next is a host restore.
-    args = (*KV_CONFIGS[kv], "--mmproj", str(tiny_mmproj(FAMILIES[family].n_embd)))
+    args = _mmproj_args(family, kv)
     common: dict[str, Any] = {
         "model": tiny_model(family),
         "ctx_size": 4096,
@@ -329,9 +329,7 @@ def test_another_projector_keys_the_same_image_apart(
 ) -> None:
     # The KV of an image depends on the projector (and its image token limits): media keys name
     # it, so no tier holding KV from one projector restores it for another of the same shape.
-    family, kv = vision.case
-    if (family, kv) != ("llama-h128", "f16"):
-        pytest.skip("once: a server of its own")
+    family, kv = _once(vision)
     other = start_server(patched_bin, **_one_slot(family), extra_args=_mmproj_args(family, kv, seed=1))
     try:
         body = chat_body([{"role": "system", "content": SYSTEM}, _user("Look.", IMAGE_A)], 1)
@@ -372,6 +370,13 @@ def test_another_projector_keys_the_same_image_apart(
         other.stop()
 
 
+def _once(vision: Vision) -> tuple[str, str]:
+    """The case of a test that starts servers of its own: it runs in one case only."""
+    if vision.case != ("llama-h128", "f16"):
+        pytest.skip("once: a server of its own")
+    return vision.case
+
+
 def _one_slot(family: str) -> dict[str, Any]:
     return {"model": tiny_model(family), "ctx_size": 4096, "threads": 1, "n_parallel": 1}
 
@@ -383,9 +388,7 @@ def _mmproj_args(family: str, kv: str, seed: int = 0) -> tuple[str, ...]:
 def test_with_a_draft_model_media_does_not_move_and_says_why(
     vision: Vision, start_server: ServerFactory, patched_bin: Path
 ) -> None:
-    family, kv = vision.case
-    if (family, kv) != ("llama-h128", "f16"):
-        pytest.skip("once: a server of its own")
+    family, kv = _once(vision)
     draft = (
         "--model-draft",
         str(tiny_model(family)),
@@ -413,7 +416,7 @@ def test_an_image_is_shared_through_an_owner(
     # Patch 0028: an owner published from a slot keeps its images; a slot it is attached to
     # takes them (route S), so two sessions asking about one image at once compute it once.
     family = "llama-h128"
-    args = (*KV_CONFIGS["f16"], "--mmproj", str(tiny_mmproj(FAMILIES[family].n_embd)))
+    args = _mmproj_args(family, "f16")
     common: dict[str, Any] = {"model": tiny_model(family), "ctx_size": 4096, "threads": 1, "extra_args": args}
     patched = start_server(patched_bin, **common)
     stock = start_server(stock_bin, kvctl=False, **common)

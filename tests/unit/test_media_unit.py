@@ -15,10 +15,10 @@ import pytest
 from proxy.cli.doctor import _media_checks
 from proxy.core.planner import PlanInput, Route, SlotView, plan
 from proxy.server.api.media import has_media
-from proxy.server.coordinator.leases import _media_match, _Want
+from proxy.server.coordinator.leases import _media_match
 from proxy.server.coordinator.moves import import_range
 from proxy.server.coordinator.saves import _text_end, share_lengths
-from proxy.server.coordinator.state import ServerState, SlotState
+from proxy.server.coordinator.state import ServerState, SlotState, prompt_cells
 from proxy.server.dataplane.kvctl import Caps, KvctlReplyError, Slots, Tokenized
 from proxy.server.ops.admin import detokenize
 from tests.unit.test_kvctl_replies import GOOD
@@ -109,8 +109,7 @@ def test_a_lease_with_media_reserves_its_whole_tokenization() -> None:
     # Under M-RoPE the keyed tokens end at the first image; the prompt fills every cell.
     tokens = np.array([5, 6, 7, -1, -1, -1, -1, 8], dtype=np.int32)
     media = Tokenized.parse({"tokens": tokens.tolist(), "media": [_mm(3, 4, movable=False)]})
-    want = _Want(media=media)
-    assert want.n_cells_prompt(3) == 8 and _Want().n_cells_prompt(3) == 3
+    assert prompt_cells(3, media) == 8 and prompt_cells(3, None) == 3
 
 
 def _mm(idx: int, n: int, movable: bool) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from proxy.errors import BadRequest, RejectReason, TooManyRequests, Unavailable
 from proxy.server.coordinator.decisions import divergence
 from proxy.server.coordinator.fanout import PrefixWaits
 from proxy.server.coordinator.scan import PrefixScan, ServerScan, scan
-from proxy.server.coordinator.state import EMPTY, Lease, ServerState, SlotState
+from proxy.server.coordinator.state import EMPTY, Lease, ServerState, SlotState, prompt_cells
 from proxy.server.dataplane.kvctl import Tokenized
 
 
@@ -72,11 +72,6 @@ class _Want:
     @property
     def media_ids(self) -> tuple[str, ...]:
         return tuple(m.id for m in self.media.media) if self.media is not None else ()
-
-    def n_cells_prompt(self, n_keyed: int) -> int:
-        """The cells the prompt fills: its keyed tokens, or with media its whole tokenization
-        (under M-RoPE the keyed part ends at the first image)."""
-        return len(self.media.tokens) if self.media is not None else n_keyed
 
 
 AFFINITY_MAX = 65536  # sessions remembered for the affinity tie-break (least recent forgotten)
@@ -291,7 +286,7 @@ class Leases(PrefixWaits):
         # The chosen slot's own KV past what the plan keeps is dropped: those cells count as free.
         slot = server.slots[plan.slot_id]
         kept = plan.reuse_len if plan.route in (Route.A, Route.AH) else 0
-        n_prompt = want.n_cells_prompt(len(found.tokens))
+        n_prompt = prompt_cells(len(found.tokens), want.media)
         return ServerLoad(
             index=index,
             n_prompt=n_prompt,

@@ -149,7 +149,7 @@ class ServerState:
         before = (self.media_marker, self.media_fixed, self.media_shared, self.media_keys)
         on = caps.multimodal
         self.media_marker = caps.media_marker if on else ""
-        self.media_fixed = (caps.media_fixed or "a patch before 0027") if on and not caps.media_moves else ""
+        self.media_fixed = caps.media_fixed_why
         self.media_shared = on and caps.media_moves and caps.media_shared
         self.media_keys = caps.media_keys if on else ""
         return before != (self.media_marker, self.media_fixed, self.media_shared, self.media_keys)
@@ -176,6 +176,12 @@ class ServerState:
         if self.sharing is not None:
             held += self.sharing.last_cells.owner_only if self.sharing.last_cells else 0
         return max(0, self.n_cells - held)
+
+
+def prompt_cells(n_keyed: int, media: Tokenized | None) -> int:
+    """The cells a prompt fills: its ``n_keyed`` tokens, or with media its whole tokenization
+    (under M-RoPE the keyed part ends at the first image; the cells past it fill too)."""
+    return len(media.tokens) if media is not None else n_keyed
 
 
 @dataclass(frozen=True)
@@ -248,9 +254,7 @@ class Lease:
 
     @property
     def n_cells_prompt(self) -> int:
-        """The cells its prompt fills: ``tokens`` and, with media no move can name (M-RoPE), the
-        rest of its tokenization past them."""
-        return len(self.media.tokens) if self.media is not None else len(self.tokens)
+        return prompt_cells(len(self.tokens), self.media)
 
     def wake_waiters(self) -> None:
         """Requests waiting for this one's prefix look again; those that wait on it again get

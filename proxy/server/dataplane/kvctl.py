@@ -222,6 +222,13 @@ class Caps:
     media_keys: str = ""
 
     @property
+    def media_fixed_why(self) -> str:
+        """With a projector whose media does not move, why ("" otherwise)."""
+        if not self.multimodal or self.media_moves:
+            return ""
+        return self.media_fixed or "a patch before 0027"
+
+    @property
     def kv_devices(self) -> tuple[str, ...]:
         """The devices the KV (and recurrent state) is on, in the server's order, each once."""
         return tuple(dict.fromkeys(b.device for b in self.kv_buffers or () if b.device))

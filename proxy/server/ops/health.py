@@ -137,5 +137,5 @@ def log_media(name: str, caps: Caps) -> None:
             "%s: a multimodal projector: media does not move (%s); the text before it moves, the "
             "server reuses media itself only on the slot that holds it (route A)",
             name,
-            caps.media_fixed or "a patch before 0027",
+            caps.media_fixed_why,
         )
