@@ -500,6 +500,40 @@ async def test_by_default_an_answered_slot_is_saved_then_released(
     check(coord)
 
 
+async def test_a_request_queued_during_an_idle_release_plans_on_the_erased_slot() -> None:
+    """The erase of an idle release can take long (the server's main loop busy, e.g. encoding an
+    image); a request queued meanwhile is granted the slot when the erase ends, and must plan on
+    what the slot holds then (nothing: a host restore), not on the tokens it held before (route A
+    on KV the server no longer has: a 409 and a full prefill, as a bench of images showed)."""
+    s0 = server("s0", n_slots=1)
+    coord = coordinator(s0, idle_release=True, min_restore_tokens=64)
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+    fake.shm_dir = Path("/dev/shm/payloads")
+    gate = asyncio.Event()
+    erase = fake.erase
+
+    async def slow_erase(slot: int) -> EraseReply:
+        await gate.wait()
+        return await erase(slot)
+
+    fake.erase = slow_erase  # type: ignore[method-assign]
+    lease = await coord.acquire("r", toks(0, 100))
+    fake.held[0] = toks(0, 110).tolist()
+    finishing = asyncio.create_task(coord.finish(lease))
+    await settle()
+    assert s0.slots[0].busy and not fake.erased  # saved, now erasing
+    queued = asyncio.create_task(coord.acquire("r2", toks(0, 120)))
+    await settle()
+    assert not queued.done()  # the only slot is busy erasing
+    gate.set()
+    await finishing
+    again = await queued
+    assert fake.erased == [0]
+    assert again.route == Route.H and again.plan.reuse_len == 0, again.plan
+    coord.release(again)
+    check(coord)
+
+
 async def test_a_restore_waiting_on_a_server_taken_out_of_routing_gives_up() -> None:
     s0 = server("s0", n_slots=1)
     coord = coordinator(s0)

@@ -258,20 +258,21 @@ class KvSaves:
         slot.busy = True  # not leased while the server erases it
         try:
             await server.backend.erase(slot.slot_id)
+            # Before the grant below: a request queued during the erase plans on the slot as
+            # it is now (empty), not on the KV it held (a route A the server could not serve).
+            slot.confirmed(EMPTY)
+            if server.sharing is not None:
+                server.sharing.index.slot_changed(slot.slot_id, EMPTY)
+            self.metrics.idle_releases.inc()
         except KvMoveError as exc:
             slot.tokens, slot.ns = EMPTY, None  # unknown: erased before anyone reuses it
             log.warning("releasing idle %s slot %d failed: %s", server.name, slot.slot_id, exc)
-            return
         except asyncio.CancelledError:
             slot.tokens, slot.ns = EMPTY, None  # the erase may have run: unknown
             raise
         finally:
             slot.busy = False
-            hooks.grant()
-        slot.confirmed(EMPTY)
-        if server.sharing is not None:
-            server.sharing.index.slot_changed(slot.slot_id, EMPTY)
-        self.metrics.idle_releases.inc()
+            hooks.grant()  # plans synchronously on the slot's state: everything above is set
 
     def _min_save(self) -> int:
         """A slot tail shorter than this is not worth an export."""
