@@ -244,7 +244,7 @@ class RunningArm:
                 out["proxy"] = {
                     k: stats.get(k) for k in ("requests", "by_route", "hit_ratio", "tree", "tokenizer")
                 }
-            auth = _kvctl_auth(self.server)
+            auth = kvctl_auth(self.server)
             caps = _get_json(f"{self.server_url}/kvctl/caps", headers=auth)
             if stats and caps:
                 # The optimum host store: every distinct token position's KV once.
@@ -266,7 +266,7 @@ def pool_cells(running: RunningArm) -> int | None:
     slot's context is the whole pool).
     """
     cells = (
-        _get_json(f"{running.server_url}/kvctl/cells", headers=_kvctl_auth(running.server))
+        _get_json(f"{running.server_url}/kvctl/cells", headers=kvctl_auth(running.server))
         if running.arm.proxy
         else None
     )
@@ -279,7 +279,7 @@ def pool_cells(running: RunningArm) -> int | None:
     return int(n_ctx) if isinstance(n_ctx, int) else None
 
 
-def _kvctl_auth(server: ServerProcess) -> dict[str, str]:
+def kvctl_auth(server: ServerProcess) -> dict[str, str]:
     key = server.spec.kvctl_key
     return {"Authorization": f"Bearer {key}"} if key else {}
 

@@ -36,7 +36,7 @@ import asyncio
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,7 +143,7 @@ def ideal_cells(prompt_tokens: Sequence[int], shared_tokens: int, max_tokens: in
     }
 
 
-def common_prefix(token_lists: Sequence[Sequence[int]]) -> int:
+def common_prefix(token_lists: Sequence[Sequence[Hashable]]) -> int:
     if not token_lists:
         return 0
     n = min(len(t) for t in token_lists)

@@ -12,7 +12,16 @@ from typing import Any
 import click
 
 from proxy.bench.capacity import DEFAULT_PROBE_TIMEOUT_S, DEFAULT_STEP, DEFAULT_UPPER_FACTOR
-from proxy.bench.cli_options import ARM_OPTIONS, arm_settings, default_out, off_server_cpus, parse_sizes, say
+from proxy.bench.cli_options import (
+    ARM_OPTIONS,
+    MMPROJ_OPTION,
+    arm_settings,
+    default_out,
+    off_server_cpus,
+    parse_sizes,
+    say,
+    with_projector,
+)
 from proxy.bench.cli_tools import kvctl, replay, report, soak
 from proxy.bench.workloads import DEFAULT_ARMS, GENERATORS, make_workload
 from proxy.cli.common import fail_cleanly
@@ -85,6 +94,10 @@ _SIZE_OPTIONS: dict[str, tuple[str, str]] = {
     "question_tokens": ("--question-tokens", "Approximate size of each question in tokens."),
     "interval_ms": ("--interval-ms", "Milliseconds between two questions (over all users; open loop)."),
     "think_ms": ("--think-ms", "Milliseconds a session waits after an answer before its next question."),
+    "stagger_ms": ("--stagger-ms", "Milliseconds between two sessions' first questions."),
+    "image_px": ("--image-px", "Side of each (square) photo in pixels."),
+    "shared_images": ("--shared-images", "Photos every session sends (the same bytes)."),
+    "own_images": ("--own-images", "Photos of each session's own."),
     "max_tokens": ("--max-tokens", "Tokens generated per request."),
     "seed": ("--seed", "Seed of the generated text."),
 }
@@ -115,6 +128,9 @@ HELP = {
     "which restore its history from the shared Valkey tier (fleet-shared) or prefill it again (fleet).",
     "multi-round": "Many users of one chat service: a shared system prompt, a private history growing by one "
     "question and a short answer per round, questions arriving at a fixed rate (open loop).",
+    "vision": "Inspection sessions with photos: shared reference photos and each session's own, sent again on "
+    "every turn with the history; every arm's servers get a projector (--mmproj), the limit counts each "
+    "image's cells as the server keys them.",
 }
 
 
@@ -127,16 +143,17 @@ def _apply(fn: Callable[..., Any], options: Iterable[Callable[[Any], Any]]) -> C
 
 def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: Path) -> dict[str, Any]:
     """Each arm in turn: start it, replay the workload, collect its figures, stop it."""
-    from proxy.bench.arms import ARMS, arm_binary, start_arm
+    from proxy.bench.arms import ARMS, arm_binary, kvctl_auth, start_arm
     from proxy.bench.cluster import start_cluster_arm
     from proxy.bench.fleet import start_fleet_arm
-    from proxy.bench.limit import tokenized_limit
+    from proxy.bench.limit import tokenized_limit, workload_has_media
     from proxy.bench.report import build_report, write_report
     from proxy.traffic.runner import run_workload, write_results
 
     binaries = {name: arm_binary(ARMS[name], settings.build_backend) for name in arm_names}  # build first
     arms: dict[str, Any] = {}
     limit: dict[str, Any] | None = None
+    media, tokenized = workload_has_media(workload), False
     for name in arm_names:
         say(f"arm {name}: {ARMS[name].description}")
         start = (
@@ -158,8 +175,13 @@ def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: P
                 )
             )
             stats = arm.stats()
-            if name == arm_names[0]:  # the prompts as the server tokenizes them, once the run is over
-                limit = tokenized_limit(arm.server_url, workload, say)
+            # the prompts as the server tokenizes them, once the run is over: on the first arm's
+            # server, or with media on the first patched one (/kvctl/tokenize)
+            if not tokenized and (arm.arm.proxy or not media):
+                limit = tokenized_limit(
+                    arm.server_url, workload, say, kvctl_auth(arm.server) if media else None
+                )
+                tokenized = True
         write_results(out_dir / f"results-{name}.jsonl", results)
         arms[name] = {"results": results, "stats": stats}
     shared = {
@@ -273,6 +295,7 @@ def run_workload_command(
         with off_server_cpus(settings.server_cpus):
             run_disk_restore(settings, parse_sizes(tier_sizes or "1024,2048,4096,8192"), out, arm_names)
         return
+    mmproj = sizes.pop("mmproj", None)
     workload = make_workload(name, **sizes)
     out = out_dir or default_out(name)
     out.mkdir(parents=True, exist_ok=True)
@@ -303,6 +326,8 @@ def run_workload_command(
         import dataclasses
 
         settings = dataclasses.replace(settings, n_servers=n_servers)
+    if mmproj is not None:
+        settings = with_projector(settings, mmproj)
     defaults = ",".join(DEFAULT_ARMS.get(name, ALL_ARMS))
     with off_server_cpus(settings.server_cpus):
         if name == "capacity":
@@ -331,6 +356,8 @@ def _workload_options(name: str) -> list[Callable[[Any], Any]]:
         options += CAPACITY_OPTIONS
     if name in CLUSTER_WORKLOADS:
         options.append(SERVERS_OPTION)
+    if name == "vision":
+        options.append(MMPROJ_OPTION)
     if name == "coding-agent":
         options.append(
             click.option(

@@ -169,3 +169,23 @@ def arm_settings(
         extra_args=tuple(server_args),
         server_cpus=cpus,
     )
+
+
+MMPROJ_OPTION = click.option(
+    "--mmproj",
+    "mmproj",
+    default="clip-vit-b-16",
+    show_default=True,
+    help="The projector every arm's servers load (--mmproj): a tower shape of `radixctl model mmproj "
+    "--list` (random weights, written once for the model's width), or an mmproj GGUF file.",
+)
+
+
+def with_projector(settings: Any, ref: str) -> Any:
+    """``settings`` with every server loading the projector ``ref`` names (a shape or a file)."""
+    import dataclasses
+
+    from proxy.native.projectors import resolve_projector
+
+    path = resolve_projector(ref, settings.model)
+    return dataclasses.replace(settings, extra_args=(*settings.extra_args, "--mmproj", str(path)))

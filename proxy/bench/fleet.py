@@ -26,13 +26,13 @@ from proxy.bench.arms import (
     ArmSettings,
     RunningArm,
     _get_json,
-    _kvctl_auth,
     _settled_stats,
     _start_proxy,
     _stop,
     arm_binary,
     arm_server_spec,
     binary_info,
+    kvctl_auth,
     shm_base,
 )
 from proxy.bench.cluster import _start_balancer
@@ -60,7 +60,7 @@ class FleetArm(RunningArm):
         for s in per:
             for route, n in (s.get("by_route") or {}).items():
                 by_route[route] = by_route.get(route, 0) + int(n)
-        cells = [_get_json(f"{s.url}/kvctl/cells", headers=_kvctl_auth(s)) or {} for s in self.servers]
+        cells = [_get_json(f"{s.url}/kvctl/cells", headers=kvctl_auth(s)) or {} for s in self.servers]
         out: dict[str, Any] = {
             "binary": binary_info(self.binary),
             "server_args": self.server.spec.argv()[1:],

@@ -25,13 +25,19 @@ the same decode, and only the minimum prefill at the arm's own rate. ``busy_s``,
 least one request was outstanding (client view: queueing, restores and the proxy included),
 splits into the oracle, the extra prefill ``(prefilled - min) / rate`` and the rest.
 
+**Media.** A request with images (or audio) is tokenized by a patched server with its projector
+(``/kvctl/tokenize``, the stock server has no such route): its text tokens as the completion
+makes them, and each media chunk as cells keyed by the chunk's content hash (a movable chunk's
+cells by their keys below -1, any other chunk's by ``(hash, cell)``), so the same image after the
+same text is reused whole and a different one is new, as the server keys them.
+
 Pure: no event loop or HTTP here except :func:`prompt_token_lists` and :func:`tokenized_limit`,
 which ask a server.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from proxy.traffic.spec import Workload
@@ -57,9 +63,9 @@ class Timed(Protocol):
 # ---- minimum prefill ------------------------------------------------------------------------
 
 
-def new_tokens(prompts: Iterable[Sequence[int]]) -> list[int]:
+def new_tokens(prompts: Iterable[Sequence[Hashable]]) -> list[int]:
     """For each prompt in order: its tokens beyond the longest common prefix with any earlier one."""
-    root: dict[int, Any] = {}
+    root: dict[Hashable, Any] = {}
     out = []
     for tokens in prompts:
         node, matched = root, 0
@@ -76,13 +82,13 @@ def new_tokens(prompts: Iterable[Sequence[int]]) -> list[int]:
     return out
 
 
-def min_prefill(prompts: Iterable[Sequence[int]]) -> list[int]:
+def min_prefill(prompts: Iterable[Sequence[Hashable]]) -> list[int]:
     """Per request, the tokens any cache must prefill: its new tokens, at least one."""
     return [max(1, n) for n in new_tokens(prompts)]
 
 
 def workload_limit(
-    ids: Sequence[str], groups: Sequence[str], prompts: Sequence[Sequence[int]]
+    ids: Sequence[str], groups: Sequence[str], prompts: Sequence[Sequence[Hashable]]
 ) -> dict[str, Any]:
     """The workload's side of the limit, from each request's prompt tokens in arrival order."""
     if not len(ids) == len(groups) == len(prompts):
@@ -187,22 +193,51 @@ def chat_body(path: str, body: Mapping[str, Any]) -> dict[str, Any]:
     return dict(body)
 
 
-async def prompt_token_lists(server_url: str, requests: Iterable[Any]) -> list[list[int]]:
+def media_cells(reply: Mapping[str, Any]) -> list[Hashable]:
+    """The cells of a ``/kvctl/tokenize`` reply as the limit keys them: text tokens and movable
+    media cells as they are (a media cell's key comes from its chunk's content hash), the cells
+    of a chunk no move can name (-1 each) as ``(chunk id, cell)``."""
+    cells: list[Hashable] = [int(t) for t in reply["tokens"]]
+    for chunk in reply.get("media") or ():
+        idx, n = int(chunk["idx"]), int(chunk["n_tokens"])
+        if not 0 <= idx <= idx + n <= len(cells):
+            raise ValueError(f"media chunk at {idx} of {n} cells lies outside the {len(cells)} tokens")
+        if not chunk.get("movable"):
+            cells[idx : idx + n] = [(str(chunk["id"]), j) for j in range(n)]
+    return cells
+
+
+async def prompt_token_lists(
+    server_url: str, requests: Iterable[Any], kvctl_headers: Mapping[str, str] | None = None
+) -> list[list[Hashable]]:
     """Each request's prompt as the server tokenizes it: its chat template (with the tools,
-    when the body has them) through ``/apply-template``, then ``/tokenize``. ``requests``:
+    when the body has them) through ``/apply-template``, then ``/tokenize``; a request with media
+    through ``/kvctl/tokenize`` (``kvctl_headers``: a patched server's key). ``requests``:
     ``BenchRequest``-like objects (``body`` and ``path``)."""
     import aiohttp
 
-    async def post(session: aiohttp.ClientSession, path: str, body: dict[str, Any]) -> Any:
-        async with session.post(f"{server_url}{path}", json=body) as resp:
+    from proxy.server.api.media import has_media
+
+    async def post(
+        session: aiohttp.ClientSession,
+        path: str,
+        body: dict[str, Any],
+        headers: Mapping[str, str] | None = None,
+    ) -> Any:
+        async with session.post(f"{server_url}{path}", json=body, headers=headers) as resp:
             resp.raise_for_status()
             return await resp.json()
 
-    out = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+    out: list[list[Hashable]] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         for req in requests:
             chat = chat_body(getattr(req, "path", "/v1/chat/completions"), req.body)
             chat.pop("stream", None)
+            if has_media(chat):
+                if kvctl_headers is None:
+                    raise ValueError("a request with media needs a patched server's /kvctl/tokenize")
+                out.append(media_cells(await post(session, "/kvctl/tokenize", chat, kvctl_headers)))
+                continue
             rendered = await post(session, "/apply-template", chat)
             tokens = await post(
                 session,
@@ -213,7 +248,19 @@ async def prompt_token_lists(server_url: str, requests: Iterable[Any]) -> list[l
     return out
 
 
-def tokenized_limit(server_url: str, workload: Workload, say: Callable[[str], None]) -> dict[str, Any] | None:
+def workload_has_media(workload: Workload) -> bool:
+    """Whether any request carries media (its limit needs a patched server: :func:`prompt_token_lists`)."""
+    from proxy.server.api.media import has_media
+
+    return any(has_media(chat_body(r.path, r.body)) for r in workload.requests)
+
+
+def tokenized_limit(
+    server_url: str,
+    workload: Workload,
+    say: Callable[[str], None],
+    kvctl_headers: Mapping[str, str] | None = None,
+) -> dict[str, Any] | None:
     """:func:`workload_limit` of a ``Workload`` on the server's own tokenization (None, said, if
     the server cannot tokenize it)."""
     import asyncio
@@ -221,7 +268,7 @@ def tokenized_limit(server_url: str, workload: Workload, say: Callable[[str], No
     import aiohttp
 
     try:
-        prompts = asyncio.run(prompt_token_lists(server_url, workload.requests))
+        prompts = asyncio.run(prompt_token_lists(server_url, workload.requests, kvctl_headers))
     except (aiohttp.ClientError, OSError, TimeoutError, KeyError, ValueError) as exc:
         say(f"could not tokenize the workload ({type(exc).__name__}: {exc}): the report has no limit")
         return None

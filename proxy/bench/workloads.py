@@ -18,6 +18,7 @@ from proxy.bench.agents import agents
 from proxy.bench.coding import coding_agent
 from proxy.bench.fleetload import cluster
 from proxy.bench.multiround import multi_round
+from proxy.bench.vision import vision
 from proxy.traffic.spec import BenchRequest, Workload
 from proxy.traffic.text import prose, seeded, words_for
 
@@ -372,6 +373,7 @@ DEFAULT_ARMS: dict[str, tuple[str, ...]] = {
     "fanout": ("legacy", "proxy", "proxy-hs"),
     "coding-agent": ("legacy", "proxy"),
     "multi-round": ("legacy", "proxy"),
+    "vision": ("legacy", "proxy"),
     "cluster": ("legacy", "fleet", "fleet-shared"),
 }
 
@@ -385,6 +387,7 @@ GENERATORS: dict[str, Callable[..., Workload]] = {
     "fanout": fanout,
     "coding-agent": coding_agent,
     "multi-round": multi_round,
+    "vision": vision,
     "cluster": cluster,
 }
 

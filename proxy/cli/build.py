@@ -120,6 +120,32 @@ def model_shapes() -> None:
         )
 
 
+@model.command("mmproj")
+@click.argument("shape", required=False)
+@click.option(
+    "--model", "model_arg", default=None, help="The text model it projects onto [default: the default model]."
+)
+@click.option("--list", "list_shapes", is_flag=True, help="List the projector shapes instead.")
+@fail_cleanly
+def model_mmproj(shape: str | None, model_arg: str | None, list_shapes: bool) -> None:
+    """Write (once, cached by content) a random-weight projector (mmproj) shaped like SHAPE for
+    --model's width and print its path; the server loads it with --mmproj."""
+    from proxy.native.modelref import resolve_model
+    from proxy.native.projectors import PROJECTORS, model_width, projector
+
+    if list_shapes or shape is None:
+        click.echo(
+            f"{'shape':<18} {'like':<18} {'image':>5} {'patch':>5} {'layers':>6} {'embd':>5} {'tokens':>6} {'weights':>8}"
+        )
+        for name, p in PROJECTORS.items():
+            click.echo(
+                f"{name:<18} {p.like:<18} {p.image_size:>5} {p.patch_size:>5} {p.n_layer:>6} {p.n_embd:>5} "
+                f"{p.n_image_tokens:>6} {p.params() / 1e6:>7.0f}M"
+            )
+        return
+    click.echo(projector(shape, model_width(resolve_model(model_arg))))
+
+
 @click.group()
 def patch() -> None:
     """Developer workflow for the llama-server patch series."""
