@@ -184,6 +184,8 @@ def run_arms(workload: Workload, arm_names: list[str], settings: Any, out_dir: P
                 tokenized = True
         write_results(out_dir / f"results-{name}.jsonl", results)
         arms[name] = {"results": results, "stats": stats}
+    if not tokenized:  # arm.arm.proxy: its servers run with --kvctl, hence /kvctl/tokenize
+        say("no patched arm to tokenize the workload's media (/kvctl/tokenize): the report has no limit")
     shared = {
         "model": settings.model.name,
         "n_parallel": settings.n_parallel,

@@ -185,7 +185,13 @@ def with_projector(settings: Any, ref: str) -> Any:
     """``settings`` with every server loading the projector ``ref`` names (a shape or a file)."""
     import dataclasses
 
+    from proxy.errors import ConfigError
     from proxy.native.projectors import resolve_projector
 
+    if "--mmproj" in settings.extra_args or "-mm" in settings.extra_args:
+        raise ConfigError(
+            "a projector is given twice: --mmproj and --server-arg=--mmproj",
+            fix="pass the projector once, with --mmproj SHAPE|FILE",
+        )
     path = resolve_projector(ref, settings.model)
     return dataclasses.replace(settings, extra_args=(*settings.extra_args, "--mmproj", str(path)))

@@ -196,14 +196,22 @@ def chat_body(path: str, body: Mapping[str, Any]) -> dict[str, Any]:
 def media_cells(reply: Mapping[str, Any]) -> list[Hashable]:
     """The cells of a ``/kvctl/tokenize`` reply as the limit keys them: text tokens and movable
     media cells as they are (a media cell's key comes from its chunk's content hash), the cells
-    of a chunk no move can name (-1 each) as ``(chunk id, cell)``."""
-    cells: list[Hashable] = [int(t) for t in reply["tokens"]]
-    for chunk in reply.get("media") or ():
-        idx, n = int(chunk["idx"]), int(chunk["n_tokens"])
-        if not 0 <= idx <= idx + n <= len(cells):
-            raise ValueError(f"media chunk at {idx} of {n} cells lies outside the {len(cells)} tokens")
-        if not chunk.get("movable"):
-            cells[idx : idx + n] = [(str(chunk["id"]), j) for j in range(n)]
+    of a chunk no move can name (-1 each) as ``(chunk id, cell)``. The reply is checked as the
+    proxy checks it (``Tokenized.parse``: every negative cell in a chunk, a movable chunk's
+    cells keyed below -1), and a chunk no move can name needs its id (else two images would
+    compare equal); a reply that fails is a ValueError."""
+    from proxy.server.dataplane.kvctl import KvctlReplyError, Tokenized
+
+    try:
+        tokenized = Tokenized.parse(reply)
+    except KvctlReplyError as exc:
+        raise ValueError(str(exc)) from exc
+    cells: list[Hashable] = [int(t) for t in tokenized.tokens]
+    for chunk in tokenized.media:
+        if not chunk.movable:
+            if not chunk.id:
+                raise ValueError(f"the media chunk at {chunk.idx} has no id to key it by")
+            cells[chunk.idx : chunk.idx + chunk.n_tokens] = [(chunk.id, j) for j in range(chunk.n_tokens)]
     return cells
 
 

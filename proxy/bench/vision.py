@@ -91,7 +91,10 @@ def vision(
             answer = prose(seeded(seed, "vision", user, rnd, "a"), words_for(max_tokens))
             history += [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]
             previous = (rid,)
-    # arrival order (the limit's): the first rounds staggered, then each session's rounds in turn
+    # The limit's order: every first round, then the second rounds, ... Real arrivals interleave
+    # (a session's second round can come before a later session's first), but a round shares
+    # more than the instructions and the shared photos only with its own session's earlier
+    # rounds, which come before it in either order, so the minimum is the same.
     ordered = sorted(reqs, key=lambda r: (r.meta["round"], r.meta["user"]))
     return Workload(
         "vision",

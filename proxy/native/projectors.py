@@ -29,7 +29,9 @@ from typing import Any
 import numpy as np
 
 from proxy.errors import ConfigError
+from proxy.native import shapes
 from proxy.native.fetch import cache_root, file_lock, say, staging_dir
+from proxy.native.pins import LLAMA_CPP
 from proxy.native.shapes import add_value, gguf_module
 
 Shape = tuple[int, ...]  # ggml order: ne0 (the row length) first
@@ -73,7 +75,7 @@ def parse_projector_ref(ref: str) -> ProjectorShape:
     if ref not in PROJECTORS:
         raise ConfigError(
             f"unknown projector shape {ref!r}",
-            fix=f"use one of {', '.join(PROJECTORS)} (radixctl model mmproj --list), or the path of an mmproj GGUF",
+            fix=f"use one of {', '.join(PROJECTORS)} (radixctl model mmproj --list)",
         )
     return PROJECTORS[ref]
 
@@ -82,8 +84,14 @@ def projector(name: str, n_embd_text: int, seed: int = 0) -> Path:
     """The mmproj GGUF of shape ``name`` for a text model of width ``n_embd_text`` (mm.2's
     output), written once into the cache (keyed by its spec and this file)."""
     shape = parse_projector_ref(name)
-    spec = json.dumps({"shape": asdict(shape), "n_embd_text": n_embd_text, "seed": seed}, sort_keys=True)
-    key = hashlib.sha256(spec.encode() + Path(__file__).read_bytes()).hexdigest()[:12]
+    # keyed by what decides the file's bytes: the spec, this writer, the metadata typing of
+    # shapes.py and the pinned source's gguf-py
+    spec = json.dumps(
+        {"shape": asdict(shape), "n_embd_text": n_embd_text, "seed": seed, "gguf_py": LLAMA_CPP.sha256},
+        sort_keys=True,
+    )
+    code = Path(__file__).read_bytes() + Path(shapes.__file__).read_bytes()
+    key = hashlib.sha256(spec.encode() + code).hexdigest()[:12]
     final = cache_root() / "projectors" / f"mmproj-{name}-e{n_embd_text}-s{seed}-{key}.gguf"
     final.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(final.parent / f".{final.name}.lock"):
@@ -186,10 +194,12 @@ def _weights(rng: np.random.Generator, name: str, dims: Shape) -> np.ndarray:
 
 def resolve_projector(ref: str, model: Path) -> Path:
     """``ref`` as ``--mmproj`` takes it: a shape of :data:`PROJECTORS` (written for ``model``'s
-    width) or an mmproj GGUF file."""
+    width; a shape's name wins over a file of that name) or an mmproj GGUF file with a vision
+    encoder, as an absolute path (its width is the server's to check: projector types end in
+    different tensors)."""
     if ref in PROJECTORS:
         return projector(ref, model_width(model))
-    path = Path(ref).expanduser()
+    path = Path(ref).expanduser().resolve()
     if not path.is_file():
         raise ConfigError(
             f"projector {ref!r} is neither a shape nor a file",
@@ -198,4 +208,14 @@ def resolve_projector(ref: str, model: Path) -> Path:
     with open(path, "rb") as handle:
         if handle.read(4) != b"GGUF":
             raise ConfigError(f"{path} is not a GGUF file", fix="pass an mmproj .gguf file")
+    try:
+        fields = gguf_module().GGUFReader(str(path)).fields
+    except (ValueError, OSError, IndexError, KeyError) as exc:  # gguf-py's errors on a damaged file
+        raise ConfigError(f"{path} cannot be read as GGUF: {exc}", fix="pass an mmproj .gguf file") from exc
+    arch, vision = fields.get("general.architecture"), fields.get("clip.has_vision_encoder")
+    if arch is None or arch.contents() != "clip" or vision is None or not vision.contents():
+        raise ConfigError(
+            f"{path} is not a vision projector (general.architecture 'clip' with a vision encoder)",
+            fix="pass the mmproj GGUF made for this model, not the model itself",
+        )
     return path

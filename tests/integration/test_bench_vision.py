@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from proxy.traffic.runner import read_results
+from tests.tinymmproj import N_IMAGE_TOKENS
 
 pytestmark = pytest.mark.integration
 
@@ -24,16 +25,19 @@ def test_tiny_vision_reports_each_arm_against_the_limit_of_its_images(
     args = ["bench", "vision", "--arms", "legacy,proxy", "--out", str(out), "-t", "1", "-np", "2"]
     args += ["-c", "4096", "--users", "3", "--rounds", "2", "--system-tokens", "120", "--mmproj", "tiny"]
     args += ["--question-tokens", "16", "--max-tokens", "4", "--image-px", "32", "--think-ms", "300"]
+    args += ["--own-images", "2"]
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     report = json.loads((out / "report.json").read_text())
     limit = report["limit"]
     assert limit["requests"] == 6
-    # The shared photo after the same instructions is computed once; a session's own photo once,
-    # its second round reuses it: the minimum holds 16 cells for the shared image and 16 per own one.
+    # The shared photo after the same instructions is computed once: a later session's first
+    # round computes its own two photos (16 cells each: not keyed like anyone else's) and its
+    # question; the first session's also the instructions and the shared photo.
     assert 0 < limit["min_prefill_tokens"] < limit["prompt_tokens"]
     firsts = [limit["min_prefill_by_request"][f"s{u}-r1"] for u in range(3)]
-    assert firsts[0] > firsts[1] + 16 and firsts[0] > firsts[2] + 16, firsts
+    for u in (1, 2):
+        assert 2 * N_IMAGE_TOKENS < firsts[u] < firsts[0] - N_IMAGE_TOKENS, firsts
     for name in ("legacy", "proxy"):
         arm = report["arms"][name]
         assert arm["errors"] == 0, name

@@ -1023,6 +1023,40 @@ async def test_room_is_made_by_erasing_idle_slots_least_recently_used_first() ->
     check(coord)
 
 
+async def test_a_request_queued_while_a_slot_is_erased_for_room_takes_it_afterwards() -> None:
+    """A slot erased for another request's room is busy meanwhile; a request that queued then
+    (every slot busy) is served as soon as the room is made, not at some later release."""
+    held = {0: list(range(1000, 1400)), 1: list(range(2000, 2300)), 2: []}
+    s0 = sharing_server(3, free=250, held=held)
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+    s0.slots[0].last_used, s0.slots[1].last_used = 2.0, 1.0
+    coord = coordinator(s0)
+    x = await coord.acquire("x", toks(1000, 400))  # slot 0's own prefix: slot 0 stays leased
+    a = await coord.acquire("a", toks(0, 500))
+    assert (x.slot.slot_id, a.slot.slot_id) == (0, 2)
+    gate = asyncio.Event()
+    erase = fake.erase
+
+    async def slow_erase(slot: int) -> EraseReply:
+        await gate.wait()
+        return await erase(slot)
+
+    fake.erase = slow_erase  # type: ignore[method-assign]
+    restoring = asyncio.ensure_future(coord.restore(a, 16))  # 516 cells: slot 1 is erased for them
+    await settle()
+    assert s0.slots[1].busy and not fake.erased
+    c = asyncio.ensure_future(coord.acquire("c", toks(7000, 50)))
+    await settle()
+    assert not c.done()  # every slot busy
+    gate.set()
+    await asyncio.wait_for(restoring, 5)
+    granted = await asyncio.wait_for(c, 5)  # x and a still hold theirs
+    assert fake.erased == [1] and granted.slot.slot_id == 1 and granted.plan.reuse_len == 0
+    for lease in (x, a, granted):
+        coord.release(lease)
+    check(coord)
+
+
 async def test_a_request_without_room_waits_for_one_in_flight() -> None:
     s0 = sharing_server(2, free=600)
     fake: FakeServer = s0.backend  # type: ignore[assignment]

@@ -52,20 +52,34 @@ def test_a_written_projector_reads_back_as_its_shape(tmp_path: Path) -> None:
     assert up.std() == pytest.approx(1 / np.sqrt(64), rel=0.1)  # 1/sqrt(fan-in)
 
 
-def test_projector_refs_resolve_or_say_what_exists(tmp_path: Path, model_path: Path) -> None:
-    assert projectors.model_width(model_path) == 576  # SmolLM2-135M
+def _text_model(path: Path, width: int) -> Path:
+    """A GGUF with only what model_width reads: an architecture and its embedding length."""
+    writer = gguf_module().GGUFWriter(str(path), "llama")
+    writer.add_uint32("llama.embedding_length", width)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    return path
+
+
+def test_projector_refs_resolve_or_say_what_exists(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _text_model(tmp_path / "text.gguf", 96)
+    assert projectors.model_width(model) == 96
     with pytest.raises(ConfigError, match="neither a shape nor a file") as err:
-        projectors.resolve_projector("clip-vit-h", model_path)
+        projectors.resolve_projector("clip-vit-h", model)
     assert err.value.fix and "clip-vit-b-16" in err.value.fix
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"not a gguf")
     with pytest.raises(ConfigError, match="not a GGUF"):
-        projectors.resolve_projector(str(bad), model_path)
-    tiny = projectors.resolve_projector("tiny", model_path)
-    assert (
-        tiny == projectors.projector("tiny", 576)
-        and projectors.resolve_projector(str(tiny), model_path) == tiny
-    )
+        projectors.resolve_projector(str(bad), model)
+    with pytest.raises(ConfigError, match="not a vision projector"):
+        projectors.resolve_projector(str(model), model)  # the text model itself
+    monkeypatch.setattr(projectors, "cache_root", lambda: tmp_path / "cache")
+    tiny = projectors.resolve_projector("tiny", model)
+    assert tiny == projectors.projector("tiny", 96) and tiny.is_relative_to(tmp_path / "cache")
+    monkeypatch.chdir(tiny.parent)
+    assert projectors.resolve_projector(tiny.name, model) == tiny  # a relative path, made absolute
 
 
 # ---- the workload ------------------------------------------------------------------------------------
@@ -124,7 +138,7 @@ def test_png_is_a_valid_image_of_its_size() -> None:
 
 
 def _reply(tokens: list[int], media: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"tokens": tokens, "media": media}
+    return {"tokens": tokens, "media": [{"chunk": "bWV0YQ==", **m} for m in media]}
 
 
 def test_media_cells_key_chunks_no_move_names_by_their_hash() -> None:
@@ -132,8 +146,30 @@ def test_media_cells_key_chunks_no_move_names_by_their_hash() -> None:
     fixed = {"idx": 4, "n_tokens": 2, "id": "bb", "movable": False}
     cells = lim.media_cells(_reply([5, -7, -9, 6, -1, -1, 8], [movable, fixed]))
     assert cells == [5, -7, -9, 6, ("bb", 0), ("bb", 1), 8]
-    with pytest.raises(ValueError, match="outside"):
-        lim.media_cells(_reply([5, -1], [{"idx": 1, "n_tokens": 2, "id": "cc", "movable": False}]))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "media", "word"),
+    [
+        (
+            [5, -1],
+            [{"idx": 1, "n_tokens": 2, "id": "cc", "movable": False}],
+            "does not match",
+        ),  # past the end
+        (
+            [5, -1, 6, -1],
+            [{"idx": 1, "n_tokens": 1, "id": "cc", "movable": False}],
+            "no media chunk",
+        ),  # stray -1
+        ([5, -1, -1], [{"idx": 1, "n_tokens": 2, "id": "dd", "movable": True}], "does not match"),  # unkeyed
+        ([5, -1, -1], [{"idx": 1, "n_tokens": 2, "id": "", "movable": False}], "no id"),  # two images alike
+    ],
+)
+def test_media_cells_refuse_a_reply_they_cannot_key(
+    tokens: list[int], media: list[dict[str, Any]], word: str
+) -> None:
+    with pytest.raises(ValueError, match=word):
+        lim.media_cells(_reply(tokens, media))
 
 
 def test_the_same_image_after_the_same_text_is_reused_and_another_is_new() -> None:

@@ -55,7 +55,9 @@ class Coordinator:
             checkpoints=self.checkpoints,
             on_take=self._taken,
         )
-        self.moves = KvMoves(config, tree, metrics, self.checkpoints, self.leases.cost_model)
+        self.moves = KvMoves(
+            config, tree, metrics, self.checkpoints, self.leases.cost_model, grant=self.leases.grant_waiters
+        )
         self.saves = KvSaves(config, tree, metrics, self.checkpoints)
         self.log = DecisionLog(metrics)
         self.disk: DiskTier | None = None  # set by startup with --cache-disk

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from proxy.config import Config
@@ -55,8 +55,10 @@ class KvMoves:
         metrics: Metrics,
         checkpoints: CheckpointStore | None = None,
         cost_model: CostModel | None = None,
+        grant: Callable[[], None] = lambda: None,
     ) -> None:
         self.config = config
+        self.grant = grant  # serve the queue (slots erased for room are free for it)
         self.cost_model = cost_model if cost_model is not None else CostModel()
         self.tree = tree
         self.metrics = metrics
@@ -199,10 +201,15 @@ class KvMoves:
         deadline = loop.time() + self.config.queue_timeout_s
         while True:
             async with self._locked(lease, whole=True):  # measures the pool, erases other slots
-                if await self._make_room(lease, need.total - tail + server.reserved_cells):
+                room = await self._make_room(lease, need.total - tail + server.reserved_cells)
+                if room:
                     server.admit(lease, need)  # no await since the check: nobody counted these cells
-                    return
                 freed = server.room_freed  # taken under the lock: no release is missed
+            # Slots erased for room are idle and empty: a request that queued while they were
+            # busy erasing takes one now (after this lease's admission, so its cells are counted).
+            self.grant()
+            if room:
+                return
             if server.reserved_cells == 0:
                 log.warning(
                     "%s: no room for %d KV cells of request %s and nothing in flight; sending it",
