@@ -169,6 +169,19 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+def gate_erases(fake: FakeServer) -> asyncio.Event:
+    """Hold the fake server's erases until the returned event is set (a slow main loop)."""
+    gate = asyncio.Event()
+    erase = fake.erase
+
+    async def slow_erase(slot: int) -> EraseReply:
+        await gate.wait()
+        return await erase(slot)
+
+    fake.erase = slow_erase  # type: ignore[method-assign]
+    return gate
+
+
 def check(coord: Coordinator) -> None:
     """Invariants after every step: no slot leased twice, busy flags match the leases, tree sane."""
     coord.tree.check_invariants()
@@ -509,14 +522,7 @@ async def test_a_request_queued_during_an_idle_release_plans_on_the_erased_slot(
     coord = coordinator(s0, idle_release=True, min_restore_tokens=64)
     fake: FakeServer = s0.backend  # type: ignore[assignment]
     fake.shm_dir = Path("/dev/shm/payloads")
-    gate = asyncio.Event()
-    erase = fake.erase
-
-    async def slow_erase(slot: int) -> EraseReply:
-        await gate.wait()
-        return await erase(slot)
-
-    fake.erase = slow_erase  # type: ignore[method-assign]
+    gate = gate_erases(fake)
     lease = await coord.acquire("r", toks(0, 100))
     fake.held[0] = toks(0, 110).tolist()
     finishing = asyncio.create_task(coord.finish(lease))
@@ -1034,14 +1040,7 @@ async def test_a_request_queued_while_a_slot_is_erased_for_room_takes_it_afterwa
     x = await coord.acquire("x", toks(1000, 400))  # slot 0's own prefix: slot 0 stays leased
     a = await coord.acquire("a", toks(0, 500))
     assert (x.slot.slot_id, a.slot.slot_id) == (0, 2)
-    gate = asyncio.Event()
-    erase = fake.erase
-
-    async def slow_erase(slot: int) -> EraseReply:
-        await gate.wait()
-        return await erase(slot)
-
-    fake.erase = slow_erase  # type: ignore[method-assign]
+    gate = gate_erases(fake)
     restoring = asyncio.ensure_future(coord.restore(a, 16))  # 516 cells: slot 1 is erased for them
     await settle()
     assert s0.slots[1].busy and not fake.erased
