@@ -188,7 +188,7 @@ def with_projector(settings: Any, ref: str) -> Any:
     from proxy.errors import ConfigError
     from proxy.native.projectors import resolve_projector
 
-    if "--mmproj" in settings.extra_args or "-mm" in settings.extra_args:
+    if any(arg in settings.extra_args for arg in ("--mmproj", "-mm", "--mmproj-url", "-mmu")):
         raise ConfigError(
             "a projector is given twice: --mmproj and --server-arg=--mmproj",
             fix="pass the projector once, with --mmproj SHAPE|FILE",

@@ -1056,6 +1056,67 @@ async def test_a_request_queued_while_a_slot_is_erased_for_room_takes_it_afterwa
     check(coord)
 
 
+async def test_a_slot_leased_while_room_is_made_is_not_erased() -> None:
+    """The idle slots are listed before the first erase; one leased while that erase runs (its
+    own prefix, no queue) belongs to its request: it is skipped, its KV and namespace kept."""
+    held = {0: list(range(1000, 1400)), 1: list(range(2000, 2300)), 2: []}
+    s0 = sharing_server(3, free=100, held=held)
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+    s0.slots[0].last_used, s0.slots[1].last_used = 2.0, 1.0  # slot 1 first, then slot 0
+    coord = coordinator(s0)
+    a = await coord.acquire("a", toks(0, 800))
+    assert a.slot.slot_id == 2
+    gate = gate_erases(fake)
+    restoring = asyncio.ensure_future(coord.restore(a, 16))  # 816 cells: both idle slots short
+    await settle()
+    assert s0.slots[1].busy and not fake.erased
+    r = await coord.acquire("r", toks(1000, 420))  # slot 0's own prefix, leased meanwhile
+    assert r.slot.slot_id == 0 and r.plan.reuse_len == 400
+    gate.set()
+    await asyncio.wait_for(restoring, 5)  # 400 cells at most: nothing in flight, a goes ahead
+    assert fake.erased == [1] and len(fake.held[0]) == 400
+    assert s0.slots[0].busy and len(s0.slots[0].tokens) == 400 and s0.slots[0].ns == r.ns
+    check(coord)
+    for lease in (a, r):
+        coord.release(lease)
+    check(coord)
+
+
+async def test_a_request_queued_during_an_erase_for_room_is_served_when_measuring_fails() -> None:
+    """Measuring the pool after an erase fails (the lease goes ahead as a prefill): the slot
+    erased meanwhile is idle and empty, and a request queued during the erase takes it."""
+    held = {0: list(range(1000, 1400)), 1: list(range(2000, 2300)), 2: []}
+    s0 = sharing_server(3, free=100, held=held)
+    fake: FakeServer = s0.backend  # type: ignore[assignment]
+    sharing: FakeSharing = s0.sharing  # type: ignore[assignment]
+    s0.slots[0].last_used, s0.slots[1].last_used = 2.0, 1.0
+    coord = coordinator(s0)
+    x = await coord.acquire("x", toks(1000, 400))  # slot 0's own prefix: slot 0 stays leased
+    a = await coord.acquire("a", toks(0, 500))
+    gate = gate_erases(fake)
+    measure = sharing.ensure_free
+
+    async def fails_after_an_erase(need: int) -> bool:
+        if fake.erased:
+            raise KvMoveError(FallbackCause.TIMEOUT, "timed out")
+        return await measure(need)
+
+    sharing.ensure_free = fails_after_an_erase  # type: ignore[method-assign]
+    restoring = asyncio.ensure_future(coord.restore(a, 16))
+    await settle()
+    c = asyncio.ensure_future(coord.acquire("c", toks(7000, 50)))
+    await settle()
+    assert not c.done()  # every slot busy
+    gate.set()
+    await asyncio.wait_for(restoring, 5)
+    assert a.route is Route.PREFILL and a.fallback is FallbackCause.TIMEOUT
+    granted = await asyncio.wait_for(c, 5)  # x and a still hold theirs
+    assert fake.erased == [1] and granted.slot.slot_id == 1
+    for lease in (x, a, granted):
+        coord.release(lease)
+    check(coord)
+
+
 async def test_a_request_without_room_waits_for_one_in_flight() -> None:
     s0 = sharing_server(2, free=600)
     fake: FakeServer = s0.backend  # type: ignore[assignment]

@@ -95,6 +95,17 @@ def _images(body: dict[str, Any]) -> list[str]:
     ]
 
 
+@pytest.mark.parametrize("flag", ["--mmproj", "-mm", "--mmproj-url", "-mmu"])
+def test_a_projector_given_twice_is_refused(flag: str) -> None:
+    from types import SimpleNamespace
+
+    from proxy.bench.cli_options import with_projector
+
+    settings = SimpleNamespace(extra_args=("-c", "4096", flag, "other.gguf"), model="unused")
+    with pytest.raises(ConfigError, match="given twice"):
+        with_projector(settings, "tiny")
+
+
 def test_vision_sessions_send_the_shared_and_their_own_photos_on_every_turn() -> None:
     wl = make_workload("vision", users=3, rounds=3, shared_images=2, own_images=1, image_px=16)
     assert DEFAULT_ARMS["vision"] == ("legacy", "proxy") and wl.concurrency == 3

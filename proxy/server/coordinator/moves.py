@@ -200,14 +200,17 @@ class KvMoves:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.queue_timeout_s
         while True:
-            async with self._locked(lease, whole=True):  # measures the pool, erases other slots
-                room = await self._make_room(lease, need.total - tail + server.reserved_cells)
-                if room:
-                    server.admit(lease, need)  # no await since the check: nobody counted these cells
-                freed = server.room_freed  # taken under the lock: no release is missed
-            # Slots erased for room are idle and empty: a request that queued while they were
-            # busy erasing takes one now (after this lease's admission, so its cells are counted).
-            self.grant()
+            try:
+                async with self._locked(lease, whole=True):  # measures the pool, erases other slots
+                    room = await self._make_room(lease, need.total - tail + server.reserved_cells)
+                    if room:
+                        server.admit(lease, need)  # no await since the check: nobody counted these
+                    freed = server.room_freed  # taken under the lock: no release is missed
+            finally:
+                # Slots erased for room are idle and empty: a request that queued while they were
+                # busy erasing takes one now (after this lease's admission, so its cells are
+                # counted), also when measuring the pool failed after an erase.
+                self.grant()
             if room:
                 return
             if server.reserved_cells == 0:
@@ -283,6 +286,10 @@ class KvMoves:
             s for s in server.slots if not s.busy and s is not lease.slot and (len(s.tokens) or s.unrecorded)
         ]
         for slot in sorted(idle, key=lambda s: s.last_used):
+            if slot.busy or not (len(slot.tokens) or slot.unrecorded):
+                # Leased (or being released) while an earlier slot of the list was erased: its
+                # KV is a request's now, not a cache, and its namespace that request's.
+                continue
             slot.busy = True  # not leased while the server erases it
             try:
                 await server.backend.erase(slot.slot_id)
