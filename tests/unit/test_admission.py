@@ -256,3 +256,41 @@ async def test_without_sharing_a_request_past_the_queue_deadline_is_sent_not_ref
     coord.release(a)
     assert s0.reserved_cells == 0
     check(coord)
+
+
+async def test_a_request_admitted_on_the_books_during_a_room_check_is_counted_by_it() -> None:
+    """A room check waits for the server's count (the whole-server lock held); a request admitted
+    meanwhile on the proxy's books (no lock) holds part of what the count shows free: the check
+    counts its reservation as it is after the measurement, so the two never oversubscribe."""
+    s0 = pool_server(3, 1024)
+    fake: Any = s0.backend
+    fake.held[2] = toks(9000, 300).tolist()  # an idle cache, erased for room
+    s0.slots[2].tokens = toks(9000, 300)
+    measure, gate = fake.cells, asyncio.Event()
+
+    async def slow_second_count() -> Cells:
+        if fake.cells_asked == 1:  # the count after the erase waits on the server's main loop
+            await gate.wait()
+        return await measure()
+
+    fake.cells = slow_second_count
+    coord = coordinator(s0)
+    a = await coord.acquire("a", toks(0, 800))
+    b = await coord.acquire("b", toks(5000, 500))
+    assert 2 not in (a.slot.slot_id, b.slot.slot_id)
+    first = asyncio.ensure_future(coord.restore(a, 16))  # 816 > 1024 - 300 on the books
+    await settle()
+    assert fake.erased == [2] and not first.done()
+    second = asyncio.ensure_future(coord.restore(b, 16))  # then it waits for a's restore
+    await settle()
+    assert s0.reserved_cells == 516  # 516 <= 1024 on the books: admitted at once
+    gate.set()
+    await settle()
+    assert not first.done()  # 1024 measured free, 516 of it b's: no room for 816
+    check(coord)
+    coord.release(b)  # b is done: a gets its room
+    await asyncio.wait_for(asyncio.gather(first, second), 5)
+    assert s0.reserved_cells == 816
+    check(coord)
+    coord.release(a)
+    check(coord)

@@ -202,7 +202,7 @@ class KvMoves:
         while True:
             try:
                 async with self._locked(lease, whole=True):  # measures the pool, erases other slots
-                    room = await self._make_room(lease, need.total - tail + server.reserved_cells)
+                    room = await self._make_room(lease, need.total - tail)
                     if room:
                         server.admit(lease, need)  # no await since the check: nobody counted these
                     freed = server.room_freed  # taken under the lock: no release is missed
@@ -263,21 +263,23 @@ class KvMoves:
         return free is not None and need <= free
 
     async def _free_cells(self, lease: Lease, cells: int) -> tuple[bool, int]:
-        """Whether ``cells`` are free (with sharing: plus the headroom, releasing owners for
-        it), and the free count measured."""
+        """Whether ``cells`` are free on top of every reservation (with sharing: plus the
+        headroom, releasing owners for it), and the free count measured less the reservations.
+        The reservations are read after the measurement: without owners a request can be
+        admitted on the proxy's books (no lock) while this one waits for the server."""
         server = lease.server
         if server.sharing is not None:
-            ok = await server.sharing.ensure_free(cells)
+            ok = await server.sharing.ensure_free(cells + server.reserved_cells)
             last = server.sharing.last_cells
-            return ok, last.free if last is not None else 0
-        free = (await server.backend.cells()).free
+            return ok, (last.free if last is not None else 0) - server.reserved_cells
+        free = (await server.backend.cells()).free - server.reserved_cells
         return free >= cells, free
 
     async def _make_room(self, lease: Lease, cells: int) -> bool:
-        """True when ``cells`` plus the headroom are free, after releasing owners and erasing
-        idle slots, least recently used first (under the move lock); also when only the
-        headroom is short: the headroom is kept for owners, and stock llama-server would
-        run these requests without it."""
+        """True when ``cells`` plus the headroom are free on top of every reservation (read after
+        each measurement), after releasing owners and erasing idle slots, least recently used
+        first (under the move lock); also when only the headroom is short: the headroom is kept
+        for owners, and stock llama-server would run these requests without it."""
         server = lease.server
         ok, free = await self._free_cells(lease, cells)
         if ok:
